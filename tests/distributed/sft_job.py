@@ -1,0 +1,51 @@
+"""A short SFT job launched by tests/distributed with 2 processes; writes a JSON report per rank.
+
+argv: model_dir output_dir per_device accumulation [extra SFTConfig fields as key=value]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from trainers import SFTConfig, SFTTrainer
+from trainers.distributed import gathered_parameters, zero_stage
+from trainers.tiny import as_sft_rows, reverse_digits_rows
+
+
+def main():
+    model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    extra = dict(arg.split("=", 1) for arg in sys.argv[5:])
+    rows = as_sft_rows(reverse_digits_rows(40, seed=3))
+    rows[0]["completion"] = "a much longer completion than the others"  # uneven token counts per micro-batch
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
+                     gradient_accumulation_steps=accumulation, learning_rate=1e-3, max_steps=5, logging_steps=1,
+                     save_strategy="no", disable_tqdm=True, seed=0, bf16=False, **extra)
+    trainer = SFTTrainer(model=model_dir, args=args, train_dataset=rows)
+    trainer.train()
+
+    model = trainer.model
+    local_numel = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    with gathered_parameters(trainer.accelerator, model):
+        total_numel = sum(p.numel() for p in model.parameters())
+        checksum = [float(p.detach().double().sum()) for p in model.parameters()]
+    trainer.save_model(os.path.join(output_dir, "final"))
+    report = {
+        "rank": trainer.accelerator.process_index,
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": zero_stage(trainer.accelerator),
+        "effective_batch_size": trainer.effective_batch_size,
+        "losses": [r["loss"] for r in trainer.state.log_history],
+        "local_numel": local_numel,
+        "total_numel": total_numel,
+        "checksum": checksum,
+    }
+    with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

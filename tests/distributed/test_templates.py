@@ -1,0 +1,85 @@
+"""Every shipped template parses; every CPU-capable one trains SFT with 2 processes to the same result as one
+process with the same global batch (the invariance the base trainer promises)."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import CONFIGS, REPO, launch
+
+JOB = os.path.join(REPO, "tests", "distributed", "sft_job.py")
+TEMPLATES = ["single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2"]
+CPU_TEMPLATES = ["multi_gpu", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_template_parses_and_documents_itself(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = os.path.join(CONFIGS, f"{name}.yaml")
+    with open(path) as f:
+        text = f.read()
+    raw = yaml.safe_load(text)
+    config = load_config_from_file(path)
+    assert raw["num_processes"] == (1 if name == "single_gpu" else 8)
+    assert config.num_processes == raw["num_processes"]
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert any("Pick it when" in line for line in header), "each template says when to pick it"
+    assert any("bytes/param" in line or "bytes per param" in line for line in header), "and what it costs"
+    if name.startswith("zero"):
+        assert raw["deepspeed_config"]["zero_stage"] == int(name[4])
+    if name == "zero3_offload":
+        assert raw["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+        assert raw["deepspeed_config"]["offload_param_device"] == "cpu"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """One process, per-device 8, no accumulation: the same global batch of 8 the 2-process runs use."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    result = launch("single_gpu", JOB, tiny_model_dir, out, "8", "1", num_processes=1)
+    assert result.returncode == 0
+    with open(os.path.join(out, "report-0.json")) as f:
+        report = json.load(f)
+    return report, load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", CPU_TEMPLATES)
+def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
+    """(per-device 2, accumulation 2, 2 processes) == (8, 1, 1 process): same losses, same final weights,
+    identical weights on both ranks; under ZeRO-3 each rank holds half of the parameters."""
+    ref_report, ref_weights = reference
+    launch(name, JOB, tiny_model_dir, str(tmp_path), "2", "2")
+    reports = []
+    for path in sorted(glob.glob(str(tmp_path / "report-*.json"))):
+        with open(path) as f:
+            reports.append(json.load(f))
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        assert report["num_processes"] == 2
+        assert report["effective_batch_size"] == 8
+        assert report["zero_stage"] == (int(name[4]) if name.startswith("zero") else 0)
+        assert report["losses"] == pytest.approx(ref_report["losses"], rel=1e-4)
+    # the processes train one model, not two
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    if name.startswith("zero3"):
+        for report in reports:
+            share = report["local_numel"] / report["total_numel"]
+            assert 0.45 < share < 0.55, share
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert saved.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(saved[key], ref_weights[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_fsdp2_on_cpu_fails_clearly(tiny_model_dir, tmp_path):
+    result = launch("fsdp2", JOB, tiny_model_dir, str(tmp_path), "2", "2", check=False)
+    assert result.returncode != 0
+    assert "fsdp2.yaml" in result.stderr + result.stdout and "GPU" in result.stderr + result.stdout

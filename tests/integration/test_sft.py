@@ -1,0 +1,177 @@
+"""SFT end to end on a tiny model, one CPU process."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainers import SFTConfig, SFTTrainer
+from trainers.data import Collator, pack_samples, shift_targets
+from trainers.tiny import as_sft_rows, reverse_digits_rows
+
+
+def config(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=4,
+                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+    return SFTConfig(**{**base, **overrides})
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+
+
+def test_sft_drives_the_loss_well_down(tiny_model_dir, tmp_path):
+    rows = as_sft_rows(reverse_digits_rows(512, seed=1))
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(
+        tmp_path, per_device_train_batch_size=32, learning_rate=3e-3, max_steps=80, logging_steps=10,
+        lr_scheduler_type="cosine", warmup_steps=5), train_dataset=rows)
+    result = trainer.train()
+    history = trainer.state.log_history
+    assert history[0]["loss"] > 5.0  # ln(259) = 5.56: a random model
+    assert history[-1]["loss"] < 1.6, history  # copying digits in reverse is learnable
+    assert history[-1]["mean_token_accuracy"] > 0.4
+    assert result.global_step == 80
+    for key in ("step", "loss", "learning_rate", "grad_norm", "epoch", "num_tokens", "mean_token_accuracy"):
+        assert key in history[-1]
+    # num_tokens counts every non-padding input token: 32 rows x (6 prompt + 5 completion + 1 EOS) per step
+    assert history[-1]["num_tokens"] == 80 * 32 * 12
+    with open(os.path.join(tmp_path / "out", "metrics.jsonl")) as f:
+        assert [json.loads(line) for line in f] == history
+
+
+def test_save_then_reload_gives_the_same_logits(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path), train_dataset=as_sft_rows(reverse_digits_rows(32)))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    ids = torch.tensor([tokenizer("12345=54321")["input_ids"]])
+    trained = trainer.unwrapped_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained(ids).logits, rtol=0, atol=0)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        assert not torch.allclose(original(ids).logits, reloaded(ids).logits)  # training did change it
+
+
+def test_peft_trains_and_saves_only_the_adapter(tiny_model_dir, tmp_path):
+    from peft import LoraConfig
+
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, learning_rate=1e-2),
+                         train_dataset=as_sft_rows(reverse_digits_rows(32)),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                task_type="CAUSAL_LM"))
+    before = weights(trainer)
+    trainer.train()
+    after = weights(trainer)
+    lora_keys = [k for k in before if "lora_" in k]
+    assert lora_keys
+    for key in before:
+        changed = not torch.equal(before[key], after[key])
+        # lora_A starts random, lora_B at zero: both move; nothing else may
+        assert changed == ("lora_" in key), key
+    trainer.save_model(str(tmp_path / "adapter"))
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")
+
+
+def test_packed_documents_see_only_themselves(tiny_model_dir, tokenizer):
+    """Each packed document's logits equal those of the document alone (no attention across documents)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    texts = ["12345=54321", "hello world, a longer document", "7=7", "another one"]
+    samples = [shift_targets({"input_ids": tokenizer(t)["input_ids"], "labels": tokenizer(t)["input_ids"]})
+               for t in texts]
+    rows = pack_samples(samples, max_length=64)
+    assert len(rows) == 1  # all four fit one row of 64
+    batch = Collator(tokenizer.pad_token_id, padding_free=True)(rows)
+    with torch.no_grad():
+        # use_cache=False, as in the trainer's forward: transformers derives the per-document mask from
+        # position_ids only when no cache is passed (a generation cache would make it attend across documents).
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        # walk the row by its position ids: a 0 starts a new document
+        starts = [i for i, p in enumerate(batch["position_ids"][0].tolist()) if p == 0] + [batch["input_ids"].shape[1]]
+        assert len(starts) - 1 == len(texts)
+        for begin, end in zip(starts, starts[1:]):
+            alone = model(input_ids=batch["input_ids"][:, begin:end]).logits[0]
+            torch.testing.assert_close(packed[begin:end], alone, rtol=1e-5, atol=1e-5)
+    # and a packed row is not the same as attending across documents
+    with torch.no_grad():
+        crossing = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
+    assert not torch.allclose(crossing[starts[1]:], packed[starts[1]:], atol=1e-3)
+
+
+def test_packing_trains_to_the_same_place_as_padding(tiny_model_dir, tmp_path):
+    """Packing changes batching, not the objective: one step on the same rows gives the same loss."""
+    rows = as_sft_rows(reverse_digits_rows(8))
+    losses = {}
+    for packing in (False, True):
+        trainer = SFTTrainer(model=tiny_model_dir, args=config(
+            tmp_path / str(packing), packing=packing, max_length=96, max_steps=1, per_device_train_batch_size=8 if not packing else 1,
+            shuffle_dataset=False), train_dataset=rows)
+        trainer.train()
+        losses[packing] = trainer.state.log_history[0]["loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_accumulation_split_does_not_change_the_result(tiny_model_dir, tmp_path):
+    """(per-device 8, accumulation 1) and (4, 2) see the same global batches: same losses, same weights."""
+    rows = as_sft_rows(reverse_digits_rows(40, seed=3))
+    rows[0]["completion"] = "a much longer completion than the others"  # uneven token counts per micro-batch
+    results = []
+    for per_device, accumulation in ((8, 1), (4, 2), (2, 4)):
+        trainer = SFTTrainer(model=tiny_model_dir, args=config(
+            tmp_path / f"{per_device}", per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation, max_steps=5, lr_scheduler_type="linear"), train_dataset=rows)
+        trainer.train()
+        assert trainer.effective_batch_size == 8
+        results.append(([r["loss"] for r in trainer.state.log_history], weights(trainer)))
+    reference_losses, reference_weights = results[0]
+    for losses, final in results[1:]:
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        for key in reference_weights:
+            torch.testing.assert_close(final[key], reference_weights[key], rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_logs_eval_loss(tiny_model_dir, tmp_path):
+    rows = as_sft_rows(reverse_digits_rows(64))
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, eval_strategy="steps", eval_steps=2,
+                                                           per_device_eval_batch_size=5),
+                         train_dataset=rows, eval_dataset=rows[:13])
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert 0 < evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 6
+    assert 0 <= evals[-1]["eval_mean_token_accuracy"] <= 1
+
+
+def test_checkpoints_rotate_and_resume(tiny_model_dir, tmp_path):
+    rows = as_sft_rows(reverse_digits_rows(64))
+    args = config(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=2)
+    SFTTrainer(model=tiny_model_dir, args=args, train_dataset=rows).train()
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl"]
+    resumed = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=8, save_strategy="no"),
+                         train_dataset=rows)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 8
+    assert [r["step"] for r in resumed.state.log_history] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, tmp_path):
+    rows = as_sft_rows(reverse_digits_rows(16))
+    finals = []
+    for checkpointing in (False, True):
+        trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / str(checkpointing), max_steps=2,
+                                                               gradient_checkpointing=checkpointing),
+                             train_dataset=rows)
+        trainer.train()
+        finals.append(weights(trainer))
+    for key in finals[0]:
+        torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,321 @@
+"""BaseTrainer: the loop shared by SFT and GRPO.
+
+Read ``train`` top to bottom: for each optimizer step, take ``gradient_accumulation_steps`` micro-batches,
+count what the whole step holds (over every process), then forward, loss, backward on each, step, log,
+evaluate, save. A subclass supplies how a micro-batch is made (``micro_batch``) and how its loss is computed
+(``compute_loss``); everything distributed goes through ``trainers.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, NamedTuple
+
+import torch
+from accelerate.utils import set_seed
+
+from trainers import distributed as dist
+from trainers.checkpoint import (
+    TrainerState, load_checkpoint, resolve_resume_path, rotate_checkpoints, save_checkpoint,
+)
+from trainers.configs import ConfigError, TrainingConfig
+from trainers.logs import RunLog, logger
+from trainers.losses import BatchCounts
+from trainers.modeling import load_causal_lm, load_tokenizer
+from trainers.schedules import build_scheduler
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict
+
+
+Stats = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (numerator, denominator), summed over processes
+
+
+class BaseTrainer:
+    """Owns the model, tokenizer, optimizer, schedule, loop, logging, evaluation and checkpoints."""
+
+    config_class: type[TrainingConfig] = TrainingConfig
+
+    def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{type(self).__name__}")
+        if not isinstance(args, self.config_class):
+            raise ConfigError(f"{type(self).__name__} needs args of type {self.config_class.__name__}, "
+                              f"got {type(args).__name__}.")
+        self.args = args
+        reports = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to)
+        if any(r != "none" for r in reports):
+            raise ConfigError(f"report_to={args.report_to!r}: trackers are not wired up yet; metrics always go to "
+                              f"output_dir/metrics.jsonl. Use report_to='none'.")
+        self.accelerator = dist.build_accelerator(args.gradient_accumulation_steps, self._mixed_precision(),
+                                                  args.use_cpu)
+        set_seed(args.seed)
+        self.processing_class = load_tokenizer(processing_class, model, getattr(args, "pad_token", None),
+                                               getattr(args, "chat_template_path", None))
+        self.prepare_data(train_dataset, eval_dataset)  # validates and tokenizes before the model loads
+        self.steps_per_epoch = self.optimizer_steps_per_epoch()
+        self.max_steps = args.max_steps if args.max_steps > 0 else max(
+            1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
+
+        model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code)
+        if peft_config is not None:
+            model = self._wrap_peft(model, peft_config)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            model.config.use_cache = False
+        self.is_peft = peft_config is not None
+
+        optimizer = self._build_optimizer(model)
+        dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
+                                 args.gradient_accumulation_steps, args.max_grad_norm)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # Stepped by the loop, once per optimizer step (Accelerate would step it once per process).
+        self.lr_scheduler = build_scheduler(self.optimizer, args, self.max_steps)
+        self.accelerator.register_for_checkpointing(self.lr_scheduler)
+        self.state = TrainerState()
+        self.after_prepare()
+
+    # ------------------------------------------------------------------ what subclasses provide
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        raise NotImplementedError
+
+    def optimizer_steps_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    def micro_batch(self, step: int, accumulation_index: int) -> dict:
+        """This process's micro-batch ``accumulation_index`` of optimizer step ``step``; must hold ``loss_mask``."""
+        raise NotImplementedError
+
+    def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        """The micro-batch's share of the step's loss (normalized by ``counts``), and statistics to log."""
+        raise NotImplementedError
+
+    def evaluation_stats(self) -> Stats:
+        """This process's share of evaluation statistics over ``eval_dataset``."""
+        raise NotImplementedError
+
+    def after_prepare(self) -> None:
+        """Called once the model is prepared (GRPO sets up its reference model and rewards here)."""
+
+    def step_metrics(self) -> dict:
+        """Metrics a subclass measured outside ``compute_loss`` during the last step (already global)."""
+        return {}
+
+    def save_extra_state(self, folder: str) -> None:
+        """Per-process state a subclass needs to resume exactly (called on every process)."""
+
+    def load_extra_state(self, folder: str) -> None:
+        pass
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _mixed_precision(self) -> str | None:
+        if self.args.bf16:
+            return "bf16"
+        if self.args.fp16:
+            return "fp16"
+        if self.args.bf16 is False:
+            return "no"
+        return None  # follow the launch configuration
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step over all processes: per-device x processes x accumulation."""
+        return (self.args.per_device_train_batch_size * self.accelerator.num_processes
+                * self.args.gradient_accumulation_steps)
+
+    def _wrap_peft(self, model, peft_config):
+        from peft import get_peft_model
+
+        return get_peft_model(model, peft_config)
+
+    def _build_optimizer(self, model) -> torch.optim.Optimizer:
+        """AdamW; weight decay on matrices only (not on biases and norm weights), as in transformers."""
+        decay, no_decay = [], []
+        for param in model.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        if not decay and not no_decay:
+            raise ConfigError("The model has no trainable parameters.")
+        groups = [{"params": decay, "weight_decay": self.args.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        return torch.optim.AdamW(groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                 eps=self.args.adam_epsilon)
+
+    @property
+    def unwrapped_model(self):
+        return dist.unwrap(self.accelerator, self.model)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        args, acc = self.args, self.accelerator
+        resume_path = resolve_resume_path(resume_from_checkpoint, args.output_dir)
+        if resume_path is not None:
+            self.state = load_checkpoint(acc, resume_path)
+            self.load_extra_state(resume_path)
+            logger.info(f"resumed from {resume_path} at step {self.state.global_step}") if acc.is_main_process else None
+        else:
+            set_seed(args.seed + acc.process_index)  # sampling differs per process; data order does not
+        if acc.is_main_process:
+            logger.info(
+                f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "
+                f"x {acc.num_processes} processes x {args.gradient_accumulation_steps} accumulation steps; "
+                f"{self.max_steps} optimizer steps ({self.steps_per_epoch} per epoch)")
+        run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)
+        run_log.start(self.state.log_history, self.state.global_step)
+        window: list[dict] = []
+        self.model.train()
+        while self.state.global_step < self.max_steps:
+            step = self.state.global_step
+            started = time.perf_counter()
+            batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
+            step_stats = self._optimizer_step(batches)
+            step_stats.update(self.step_metrics())
+            step_stats["step_time"] = time.perf_counter() - started
+            self.state.global_step += 1
+            self.state.epoch = self.state.global_step / self.steps_per_epoch
+            self.state.num_tokens += int(step_stats.pop("num_input_tokens"))
+            window.append(step_stats)
+            run_log.advance({"loss": step_stats["loss"]})
+            self._log_eval_save(window, run_log)
+        run_log.close()
+        losses = [r["loss"] for r in self.state.log_history if "loss" in r]
+        return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), dict(self.state.log_history[-1])
+                           if self.state.log_history else {})
+
+    def _optimizer_step(self, batches: list[dict]) -> dict:
+        """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics."""
+        acc = self.accelerator
+        counts, local_input_tokens = self._count(batches)
+        # accelerator.backward divides by the accumulation steps and DDP/DeepSpeed average over processes;
+        # our losses are already normalized by global counts, so undo both.
+        scale = acc.num_processes * self.args.gradient_accumulation_steps
+        loss_sum = torch.zeros((), device=acc.device)
+        totals: dict[str, list[torch.Tensor]] = {}
+        grad_norm = None
+        for index, batch in enumerate(batches):
+            with acc.accumulate(self.model):
+                loss, stats = self.compute_loss(self.model, batch, counts)
+                acc.backward(loss * scale)
+                loss_sum += loss.detach().float()
+                for name, (num, den) in stats.items():
+                    pair = torch.stack([num.detach().float().sum(), torch.as_tensor(den, device=acc.device).float().sum()])
+                    totals[name] = totals[name] + pair if name in totals else pair
+                if acc.sync_gradients:
+                    assert index == len(batches) - 1, "gradient sync must happen on the last micro-batch"
+                    grad_norm = self._clip_gradients()
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        learning_rate = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        names = sorted(totals)
+        packed = torch.stack([loss_sum, torch.as_tensor(local_input_tokens, device=acc.device)]
+                             + [v for n in names for v in totals[n]])
+        packed = dist.all_reduce_sum(acc, packed).tolist()
+        metrics = {"loss": packed[0], "num_input_tokens": packed[1]}
+        for i, name in enumerate(names):
+            num, den = packed[2 + 2 * i], packed[3 + 2 * i]
+            metrics[name] = num / den if den else float("nan")
+        metrics["learning_rate"] = learning_rate
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return metrics
+
+    def _count(self, batches: list[dict]) -> tuple[BatchCounts, float]:
+        """Tokens and sequences the loss covers in this step, summed over micro-batches and processes; and this
+        process's non-padding input tokens."""
+        acc = self.accelerator
+        local = torch.zeros(3, device=acc.device)
+        for batch in batches:
+            mask = batch["loss_mask"]
+            local[0] += mask.sum()
+            local[1] += (mask.sum(-1) > 0).sum()
+            local[2] += batch["num_input_tokens"]
+        tokens, sequences, _ = dist.all_reduce_sum(acc, local).tolist()
+        counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches),
+                             max_completion_length=getattr(self.args, "max_completion_length", 1))
+        return counts, float(local[2])
+
+    def _clip_gradients(self):
+        max_norm = self.args.max_grad_norm or float("inf")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return self.accelerator.clip_grad_norm_(params, max_norm)
+
+    def _log_eval_save(self, window: list[dict], run_log: RunLog) -> None:
+        args, state = self.args, self.state
+        step, last = state.global_step, state.global_step == self.max_steps
+        epoch_end = step % self.steps_per_epoch == 0
+        if step % args.logging_steps == 0 or last or step == 1:
+            record = {"step": step, "epoch": round(state.epoch, 4)}
+            for name in window[-1]:
+                values = [w[name] for w in window if name in w]
+                record[name] = sum(values) / len(values)
+            record["num_tokens"] = state.num_tokens
+            run_log.record(state.log_history, record)
+            window.clear()
+        eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0) or (
+            args.eval_strategy == "epoch" and epoch_end)
+        if eval_due and self.has_eval_data():
+            run_log.record(state.log_history, {"step": step, "epoch": round(state.epoch, 4), **self.evaluate()})
+        save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
+            args.save_strategy == "epoch" and (epoch_end or last))
+        if save_due:
+            self.save_checkpoint()
+
+    # ------------------------------------------------------------------ evaluation, checkpoints, saving
+
+    def has_eval_data(self) -> bool:
+        return getattr(self, "eval_rows", None) is not None
+
+    def evaluate(self) -> dict:
+        """Evaluation metrics over eval_dataset, prefixed ``eval_``; the model returns to training mode after."""
+        if not self.has_eval_data():
+            raise ConfigError("evaluate() needs an eval_dataset.")
+        self.model.eval()
+        with torch.no_grad():
+            stats = self.evaluation_stats()
+        self.model.train()
+        names = sorted(stats)
+        packed = torch.stack([torch.stack([n.float().sum(), torch.as_tensor(d, device=self.accelerator.device).float().sum()])
+                              for n, d in (stats[k] for k in names)])
+        packed = dist.all_reduce_sum(self.accelerator, packed).tolist()
+        return {f"eval_{name}": num / den if den else float("nan") for name, (num, den) in zip(names, packed)}
+
+    def save_checkpoint(self) -> str:
+        path = save_checkpoint(self.accelerator, self.args.output_dir, self.state.global_step, self.state,
+                               self.args.to_dict(), write_extra=self.save_extra_state)
+        if self.accelerator.is_main_process:
+            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save the model in Hugging Face format (safetensors) with its tokenizer; under ZeRO-3 the full weights
+        are gathered first; with PEFT only the adapter is saved. Every process must call this."""
+        output_dir = output_dir or self.args.output_dir
+        state_dict = dist.full_state_dict(self.accelerator, self.model)
+        if self.accelerator.is_main_process:
+            _drop_tied_copies(self.unwrapped_model, state_dict)
+            os.makedirs(output_dir, exist_ok=True)
+            self.unwrapped_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            self.processing_class.save_pretrained(output_dir)
+        self.accelerator.wait_for_everyone()
+
+
+
+def _drop_tied_copies(model, state_dict: dict) -> None:
+    """DeepSpeed returns tied weights (e.g. lm_head = embed_tokens) as separate copies, which transformers cannot
+    recognise as tied when saving; keep only the weight the model loads, as a plain save would."""
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in state_dict and source in state_dict and torch.equal(state_dict[tied], state_dict[source]):
+            del state_dict[tied]

@@ -1,0 +1,312 @@
+"""Training configurations: dataclasses with TRL's field names, validated at construction.
+
+Every field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and ``docs/config.md`` are
+generated from it. Errors name the field and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainers._trl_options import TRL_ONLY_OPTIONS
+
+
+class ConfigError(ValueError):
+    """An option has an invalid value, or does not exist. The message names the option."""
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help text (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+LR_SCHEDULER_TYPES = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES = ("no", "steps", "epoch")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+def _reject_unknown_options(cls):
+    """Wrap a config's ``__init__`` so an unknown option gets a clear error instead of a bare ``TypeError``.
+
+    A TRL option we do not implement is accepted only at TRL's default value (it then changes nothing);
+    any other value is refused with a message that says so.
+    """
+    dataclass_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in list(kwargs):
+            if name in known:
+                continue
+            if name in TRL_ONLY_OPTIONS:
+                trl_default = TRL_ONLY_OPTIONS[name]
+                value = kwargs.pop(name)
+                if value == trl_default or (value is None and trl_default is None):
+                    continue  # TRL's default: it changes nothing, so accepting it loses nothing.
+                raise ConfigError(
+                    f"{cls.__name__}: `{name}={value!r}` is a TRL option that this project does not support "
+                    f"(only its default {trl_default!r} is accepted). Remove it; docs/migrating-from-trl.md lists "
+                    f"what is supported."
+                )
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f" Did you mean {', '.join('`' + c + '`' for c in close)}?" if close else ""
+            raise ConfigError(f"{cls.__name__} has no option `{name}`.{hint}")
+        dataclass_init(self, *args, **kwargs)
+
+    __init__.__doc__ = dataclass_init.__doc__
+    __init__.__signature__ = __import__("inspect").signature(dataclass_init)
+    cls.__init__ = __init__
+    return cls
+
+
+def _check(condition: bool, cls_name: str, name: str, value: Any, valid: str) -> None:
+    if not condition:
+        raise ConfigError(f"{cls_name}: `{name}={value!r}` is invalid; {valid}.")
+
+
+@_reject_unknown_options
+@dataclass
+class TrainingConfig:
+    """Options shared by every trainer: batch sizes, optimizer, schedule, logging, evaluation and saving."""
+
+    output_dir: str = opt("trainer_output", "Where checkpoints, metrics.jsonl and the final model are written.")
+    per_device_train_batch_size: int = opt(
+        8, "Training samples per process per micro-step (for GRPO: completions, not prompts)."
+    )
+    per_device_eval_batch_size: int = opt(8, "Evaluation samples per process per forward pass.")
+    gradient_accumulation_steps: int = opt(
+        1, "Micro-steps whose gradients are summed before one optimizer step. The effective batch size is "
+        "per_device_train_batch_size x processes x gradient_accumulation_steps."
+    )
+    learning_rate: float = opt(5e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.999, "AdamW beta2.")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
+    optim: str = opt("adamw_torch_fused", f"Optimizer: one of {OPTIMIZERS} (both are torch AdamW).")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value; 0 or None disables clipping.")
+    num_train_epochs: float = opt(3.0, "Passes over the training data (ignored when max_steps > 0).")
+    max_steps: int = opt(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
+    lr_scheduler_type: str = opt("linear", f"Learning-rate schedule after warmup: one of {LR_SCHEDULER_TYPES}.")
+    warmup_steps: float = opt(0, "Linear warmup length in optimizer steps; a value below 1 is a fraction of all steps.")
+    warmup_ratio: float = opt(0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).")
+    logging_steps: int = opt(10, "Log metrics every this many optimizer steps.")
+    eval_strategy: str = opt("no", f"When to evaluate on eval_dataset: one of {STRATEGIES}.")
+    eval_steps: int | None = opt(None, "Evaluate every this many steps (eval_strategy='steps'); defaults to logging_steps.")
+    save_strategy: str = opt("steps", f"When to write a checkpoint: one of {STRATEGIES}.")
+    save_steps: int = opt(500, "Write a checkpoint every this many steps (save_strategy='steps').")
+    save_total_limit: int | None = opt(None, "Keep at most this many checkpoints; the oldest are removed first.")
+    seed: int = opt(42, "Seed for model init, data order and sampling.")
+    bf16: bool | None = opt(
+        None, "Train in bfloat16 mixed precision. None follows the launch config (accelerate's mixed_precision)."
+    )
+    fp16: bool = opt(False, "Train in float16 mixed precision.")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (slower).")
+    gradient_checkpointing_kwargs: dict | None = opt(None, "Keyword arguments for gradient_checkpointing_enable().")
+    report_to: str | list[str] = opt(
+        "none", "Trackers to log to: 'none', 'all', or names such as 'tensorboard', 'wandb'. metrics.jsonl is always written."
+    )
+    run_name: str | None = opt(None, "A name for this run, shown by trackers.")
+    disable_tqdm: bool = opt(False, "Hide the progress bar.")
+    model_init_kwargs: dict | None = opt(
+        None, "Keyword arguments for from_pretrained when `model` is a path (e.g. {'dtype': 'bfloat16'}); dtype defaults to float32."
+    )
+    trust_remote_code: bool = opt(False, "Allow custom modelling code from the model folder.")
+    shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
+    remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
+    use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for f in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                  "logging_steps", "save_steps"):
+            value = getattr(self, f)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f, value,
+                   "it must be a positive integer")
+        _check(isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0
+               and math.isfinite(self.learning_rate), name, "learning_rate", self.learning_rate,
+               "it must be a positive number")
+        _check(self.weight_decay >= 0, name, "weight_decay", self.weight_decay, "it must be >= 0")
+        for f in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, f) < 1, name, f, getattr(self, f), "it must be in [0, 1)")
+        _check(self.adam_epsilon > 0, name, "adam_epsilon", self.adam_epsilon, "it must be > 0")
+        _check(self.optim in OPTIMIZERS, name, "optim", self.optim, f"valid: {OPTIMIZERS}")
+        _check(self.max_grad_norm is None or self.max_grad_norm >= 0, name, "max_grad_norm", self.max_grad_norm,
+               "it must be >= 0 (0 or None disables clipping)")
+        _check(self.num_train_epochs > 0 or self.max_steps > 0, name, "num_train_epochs", self.num_train_epochs,
+               "it must be > 0 unless max_steps > 0")
+        _check(isinstance(self.max_steps, int) and (self.max_steps > 0 or self.max_steps == -1), name, "max_steps",
+               self.max_steps, "it must be a positive integer, or -1 to train for num_train_epochs")
+        _check(self.lr_scheduler_type in LR_SCHEDULER_TYPES, name, "lr_scheduler_type", self.lr_scheduler_type,
+               f"valid: {LR_SCHEDULER_TYPES}")
+        _check(self.warmup_steps >= 0, name, "warmup_steps", self.warmup_steps, "it must be >= 0")
+        _check(self.warmup_steps < 1 or float(self.warmup_steps).is_integer(), name, "warmup_steps",
+               self.warmup_steps, "a value >= 1 counts steps and must be a whole number")
+        _check(0 <= self.warmup_ratio < 1, name, "warmup_ratio", self.warmup_ratio, "it must be in [0, 1)")
+        _check(not (self.warmup_steps and self.warmup_ratio), name, "warmup_ratio", self.warmup_ratio,
+               "set warmup_steps or warmup_ratio, not both")
+        for f in ("eval_strategy", "save_strategy"):
+            _check(getattr(self, f) in STRATEGIES, name, f, getattr(self, f), f"valid: {STRATEGIES}")
+        _check(self.eval_steps is None or self.eval_steps > 0, name, "eval_steps", self.eval_steps,
+               "it must be a positive integer")
+        _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
+               self.save_total_limit, "it must be a positive integer or None")
+        _check(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
+        reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        _check(all(isinstance(r, str) for r in reports), name, "report_to", self.report_to,
+               "give a tracker name or a list of names")
+
+    @property
+    def warmup_fraction(self) -> float | None:
+        """Warmup as a fraction of all steps, when it was given as one."""
+        if 0 < self.warmup_steps < 1:
+            return float(self.warmup_steps)
+        return self.warmup_ratio or None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SFT_LOSS_TYPES = ("nll",)
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@_reject_unknown_options
+@dataclass
+class SFTConfig(TrainingConfig):
+    """Supervised fine-tuning: how rows become token sequences and which tokens carry the loss."""
+
+    learning_rate: float = opt(2e-5, "Peak learning rate of AdamW.")
+    dataset_text_field: str = opt("text", "Column holding raw text for language modelling.")
+    max_length: int | None = opt(1024, "Truncate every tokenized sample to this many tokens (None: no truncation).")
+    truncation_mode: str = opt("keep_start", f"Which end of an over-long sample to keep: one of {TRUNCATION_MODES}.")
+    packing: bool = opt(
+        False, "Pack several samples into each row of max_length tokens (best-fit decreasing), padding-free, "
+        "with no attention across samples."
+    )
+    packing_strategy: str = opt("bfd", "Packing algorithm: 'bfd' (best-fit decreasing).")
+    padding_free: bool = opt(False, "Concatenate a micro-batch into one row without padding (implied by packing).")
+    pad_to_multiple_of: int | None = opt(None, "Pad each batch's length up to a multiple of this.")
+    completion_only_loss: bool | None = opt(
+        None, "For prompt/completion data, train on completion tokens only. None means True for such data."
+    )
+    assistant_only_loss: bool = opt(False, "For `messages` data, train on assistant turns only (any chat template).")
+    eos_token: str | None = opt(None, "End-of-sequence token appended to samples; defaults to the tokenizer's.")
+    pad_token: str | None = opt(None, "Padding token; defaults to the tokenizer's, then to its EOS token.")
+    chat_template_path: str | None = opt(None, "A Jinja chat template file (or a tokenizer folder) to use instead of the tokenizer's.")
+    dataset_num_proc: int | None = opt(None, "Processes used to tokenize the dataset.")
+    loss_type: str = opt("nll", f"Loss: one of {SFT_LOSS_TYPES} (token-level negative log-likelihood).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        _check(self.max_length is None or (isinstance(self.max_length, int) and self.max_length > 0), name,
+               "max_length", self.max_length, "it must be a positive integer or None")
+        _check(not (self.packing and self.max_length is None), name, "max_length", self.max_length,
+               "packing=True needs a max_length (the length of a packed row)")
+        _check(self.truncation_mode in TRUNCATION_MODES, name, "truncation_mode", self.truncation_mode,
+               f"valid: {TRUNCATION_MODES}")
+        _check(self.packing_strategy == "bfd", name, "packing_strategy", self.packing_strategy, "valid: ('bfd',)")
+        _check(self.loss_type in SFT_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {SFT_LOSS_TYPES}")
+        _check(self.pad_to_multiple_of is None or self.pad_to_multiple_of > 0, name, "pad_to_multiple_of",
+               self.pad_to_multiple_of, "it must be a positive integer or None")
+
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@_reject_unknown_options
+@dataclass
+class GRPOConfig(TrainingConfig):
+    """Group Relative Policy Optimization: generation, rewards, advantages and the clipped policy loss."""
+
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.")
+    remove_unused_columns: bool = opt(False, "Accepted for TRL compatibility; every dataset column reaches the reward functions.")
+    num_generations: int = opt(8, "Completions sampled per prompt (the group size G); at least 2.")
+    max_completion_length: int = opt(512, "Maximum tokens generated per completion.")
+    generation_batch_size: int | None = opt(
+        None, "Completions generated per round over all processes. Default: per_device_train_batch_size x "
+        "processes x steps_per_generation."
+    )
+    steps_per_generation: int | None = opt(
+        None, "Micro-steps served by one generation round. Default: gradient_accumulation_steps."
+    )
+    num_iterations: int = opt(1, "Passes over each generation round (mu); > 1 reuses rollouts with old log-probs.")
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
+    top_k: int = opt(0, "Keep only the k most likely tokens when sampling; 0 disables.")
+    min_p: float | None = opt(None, "Drop tokens whose probability is below min_p x the top token's.")
+    repetition_penalty: float = opt(1.0, "Penalty on tokens already in the prompt or completion (1.0: none).")
+    generation_kwargs: dict | None = opt(None, "Extra keyword arguments for the generation call.")
+    chat_template_kwargs: dict | None = opt(None, "Extra keyword arguments for apply_chat_template on prompts.")
+    beta: float = opt(0.0, "Weight of the k3 KL penalty to the frozen reference model; 0 loads no reference model.")
+    epsilon: float = opt(0.2, "Lower clipping range of the importance ratio: 1 - epsilon.")
+    epsilon_high: float | None = opt(None, "Upper clipping range: 1 + epsilon_high (DAPO clip-higher). Default: epsilon.")
+    delta: float | None = opt(None, "Also clip the ratio from above at delta for negative advantages (two-sided GRPO).")
+    importance_sampling_level: str = opt(
+        "token", f"Importance ratio per 'token' (GRPO) or per 'sequence' (GSPO); one of {IMPORTANCE_SAMPLING_LEVELS}."
+    )
+    loss_type: str = opt("dapo", f"How token losses are averaged: one of {GRPO_LOSS_TYPES} (docs/grpo.md).")
+    scale_rewards: str = opt(
+        "group", f"Divide advantages by the reward std of the 'group', the whole 'batch', or 'none'; one of {SCALE_REWARDS}."
+    )
+    reward_weights: list[float] | None = opt(None, "Weight of each reward function in the sum (default: all 1).")
+    mask_truncated_completions: bool = opt(False, "Exclude completions that hit max_completion_length from the loss.")
+    dynamic_sampling: bool = opt(
+        False, "Drop groups whose rewards are all equal (zero advantage) from the loss, and log how many."
+    )
+    disable_dropout: bool = opt(False, "Set every dropout probability in the policy to 0.")
+    ds3_gather_for_generation: bool = opt(
+        True, "Under ZeRO-3, gather the full weights once for generation (fast); False generates layer by layer "
+        "(slow, but never holds the whole model)."
+    )
+    log_completions: bool = opt(False, "Print a table of sampled completions at each logging step and append them to completions.jsonl.")
+    num_completions_to_print: int | None = opt(None, "Rows of that table (default: all of one round).")
+    use_vllm: bool = opt(False, "Not supported: generation uses the policy itself.")
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):  # TRL accepts booleans: True -> "group", False -> "none".
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        super().__post_init__()
+        name = type(self).__name__
+        _check(isinstance(self.num_generations, int) and self.num_generations >= 2, name, "num_generations",
+               self.num_generations, "GRPO compares completions within a group, so it needs at least 2")
+        _check(isinstance(self.max_completion_length, int) and self.max_completion_length > 0, name,
+               "max_completion_length", self.max_completion_length, "it must be a positive integer")
+        _check(isinstance(self.num_iterations, int) and self.num_iterations > 0, name, "num_iterations",
+               self.num_iterations, "it must be a positive integer")
+        _check(self.temperature > 0, name, "temperature", self.temperature, "it must be > 0")
+        _check(0 < self.top_p <= 1, name, "top_p", self.top_p, "it must be in (0, 1]")
+        _check(self.top_k is None or self.top_k >= 0, name, "top_k", self.top_k, "it must be >= 0 (0 disables)")
+        _check(self.beta >= 0, name, "beta", self.beta, "it must be >= 0")
+        _check(self.epsilon > 0, name, "epsilon", self.epsilon, "it must be > 0")
+        _check(self.epsilon_high is None or self.epsilon_high > 0, name, "epsilon_high", self.epsilon_high,
+               "it must be > 0")
+        _check(self.delta is None or self.delta > 1, name, "delta", self.delta, "it must be > 1")
+        _check(self.loss_type in GRPO_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {GRPO_LOSS_TYPES}")
+        _check(self.scale_rewards in SCALE_REWARDS, name, "scale_rewards", self.scale_rewards,
+               f"valid: {SCALE_REWARDS}")
+        _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, name, "importance_sampling_level",
+               self.importance_sampling_level, f"valid: {IMPORTANCE_SAMPLING_LEVELS}")
+        _check(not self.use_vllm, name, "use_vllm", self.use_vllm,
+               "vLLM generation is not supported yet; completions come from the policy itself")
+        for f in ("generation_batch_size", "steps_per_generation", "num_completions_to_print"):
+            value = getattr(self, f)
+            _check(value is None or (isinstance(value, int) and value > 0), name, f, value,
+                   "it must be a positive integer or None")
+        _check(self.generation_batch_size is None or self.steps_per_generation is None, name,
+               "steps_per_generation", self.steps_per_generation,
+               "set generation_batch_size or steps_per_generation, not both")
+        # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -1,0 +1,244 @@
+"""SFT data: detect a dataset's format, tokenize rows with a loss mask, pack them, and collate micro-batches.
+
+A tokenized sample is ``{"input_ids": [...], "target_ids": [...]}``: ``target_ids[t]`` is the token the model
+must predict at position t (the next input token), or -100 where no loss is taken. Targets are shifted per
+sample, before packing, so a packed row never asks one document to predict the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+IGNORE = -100
+
+FORMATS = {
+    "language_modeling": "a text column (dataset_text_field, 'text' by default)",
+    "conversational": "a 'messages' column (a list of {'role', 'content'} dicts)",
+    "prompt_completion": "'prompt' and 'completion' columns (strings, or lists of messages)",
+    "tokenized": "an 'input_ids' column (optionally 'labels' or 'completion_mask')",
+}
+
+
+class DatasetFormatError(ValueError):
+    """A dataset does not have the columns or values a trainer needs. The message names them."""
+
+
+def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
+    """Which SFT format a dataset is in, judged by its columns."""
+    columns = set(columns)
+    if "input_ids" in columns:
+        return "tokenized"
+    if "messages" in columns:
+        return "conversational"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    if text_field in columns:
+        return "language_modeling"
+    known = "; ".join(f"{k}: {v}" for k, v in FORMATS.items())
+    raise DatasetFormatError(
+        f"The SFT dataset has columns {sorted(columns)}, none of the known formats. Expected one of: {known}."
+    )
+
+
+def is_conversational(value: Any) -> bool:
+    """True for a list of {'role', 'content'} messages."""
+    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatasetFormatError(
+            "The data is conversational (lists of messages) but the tokenizer has no chat template. Set one with "
+            "`tokenizer.chat_template = ...`, or SFTConfig(chat_template_path=...)."
+        )
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+
+
+def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """Token ids of ``text`` and, per token, whether it overlaps one of the character ``spans``."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    in_span = [any(start < end_s and end > start_s for start_s, end_s in spans) for start, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), in_span
+
+
+def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of every assistant turn in the rendered conversation ``text``.
+
+    Found by rendering prefixes of the conversation, so any chat template works as long as rendering a longer
+    conversation only appends text (true of ordinary templates).
+    """
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1])
+        if not (text.startswith(before) and text.startswith(through)):
+            raise DatasetFormatError(
+                "assistant_only_loss=True needs a chat template whose rendering of a conversation starts with the "
+                "rendering of its first turns; this template rewrites earlier turns. Use a template without that "
+                "behaviour, or assistant_only_loss=False."
+            )
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eos_token: str,
+                 completion_only_loss: bool | None = None, assistant_only_loss: bool = False) -> dict:
+    """One dataset row -> ``{"input_ids", "labels"}`` (labels are input ids, or -100 where no loss is taken)."""
+    if fmt == "tokenized":
+        input_ids = list(row["input_ids"])
+        if row.get("labels") is not None:
+            labels = list(row["labels"])
+        elif row.get("completion_mask") is not None:
+            labels = [t if m else IGNORE for t, m in zip(input_ids, row["completion_mask"])]
+        else:
+            labels = list(input_ids)
+        if len(labels) != len(input_ids):
+            raise DatasetFormatError(
+                f"A row's 'labels'/'completion_mask' has {len(labels)} entries but 'input_ids' has {len(input_ids)}."
+            )
+        return {"input_ids": input_ids, "labels": labels}
+
+    if fmt == "language_modeling":
+        text = row[text_field]
+        if not isinstance(text, str):
+            raise DatasetFormatError(f"Column '{text_field}' must hold strings; got {type(text).__name__}.")
+        if not text.endswith(eos_token):
+            text += eos_token
+        ids, _ = _tokenize_with_spans(tokenizer, text, [])
+        return {"input_ids": ids, "labels": list(ids)}
+
+    if fmt == "conversational":
+        messages = row["messages"]
+        if not is_conversational(messages):
+            raise DatasetFormatError("Column 'messages' must hold lists of {'role': ..., 'content': ...} dicts.")
+        text = _render(tokenizer, messages)
+        spans = _assistant_spans(tokenizer, messages, text) if assistant_only_loss else [(0, len(text))]
+        ids, trained = _tokenize_with_spans(tokenizer, text, spans)
+        return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
+
+    if fmt == "prompt_completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if is_conversational(prompt) != is_conversational(completion):
+            raise DatasetFormatError("'prompt' and 'completion' must both be strings or both be lists of messages.")
+        if is_conversational(prompt):
+            before = _render(tokenizer, prompt, add_generation_prompt=True)
+            text = _render(tokenizer, prompt + completion)
+            if not text.startswith(before):
+                raise DatasetFormatError("The chat template renders the prompt differently once a completion follows.")
+        elif isinstance(prompt, str) and isinstance(completion, str):
+            before = prompt
+            text = prompt + completion
+            if not text.endswith(eos_token):
+                text += eos_token
+        else:
+            raise DatasetFormatError("'prompt' and 'completion' must hold strings or lists of messages.")
+        only_completion = True if completion_only_loss is None else completion_only_loss
+        spans = [(len(before), len(text))] if only_completion else [(0, len(text))]
+        ids, trained = _tokenize_with_spans(tokenizer, text, spans)
+        return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
+
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def truncate(sample: dict, max_length: int | None, mode: str = "keep_start") -> dict:
+    if max_length is None or len(sample["input_ids"]) <= max_length:
+        return sample
+    cut = slice(0, max_length) if mode == "keep_start" else slice(-max_length, None)
+    return {k: v[cut] for k, v in sample.items()}
+
+
+def shift_targets(sample: dict) -> dict:
+    """``{"input_ids", "labels"}`` -> ``{"input_ids", "target_ids"}``: each position's target is the next label."""
+    labels = sample["labels"]
+    return {"input_ids": sample["input_ids"], "target_ids": list(labels[1:]) + [IGNORE]}
+
+
+def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: assign items (by index) to bins of ``capacity`` tokens, each item to the fullest bin
+    it still fits in. Returns the bins, each a list of item indices. Every length must be <= capacity."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []  # free[b]: tokens left in bin b
+    for i in order:
+        n = lengths[i]
+        best = None
+        for b, space in enumerate(free):
+            if n <= space and (best is None or space < free[best]):
+                best = b
+        if best is None:
+            bins.append([i])
+            free.append(capacity - n)
+        else:
+            bins[best].append(i)
+            free[best] -= n
+    return bins
+
+
+def pack_samples(samples: Sequence[dict], max_length: int) -> list[dict]:
+    """Concatenate samples into rows of at most ``max_length`` tokens; ``position_ids`` restart per sample."""
+    bins = pack_bfd([len(s["input_ids"]) for s in samples], max_length)
+    rows = []
+    for members in bins:
+        input_ids, target_ids, position_ids = [], [], []
+        for i in sorted(members):
+            input_ids += samples[i]["input_ids"]
+            target_ids += samples[i]["target_ids"]
+            position_ids += list(range(len(samples[i]["input_ids"])))
+        rows.append({"input_ids": input_ids, "target_ids": target_ids, "position_ids": position_ids})
+    return rows
+
+
+@dataclass
+class Collator:
+    """Turns a list of samples into model inputs.
+
+    Padded mode: ``input_ids``, ``attention_mask``, ``target_ids`` of shape [B, T] (right padding).
+    Padding-free mode: the samples are concatenated into one row [1, sum T] with ``position_ids`` restarting per
+    sample and no attention mask; the model's mask then keeps each sample to itself.
+    """
+
+    pad_token_id: int
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+
+    def _round_up(self, n: int) -> int:
+        m = self.pad_to_multiple_of
+        return n if not m else -(-n // m) * m
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        if self.padding_free:
+            return self._padding_free(samples)
+        width = self._round_up(max(len(s["input_ids"]) for s in samples))
+        n = len(samples)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)  # [B, T]
+        target_ids = torch.full((n, width), IGNORE, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((n, width), dtype=torch.long)  # [B, T]
+        for row, s in enumerate(samples):
+            length = len(s["input_ids"])
+            input_ids[row, :length] = torch.tensor(s["input_ids"])
+            target_ids[row, :length] = torch.tensor(s["target_ids"])
+            attention_mask[row, :length] = 1
+        return {"input_ids": input_ids, "target_ids": target_ids, "attention_mask": attention_mask,
+                "position_ids": None, "num_input_tokens": attention_mask.sum()}
+
+    def _padding_free(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        input_ids, target_ids, position_ids = [], [], []
+        for s in samples:
+            input_ids += s["input_ids"]
+            target_ids += s["target_ids"]
+            position_ids += s.get("position_ids", list(range(len(s["input_ids"]))))
+        real = len(input_ids)
+        pad = self._round_up(real) - real
+        input_ids += [self.pad_token_id] * pad
+        target_ids += [IGNORE] * pad
+        position_ids += list(range(pad))
+        as_row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731  [1, T]
+        return {"input_ids": as_row(input_ids), "target_ids": as_row(target_ids), "position_ids": as_row(position_ids),
+                "attention_mask": None, "num_input_tokens": torch.tensor(real)}

@@ -1,0 +1,143 @@
+"""The distributed core: one Accelerator built from the launch environment, and the few verbs trainers need.
+
+Trainers never branch on the backend. They call:
+  - ``build_accelerator``: one process, ``torchrun``, or ``accelerate launch --config_file <template>``;
+    on a machine without a GPU it still gives real multi-process training (DDP over gloo, DeepSpeed ZeRO on CPU).
+  - ``configure_deepspeed``: fills the DeepSpeed config values that Accelerate leaves as "auto".
+  - ``gathered_parameters``: the full weights of a ZeRO-3 model for the duration of a block (generation).
+  - ``gather_objects`` / ``broadcast_object`` / ``all_reduce_sum``: Python objects and counts across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
+
+DEEPSPEED_ENV = "ACCELERATE_USE_DEEPSPEED"
+
+
+def _launched_with_deepspeed() -> bool:
+    return os.environ.get(DEEPSPEED_ENV, "false").lower() == "true"
+
+
+def _world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_accelerator(
+    gradient_accumulation_steps: int, mixed_precision: str | None = None, use_cpu: bool = False
+) -> Accelerator:
+    """Build the Accelerator for however this process was launched.
+
+    Without a GPU, Accelerate needs two nudges that are easy to get wrong (see docs/distributed.md):
+      - DeepSpeed on CPU needs an explicit gloo process group, or Accelerate sees one process.
+      - Plain multi-process on CPU needs ``cpu=True`` (distributed type MULTI_CPU): a gloo process group alone
+        leaves the type at NO, and the processes silently train different models.
+    """
+    kwargs: dict[str, Any] = {"gradient_accumulation_steps": gradient_accumulation_steps}
+    if mixed_precision is not None:
+        kwargs["mixed_precision"] = mixed_precision
+    has_gpu = torch.cuda.is_available() and not use_cpu
+    if not has_gpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise RuntimeError(
+            "This launch asks for FSDP (fsdp2.yaml), which Accelerate only engages on GPUs; on this machine it would "
+            "silently run plain DDP instead. Without a GPU use multi_gpu.yaml (DDP) or zero1/zero2/zero3.yaml."
+        )
+    if not has_gpu:
+        if _launched_with_deepspeed():
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        else:
+            kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)
+    if _world_size_from_env() > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={_world_size_from_env()} but Accelerate built a single-process setup "
+            f"(distributed type {accelerator.distributed_type}); the processes would train separate models."
+        )
+    return accelerator
+
+
+def is_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(accelerator: Accelerator) -> int:
+    """The DeepSpeed ZeRO stage in use, or 0 when DeepSpeed is not."""
+    if not is_deepspeed(accelerator):
+        return 0
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def configure_deepspeed(
+    accelerator: Accelerator, micro_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float | None
+) -> None:
+    """Fill the "auto" values of the DeepSpeed config before ``prepare``.
+
+    Accelerate derives the batch sizes from a prepared DataLoader; the trainers make their own batches, so the
+    values are set here. Gradient clipping happens inside DeepSpeed's step, so it must learn max_grad_norm too.
+    """
+    if not is_deepspeed(accelerator):
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = float(max_grad_norm or 0.0)
+    # Steps are driven by the trainer's loop; DeepSpeed's own periodic prints would only add noise.
+    config["steps_per_print"] = float("inf")
+
+
+@contextlib.contextmanager
+def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enabled: bool = True):
+    """Inside this block the model holds its full parameters, even under ZeRO-3 (then gathered on every rank).
+
+    Outside ZeRO-3 it does nothing. Every process must enter it together (it is a collective).
+    """
+    if zero_stage(accelerator) != 3 or not enabled:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
+def gather_objects(accelerator: Accelerator, objects: list) -> list:
+    """Concatenate a list of picklable objects from every process, in rank order."""
+    if accelerator.num_processes == 1:
+        return list(objects)
+    return gather_object(list(objects))
+
+
+def broadcast_object(accelerator: Accelerator, obj: Any, from_process: int = 0) -> Any:
+    """Give every process the main process's copy of ``obj``."""
+    if accelerator.num_processes == 1:
+        return obj
+    holder = [obj]
+    torch.distributed.broadcast_object_list(holder, src=from_process)
+    return holder[0]
+
+
+def all_reduce_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over processes (returns a new tensor on every process)."""
+    if accelerator.num_processes == 1:
+        return values.clone()
+    return accelerator.reduce(values.clone(), reduction="sum")
+
+
+def unwrap(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model (HF or PEFT) without DDP / DeepSpeed wrappers."""
+    return accelerator.unwrap_model(model)
+
+
+def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full (unsharded) state dict on the main process; under ZeRO-3 it is gathered from every rank.
+
+    Every process must call it; processes other than the main one may receive an empty dict.
+    """
+    return accelerator.get_state_dict(model, unwrap=True)

@@ -1,0 +1,178 @@
+"""Pure tensor functions: log-probs from logits, advantages, the GRPO family of losses, KL, and aggregation.
+
+Nothing here knows about models, processes or configs. Shapes: B sequences, T positions, V vocabulary.
+``mask`` is 1.0 where a token counts and 0.0 elsewhere.
+
+How losses are averaged (``AGGREGATIONS``) is what makes a result independent of how a global batch is split
+into micro-batches and processes: each micro-batch's loss is a sum divided by a *global* count (tokens or
+sequences in the whole optimizer step), so summing micro-batch gradients gives the gradient of the global
+loss. The trainer multiplies by processes x accumulation steps to undo the averaging done by DDP/DeepSpeed
+and by ``accelerator.backward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------
+# Log-probabilities and entropy, computed in row chunks so [B, T, V] float32 never exists at once.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """log softmax(logits)[index] for every position.
+
+    logits: [B, T, V] (any float dtype; upcast to float32 one chunk of rows at a time)
+    index:  [B, T] token ids (negative ids are treated as 0; mask them yourself)
+    returns [B, T] float32
+    """
+    index = index.clamp(min=0)
+    out = []
+    for rows, idx in zip(logits.split(chunk_rows), index.split(chunk_rows)):
+        rows = rows.float()  # [b, T, V]
+        picked = rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1)  # [b, T]
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """Entropy of softmax(logits) at every position: [B, T, V] -> [B, T] float32."""
+    out = []
+    for rows in logits.split(chunk_rows):
+        logp = rows.float().log_softmax(-1)  # [b, T, V]
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregation: per-token losses [B, T] -> the scalar this micro-batch contributes to the global loss.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """Counts over one whole optimizer step (every micro-batch on every process)."""
+
+    tokens: float  # masked-in tokens
+    sequences: float  # sequences (completions)
+    micro_batches: int  # processes x accumulation steps
+    max_completion_length: int = 1
+
+
+def aggregate_token_mean(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
+    """Σ loss·mask / (tokens in the whole step). DAPO's normalization, and SFT's NLL."""
+    return (per_token * mask).sum() / max(counts.tokens, 1.0)
+
+
+def aggregate_sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
+    """Mean over sequences of each sequence's token mean (GRPO, arXiv:2402.03300 eq. 3)."""
+    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+    return per_sequence.sum() / max(counts.sequences, 1.0)
+
+
+def aggregate_micro_batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
+    """Token mean within this micro-batch, averaged over micro-batches (BNPO, TRL's definition)."""
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
+
+
+def aggregate_constant_length(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
+    """Σ loss·mask / (sequences x max_completion_length): Dr. GRPO (arXiv:2503.20783), no length bias."""
+    return (per_token * mask).sum() / max(counts.sequences * counts.max_completion_length, 1.0)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torch.Tensor]] = {
+    "grpo": aggregate_sequence_mean,
+    "bnpo": aggregate_micro_batch_token_mean,
+    "dr_grpo": aggregate_constant_length,
+    "dapo": aggregate_token_mean,
+    "nll": aggregate_token_mean,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased standard deviation ignoring NaNs."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of reward functions, skipping NaN (a function's "not applicable").
+
+    rewards_per_func: [N, F] (NaN = not applicable), weights: [F] -> [N]; NaN where no function applied.
+    """
+    total = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)  # [N]
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    return total.masked_fill(unscorable, float("nan"))
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+                     eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (r_i - mean(group)) / (std + eps), the std being the group's, the batch's, or none.
+
+    rewards: [N] with N = groups x num_generations, each group contiguous; NaN = unscorable (advantage 0).
+    returns (advantages [N], zero_std [N/G] bool: groups whose rewards are all equal).
+    """
+    grouped = rewards.view(-1, num_generations)  # [N/G, G]
+    group_mean = torch.nanmean(grouped, dim=1)  # [N/G]
+    group_std = nanstd(grouped, dim=1)  # [N/G]
+    advantages = rewards - group_mean.repeat_interleave(num_generations)
+    if scale_rewards == "group":
+        advantages = advantages / (group_std.repeat_interleave(num_generations) + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (nanstd(rewards) + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    zero_std = torch.isclose(torch.nan_to_num(group_std, nan=0.0), torch.zeros_like(group_std))
+    return torch.nan_to_num(advantages, nan=0.0), zero_std
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The clipped policy objective (GRPO / DAPO / Dr. GRPO / BNPO / GSPO) and the KL penalty
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log π/π_old per token ([B, T]), or GSPO's length-normalized sequence ratio (arXiv:2507.18071) ([B, 1]):
+    log w_i = (1/|o_i|) Σ_t (log π(o_i,t) - log π_old(o_i,t))."""
+    log_ratio = logps - old_logps  # [B, T]
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+
+
+def clipped_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                        delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate, per token: -min(w·A, clip(w, 1-ε_low, 1+ε_high)·A).
+
+    log_weights: [B, T] or [B, 1]; advantages: [B]. ``delta`` also caps w at delta (two-sided clipping,
+    arXiv:2505.22617). Returns (loss [B, T or 1], low_clipped, high_clipped) where the clip masks mark
+    tokens whose gradient the clip removed.
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp(log_weights)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    low_clipped = (ratio < 1 - eps_low) & (adv < 0)
+    high_clipped = (ratio > 1 + eps_high) & (adv > 0)
+    return loss, low_clipped, high_clipped
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π || π_ref), per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    diff = ref_logps - logps
+    return torch.exp(diff) - diff - 1

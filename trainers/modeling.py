@@ -1,0 +1,128 @@
+"""Loading models and tokenizers, and the one forward pass every trainer uses: per-token log-probs of targets."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from trainers.losses import entropy_from_logits, selective_log_softmax
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message names the path."""
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """A Hub id is "name" or "org/name"; anything else that does not exist is a missing local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remote_code: bool = False):
+    """A causal LM from a path / Hub id, or the given instance unchanged.
+
+    dtype defaults to float32 (as TRL's): training updates need full-precision master weights; use mixed
+    precision (bf16=True) for speed.
+    """
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    if not isinstance(model, str):
+        if model_init_kwargs:
+            raise ModelLoadError("model_init_kwargs only applies when `model` is a path; the model is already built.")
+        if not isinstance(model, (PreTrainedModel, torch.nn.Module)):
+            raise ModelLoadError(f"`model` must be a path or a PreTrainedModel, got {type(model).__name__}.")
+        return model
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", "float32"))
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"model_init_kwargs['dtype']={dtype!r} is invalid; valid: {sorted(DTYPES)} or 'auto'.")
+        dtype = DTYPES[dtype]
+    _check_model_path(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except OSError as error:
+        raise ModelLoadError(
+            f"Could not load a model from '{model}': it is not a local model folder, and fetching it as a Hub id "
+            f"failed ({error})."
+        ) from error
+
+
+def _check_model_path(path: str) -> None:
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"Model folder '{path}' has no config.json; is it a saved model?")
+        return
+    if os.path.exists(path) or _looks_like_local_path(path):
+        raise ModelLoadError(f"Model path '{path}' does not exist (or is not a folder).")
+
+
+def load_tokenizer(processing_class: Any, model_name_or_path: Any, pad_token: str | None = None,
+                   chat_template_path: str | None = None):
+    """The tokenizer to use: the given one, or the model folder's. Ensures a pad token (falls back to EOS)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = processing_class
+    if tokenizer is None:
+        source = model_name_or_path if isinstance(model_name_or_path, str) else model_name_or_path.config._name_or_path
+        if not source:
+            raise ModelLoadError("Pass `processing_class` (a tokenizer): the model instance does not say where it came from.")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except OSError as error:
+            raise ModelLoadError(f"Could not load a tokenizer from '{source}' ({error}); pass `processing_class`.") from error
+    if chat_template_path is not None:
+        if os.path.isdir(chat_template_path):
+            tokenizer.chat_template = AutoTokenizer.from_pretrained(chat_template_path).chat_template
+        elif os.path.isfile(chat_template_path):
+            with open(chat_template_path) as f:
+                tokenizer.chat_template = f.read()
+        else:
+            raise ModelLoadError(f"chat_template_path '{chat_template_path}' does not exist.")
+    if pad_token is not None:
+        if pad_token not in tokenizer.get_vocab():
+            raise ModelLoadError(f"pad_token {pad_token!r} is not in the tokenizer's vocabulary.")
+        tokenizer.pad_token = pad_token
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError("The tokenizer has neither a pad token nor an EOS token; set SFTConfig(pad_token=...).")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logits_to_keep: int | None = None,
+    with_entropy: bool = False,
+    with_accuracy: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit).
+
+    input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
+    are don't-care (their values are meaningless; mask them). Returns tensors of shape [B, K].
+    """
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+    if logits_to_keep is not None:
+        # The last position predicts beyond the sequence; keep one more and drop it so K positions remain.
+        kwargs["logits_to_keep"] = logits_to_keep + 1
+    logits = model(**kwargs).logits  # [B, K(+1), V]
+    if logits_to_keep is not None:
+        logits = logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    out = {"logps": selective_log_softmax(logits, target_ids)}
+    if with_entropy:
+        with torch.no_grad():
+            out["entropy"] = entropy_from_logits(logits.detach())
+    if with_accuracy:
+        with torch.no_grad():
+            out["correct"] = logits.detach().argmax(-1) == target_ids
+    return out

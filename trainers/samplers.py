@@ -1,0 +1,55 @@
+"""Which rows each process trains on at each step: a pure function of (seed, step), so every process agrees
+without talking, and a resumed run continues exactly where it stopped (no sampler state to save).
+
+Within an optimizer step the global batch is laid out as [accumulation step][process][row]:
+micro-batch ``a`` of process ``p`` is rows ``[(a * P + p) * B, (a * P + p + 1) * B)`` of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def local_slice(global_batch: list[int], accumulation_index: int, process_index: int, per_device: int,
+                num_processes: int) -> list[int]:
+    """The rows of ``global_batch`` that process ``process_index`` uses in micro-step ``accumulation_index``."""
+    start = (accumulation_index * num_processes + process_index) * per_device
+    return global_batch[start : start + per_device]
+
+
+class GlobalBatchSampler:
+    """Splits each epoch's (shuffled) row order into global batches of ``global_batch`` rows.
+
+    When the row count is not a multiple of the global batch, the last batch of an epoch is topped up with the
+    first rows of the same epoch's order, so every row is trained on at least once per epoch and every
+    micro-batch has the same size (which DDP and DeepSpeed need).
+    """
+
+    def __init__(self, num_rows: int, global_batch: int, seed: int, shuffle: bool = True):
+        if num_rows <= 0:
+            raise ValueError("cannot sample from an empty dataset")
+        self.num_rows, self.global_batch, self.seed, self.shuffle = num_rows, global_batch, seed, shuffle
+        self.steps_per_epoch = math.ceil(num_rows / global_batch)
+        self.padding_per_epoch = self.steps_per_epoch * global_batch - num_rows
+        self._cached: tuple[int, list[int]] | None = None
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if self._cached is None or self._cached[0] != epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.num_rows, generator=generator).tolist()
+            else:
+                order = list(range(self.num_rows))
+            needed = self.steps_per_epoch * self.global_batch
+            while len(order) < needed:  # top up (possibly several times when rows < one global batch)
+                order += order[: needed - len(order)]
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def batch(self, step: int) -> list[int]:
+        """Row indices of the global batch of optimizer step ``step`` (0-based)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        return order[offset * self.global_batch : (offset + 1) * self.global_batch]

@@ -1,0 +1,138 @@
+"""SFTTrainer: supervised fine-tuning on text, conversations, prompt/completion pairs or token ids."""
+
+from __future__ import annotations
+
+import torch
+
+from trainers.base import BaseTrainer, Stats
+from trainers.configs import ConfigError, SFTConfig
+from trainers.data import (
+    IGNORE, Collator, DatasetFormatError, detect_format, pack_samples, shift_targets, tokenize_row, truncate,
+)
+from trainers.logs import logger
+from trainers.losses import AGGREGATIONS, BatchCounts
+from trainers.modeling import token_logprobs
+from trainers.samplers import GlobalBatchSampler, local_slice
+
+
+def as_dataset(data, name: str):
+    """A ``datasets.Dataset`` from a Dataset or a list of dicts; refuses empty data."""
+    from datasets import Dataset
+
+    if isinstance(data, list):
+        if not data:
+            raise DatasetFormatError(f"{name} is empty.")
+        data = Dataset.from_list(data)
+    if not isinstance(data, Dataset):
+        raise DatasetFormatError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}.")
+    if len(data) == 0:
+        raise DatasetFormatError(f"{name} is empty.")
+    return data
+
+
+class SFTTrainer(BaseTrainer):
+    """Fine-tunes a causal LM on supervised data; the loss is the token-level NLL over trained tokens.
+
+    Example::
+
+        trainer = SFTTrainer(model="path/to/model", args=SFTConfig(output_dir="out"), train_dataset=dataset)
+        trainer.train()
+        trainer.save_model("out/final")
+    """
+
+    config_class = SFTConfig
+
+    # ------------------------------------------------------------------ data
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        args, tokenizer = self.args, self.processing_class
+        if args.eos_token is not None:
+            if args.eos_token not in tokenizer.get_vocab():
+                raise ConfigError(f"SFTConfig: `eos_token={args.eos_token!r}` is not in the tokenizer's vocabulary.")
+            tokenizer.eos_token = args.eos_token
+        if train_dataset is None:
+            raise DatasetFormatError("SFTTrainer needs a train_dataset.")
+        self.train_rows = self._tokenize(train_dataset, "train_dataset")
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.collator = Collator(tokenizer.pad_token_id, padding_free=args.packing or args.padding_free,
+                                 pad_to_multiple_of=args.pad_to_multiple_of)
+        global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
+                        * args.gradient_accumulation_steps)
+        self.sampler = GlobalBatchSampler(len(self.train_rows), global_batch, args.seed, args.shuffle_dataset)
+        if self.sampler.padding_per_epoch and self.accelerator.is_main_process:
+            logger.info(f"{len(self.train_rows)} training rows are not a multiple of the global batch "
+                        f"({global_batch}); each epoch repeats {self.sampler.padding_per_epoch} rows to fill its "
+                        f"last batch.")
+
+    def _tokenize(self, dataset, name: str) -> list[dict]:
+        args = self.args
+        dataset = as_dataset(dataset, name)
+        fmt = detect_format(dataset.column_names, args.dataset_text_field)
+        kwargs = dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
+                      eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
+                      assistant_only_loss=args.assistant_only_loss)
+        if args.assistant_only_loss and fmt != "conversational":
+            raise ConfigError(f"assistant_only_loss=True needs a 'messages' column; {name} is in the {fmt} format.")
+        with self.accelerator.main_process_first():
+            tokenized = dataset.map(lambda row: tokenize_row(row, **kwargs), remove_columns=dataset.column_names,
+                                    num_proc=args.dataset_num_proc, desc=f"tokenizing {name}")
+        samples = [shift_targets(truncate({"input_ids": ids, "labels": labels}, args.max_length, args.truncation_mode))
+                   for ids, labels in zip(tokenized["input_ids"], tokenized["labels"])]
+        trainable = [s for s in samples if any(t != IGNORE for t in s["target_ids"])]
+        if not trainable:
+            raise DatasetFormatError(f"No row of {name} has a token to train on (check max_length and the loss masks).")
+        if len(trainable) < len(samples) and self.accelerator.is_main_process:
+            logger.warning(f"{len(samples) - len(trainable)} rows of {name} have no token to train on after "
+                           f"truncation to max_length={args.max_length}; they are skipped.")
+        samples = trainable
+        if args.packing:
+            samples = pack_samples(samples, args.max_length)
+        return samples
+
+    def optimizer_steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def _to_device(self, batch: dict) -> dict:
+        batch = {k: v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch["loss_mask"] = (batch["target_ids"] != IGNORE).float()  # [B, T]
+        return batch
+
+    def micro_batch(self, step: int, accumulation_index: int) -> dict:
+        args, acc = self.args, self.accelerator
+        rows = local_slice(self.sampler.batch(step), accumulation_index, acc.process_index,
+                           args.per_device_train_batch_size, acc.num_processes)
+        return self._to_device(self.collator([self.train_rows[i] for i in rows]))
+
+    # ------------------------------------------------------------------ loss
+
+    def _forward(self, model, batch: dict) -> dict:
+        return token_logprobs(model, batch["input_ids"], batch["target_ids"], attention_mask=batch["attention_mask"],
+                              position_ids=batch["position_ids"], with_accuracy=True)
+
+    def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        out = self._forward(model, batch)
+        mask = batch["loss_mask"]  # [B, T]
+        loss = AGGREGATIONS["nll"](-out["logps"], mask, counts)
+        correct = (out["correct"] & mask.bool()).sum()
+        return loss, {"mean_token_accuracy": (correct, mask.sum())}
+
+    def evaluation_stats(self) -> Stats:
+        """Token-level NLL and accuracy over eval_dataset. Every process runs the same number of forward passes
+        (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight."""
+        args, acc = self.args, self.accelerator
+        n, size = len(self.eval_rows), args.per_device_eval_batch_size
+        per_process = -(-n // acc.num_processes)
+        mine = list(range(acc.process_index, n, acc.num_processes))
+        nll = torch.zeros((), device=acc.device)
+        correct = torch.zeros((), device=acc.device)
+        tokens = torch.zeros((), device=acc.device)
+        for start in range(0, per_process, size):
+            chunk = mine[start : start + size]
+            batch = self._to_device(self.collator([self.eval_rows[i] for i in chunk or [0]]))
+            weight = 1.0 if chunk else 0.0
+            out = self._forward(self.model, batch)
+            mask = batch["loss_mask"] * weight
+            nll += (-out["logps"] * mask).sum()
+            correct += (out["correct"] * mask).sum()
+            tokens += mask.sum()
+        return {"loss": (nll, tokens), "mean_token_accuracy": (correct, tokens)}

@@ -1,0 +1,95 @@
+"""Tiny models and tokenizers built offline, for the demo, the tests and the benchmarks.
+
+Nothing here touches the network: the tokenizer is byte-level with no merges (one token per byte, so it
+encodes any text) plus ChatML's special tokens and chat template, and the model is a randomly initialised
+Qwen2 built from a config. Saved with ``save_pretrained``, a tiny model's folder works exactly as a Hub id.
+"""
+
+from __future__ import annotations
+
+import os
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(chat_template: bool = True):
+    """A byte-level tokenizer (vocabulary: 256 bytes + 3 ChatML specials = 259 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    if chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                num_kv_heads: int = 2, intermediate_size: int | None = None, max_position_embeddings: int = 2048,
+                tie_word_embeddings: bool = True, seed: int = 0, **config_kwargs):
+    """A randomly initialised Qwen2 causal LM of the given shape (float32)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def save_tiny_model(path: str, **model_kwargs) -> str:
+    """Build a tokenizer and a tiny model and save both to ``path``; returns ``path``."""
+    tokenizer = build_tokenizer()
+    model = build_model(vocab_size=len(tokenizer), **model_kwargs)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = None
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = None
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Toy tasks: generated datasets that a tiny model can learn in seconds on a CPU.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def reverse_digits_rows(n: int, length: int = 5, seed: int = 0) -> list[dict]:
+    """``{"prompt": "12345=", "answer": "54321"}`` rows: reverse a string of digits."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
+        rows.append({"prompt": digits + "=", "answer": digits[::-1]})
+    return rows
+
+
+def as_sft_rows(rows: list[dict]) -> list[dict]:
+    """Prompt/answer rows -> SFT prompt/completion rows (the completion is the answer; EOS is appended)."""
+    return [{"prompt": r["prompt"], "completion": r["answer"]} for r in rows]
