@@ -72,6 +72,7 @@ class BaseTrainer:
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
             model.config.use_cache = False
         self.is_peft = peft_config is not None
+        self.after_load(model)
 
         optimizer = self._build_optimizer(model)
         dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
@@ -103,8 +104,14 @@ class BaseTrainer:
         """This process's share of evaluation statistics over ``eval_dataset``."""
         raise NotImplementedError
 
+    def after_load(self, model) -> None:
+        """Called with the loaded (and PEFT-wrapped) model before it is prepared."""
+
     def after_prepare(self) -> None:
         """Called once the model is prepared (GRPO sets up its reference model and rewards here)."""
+
+    def on_log(self, record: dict) -> None:
+        """Called on every process after a metrics record is written."""
 
     def step_metrics(self) -> dict:
         """Metrics a subclass measured outside ``compute_loss`` during the last step (already global)."""
@@ -257,12 +264,13 @@ class BaseTrainer:
         epoch_end = step % self.steps_per_epoch == 0
         if step % args.logging_steps == 0 or last or step == 1:
             record = {"step": step, "epoch": round(state.epoch, 4)}
-            for name in window[-1]:
+            for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]
                 record[name] = sum(values) / len(values)
             record["num_tokens"] = state.num_tokens
             run_log.record(state.log_history, record)
             window.clear()
+            self.on_log(record)
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0) or (
             args.eval_strategy == "epoch" and epoch_end)
         if eval_due and self.has_eval_data():

@@ -129,7 +129,8 @@ class TrainingConfig:
             value = getattr(self, f)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f, value,
                    "it must be a positive integer")
-        _check(isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0
+        _check(isinstance(self.learning_rate, (int, float)) and not isinstance(self.learning_rate, bool)
+               and self.learning_rate > 0
                and math.isfinite(self.learning_rate), name, "learning_rate", self.learning_rate,
                "it must be a positive number")
         _check(self.weight_decay >= 0, name, "weight_decay", self.weight_decay, "it must be >= 0")

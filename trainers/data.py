@@ -76,15 +76,22 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         through = _render(tokenizer, messages[: i + 1])
+        if i:
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # ends with the assistant header
+            start = len(before)
+        else:
+            # A conversation cannot be rendered empty, so the header of a leading assistant turn ends where its
+            # content starts.
+            before, found = "", through.find(message["content"]) if message["content"] else -1
+            start = max(found, 0)
         if not (text.startswith(before) and text.startswith(through)):
             raise DatasetFormatError(
                 "assistant_only_loss=True needs a chat template whose rendering of a conversation starts with the "
                 "rendering of its first turns; this template rewrites earlier turns. Use a template without that "
                 "behaviour, or assistant_only_loss=False."
             )
-        spans.append((len(before), len(through)))
+        spans.append((start, len(through)))
     return spans
 
 
@@ -96,7 +103,9 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
         if row.get("labels") is not None:
             labels = list(row["labels"])
         elif row.get("completion_mask") is not None:
-            labels = [t if m else IGNORE for t, m in zip(input_ids, row["completion_mask"])]
+            labels = list(row["completion_mask"])
+            if len(labels) == len(input_ids):
+                labels = [t if m else IGNORE for t, m in zip(input_ids, labels)]
         else:
             labels = list(input_ids)
         if len(labels) != len(input_ids):

@@ -11,6 +11,7 @@ Trainers never branch on the backend. They call:
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from typing import Any
 
@@ -105,6 +106,27 @@ def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enable
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
         yield
+
+
+def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A model that only runs forward (a reference or reward model): eval mode, no gradients, on the device.
+
+    Under ZeRO-3 it becomes a DeepSpeed inference engine, partitioned like the policy, so no process holds a
+    full copy; otherwise it is cast to bf16 when training in bf16 (it never needs fp32 master weights).
+    """
+    model.eval().requires_grad_(False)
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        config.pop("optimizer", None)
+        config.pop("scheduler", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+    if accelerator.mixed_precision == "bf16":
+        model = model.to(dtype=torch.bfloat16)
+    return model.to(accelerator.device)
 
 
 def gather_objects(accelerator: Accelerator, objects: list) -> list:

@@ -53,3 +53,17 @@ class GlobalBatchSampler:
         epoch, offset = divmod(step, self.steps_per_epoch)
         order = self.epoch_order(epoch)
         return order[offset * self.global_batch : (offset + 1) * self.global_batch]
+
+
+def group_slots(prompts: list[int], num_generations: int, num_processes: int, process_index: int) -> list[int]:
+    """GRPO's layout of one generation round: every prompt repeated ``num_generations`` times (a group is
+    contiguous), then split into equal contiguous shares, one per process. A group may straddle two
+    processes; its rewards are gathered before advantages are computed, so that changes nothing.
+
+    Returns the prompt (row) index of each completion this process generates.
+    """
+    slots = [p for p in prompts for _ in range(num_generations)]
+    if len(slots) % num_processes:
+        raise ValueError(f"{len(slots)} completions cannot be split evenly over {num_processes} processes")
+    share = len(slots) // num_processes
+    return slots[process_index * share:(process_index + 1) * share]

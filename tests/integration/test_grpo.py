@@ -1,0 +1,184 @@
+"""GRPO end to end on a tiny model, one CPU process."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.configs import ConfigError
+
+PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
+
+
+def digits(completions, **kwargs):
+    """Fraction of digit characters: learnable from scratch in a few dozen steps."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def config(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=8,
+                max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
+                disable_tqdm=True, seed=0)
+    return GRPOConfig(**{**base, **overrides})
+
+
+def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits,
+                          args=config(tmp_path, max_steps=24, logging_steps=4), train_dataset=PROMPTS)
+    trainer.train()
+    rewards = [r["reward"] for r in trainer.state.log_history]
+    assert rewards[0] < 0.1  # digits are 10 of 259 byte tokens
+    assert rewards[-1] > 0.5, rewards
+    last = trainer.state.log_history[-1]
+    for key in ("loss", "reward", "reward_std", "rewards/digits/mean", "rewards/digits/std", "completions/mean_length",
+                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "entropy",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "frac_reward_zero_std", "num_tokens", "step_time",
+                "learning_rate", "grad_norm"):
+        assert key in last, key
+    assert 0 < last["completions/mean_length"] <= 8
+    assert last["entropy"] < trainer.state.log_history[0]["entropy"]  # the policy sharpened
+
+
+def test_peft_grpo_trains_only_adapters_and_beta_uses_the_base_model(tiny_model_dir, tmp_path):
+    from peft import LoraConfig
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, beta=0.1, max_steps=3),
+                          train_dataset=PROMPTS,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    assert trainer._ref_model is None  # no second copy: the base model with adapters disabled is the reference
+    before = {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+    trainer.train()
+    after = trainer.unwrapped_model.state_dict()
+    for key in before:
+        assert (not torch.equal(before[key], after[key])) == ("lora_" in key), key
+    kls = [r["kl"] for r in trainer.state.log_history]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6)  # adapters start as the identity
+    assert kls[-1] > 0
+
+
+def test_beta_logs_a_growing_kl_to_a_frozen_reference(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, beta=0.05, max_steps=4),
+                          train_dataset=PROMPTS)
+    reference = {k: v.clone() for k, v in trainer._ref_model.state_dict().items()}
+    trainer.train()
+    kls = [r["kl"] for r in trainer.state.log_history]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-4, kls
+    for key, value in trainer._ref_model.state_dict().items():
+        assert torch.equal(value, reference[key]), f"reference model changed: {key}"
+
+
+@pytest.mark.parametrize("options", [
+    {"importance_sampling_level": "sequence"},  # GSPO
+    {"num_iterations": 2},  # rollouts reused with old log-probs
+    {"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dr_grpo"},
+    {"scale_rewards": "batch", "epsilon_high": 0.28},
+])
+def test_variants_train(tiny_model_dir, tmp_path, options):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, max_steps=4, **options),
+                          train_dataset=PROMPTS)
+    trainer.train()
+    history = trainer.state.log_history
+    assert len(history) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    if options.get("num_iterations") == 2:
+        assert trainer.need_old_logps
+        # each round serves 2 optimizer steps: steps 2 and 4 reuse it, so only steps 1 and 3 log rewards
+        assert ["reward" in r for r in history] == [True, False, True, False]
+        # on the reuse pass the policy moved, so some ratios leave the clip range or at least move off 1
+        assert trainer._rollout.old_logps is not None
+
+
+def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, num_iterations=2),
+                          train_dataset=PROMPTS)
+    batch = trainer.micro_batch(0, 0)
+    with torch.no_grad():
+        current = trainer._policy_forward(trainer.model, batch)["logps"]
+    mask = batch["loss_mask"].bool()
+    torch.testing.assert_close(current[mask], batch["old_logps"][mask], rtol=1e-5, atol=1e-5)
+
+
+def test_generation_batch_semantics(tiny_model_dir, tmp_path):
+    """per_device counts completions; one round of generation_batch_size serves steps_per_generation micro-steps."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                          args=config(tmp_path, per_device_train_batch_size=4, num_generations=4,
+                                      gradient_accumulation_steps=2, steps_per_generation=4))
+    assert trainer.generation_batch_size == 16 and trainer.prompts_per_round == 4
+    assert trainer.need_old_logps  # a round spans 2 optimizer steps
+    rounds = []
+    for step in range(2):
+        for a in range(2):
+            batch = trainer.micro_batch(step, a)
+            assert batch["completion_ids"].shape[0] == 4
+            rounds.append(trainer._rollout_round)
+    assert rounds == [0, 0, 0, 0]
+    trainer.micro_batch(2, 0)
+    assert trainer._rollout_round == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"per_device_train_batch_size": 6, "num_generations": 4}, r"6 x 1 x 1 = 6 completions per round is not a multiple of num_generations=4"),
+    ({"generation_batch_size": 20, "per_device_train_batch_size": 8}, r"generation_batch_size=20 must be a multiple"),
+    ({"reward_weights": [1.0, 2.0]}, r"reward_weights has 2 entries but reward_funcs has 1"),
+])
+def test_invalid_batch_combinations_fail_at_construction(tiny_model_dir, tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, **options), train_dataset=PROMPTS)
+
+
+def test_num_generations_below_two_fails(tmp_path):
+    with pytest.raises(ConfigError, match="num_generations"):
+        config(tmp_path, num_generations=1)
+
+
+def test_conversational_prompts_columns_and_log_completions(tiny_model_dir, tmp_path):
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, tag, **kwargs):
+        seen.update(prompt=prompts[0], completion=completions[0], tag=tag[0], n=len(completions))
+        return [float(len(ids)) for ids in completion_ids]
+
+    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}], "tag": f"t{i}"} for i in range(4)]
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[spy, "format"], train_dataset=rows,
+                          args=config(tmp_path, log_completions=True, num_completions_to_print=2, max_steps=1))
+    trainer.train()
+    assert isinstance(seen["prompt"], list) and seen["prompt"][0]["role"] == "user"
+    assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)
+    assert seen["tag"].startswith("t") and seen["n"] == 16
+    with open(os.path.join(tmp_path / "out", "completions.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert len(logged) == 16 and {"prompt", "completion", "reward", "advantage", "step"} <= logged[0].keys()
+    assert "rewards/format/mean" in trainer.state.log_history[0]
+
+
+def test_dynamic_sampling_drops_zero_variance_groups(tiny_model_dir, tmp_path):
+    def constant_for_first_prompt(prompts, completions, **kwargs):
+        return [0.5 if p == "abc" else float(len(c)) for p, c in zip(prompts, completions)]
+
+    rows = [{"prompt": "abc"}, {"prompt": "hello"}]
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=constant_for_first_prompt, train_dataset=rows,
+                          args=config(tmp_path, dynamic_sampling=True, max_steps=1, shuffle_dataset=False))
+    batch = trainer.micro_batch(0, 0)
+    first_group = batch["loss_mask"][:8]
+    assert first_group.sum() == 0 and batch["loss_mask"][8:].sum() > 0
+    assert trainer.step_metrics()["dynamic_sampling/dropped_groups"] == 1
+
+
+def test_mask_truncated_completions(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                          args=config(tmp_path, mask_truncated_completions=True, max_completion_length=3))
+    batch = trainer.micro_batch(0, 0)
+    eos = trainer.processing_class.eos_token_id
+    for ids, attention, mask in zip(batch["completion_ids"], batch["completion_attention"], batch["loss_mask"]):
+        ended = eos in ids[attention.bool()].tolist()
+        assert bool(mask.any()) == ended
+
+
+def test_evaluation_reports_reward(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS, eval_dataset=PROMPTS[:3],
+                          args=config(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8))
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_reward" in r]
+    assert len(evals) == 1 and 0 <= evals[0]["eval_reward"] <= 1 and "eval_rewards/digits/mean" in evals[0]

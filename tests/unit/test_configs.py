@@ -1,0 +1,334 @@
+"""Unit tests for trainers/configs.py: validation, unknown/TRL-only options, TRL-mirroring defaults."""
+
+import dataclasses
+import math
+
+import pytest
+
+from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.configs import ConfigError, GRPOConfig, SFTConfig, TrainingConfig
+
+ALL_CONFIGS = [TrainingConfig, SFTConfig, GRPOConfig]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Validation in __post_init__
+# ------------------------------------------------------------------------------------------------------------
+
+# (config class, kwargs, field the message must name)
+INVALID = [
+    # The ones the brief lists explicitly.
+    (TrainingConfig, {"learning_rate": 0}, "learning_rate"),
+    (TrainingConfig, {"learning_rate": -1}, "learning_rate"),
+    (SFTConfig, {"learning_rate": 0.0}, "learning_rate"),
+    (GRPOConfig, {"learning_rate": -1e-6}, "learning_rate"),
+    (TrainingConfig, {"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
+    (GRPOConfig, {"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
+    (TrainingConfig, {"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    (SFTConfig, {"max_length": 0}, "max_length"),
+    (GRPOConfig, {"max_completion_length": 0}, "max_completion_length"),
+    (GRPOConfig, {"num_generations": 1}, "num_generations"),
+    (SFTConfig, {"loss_type": "dft"}, "loss_type"),
+    (GRPOConfig, {"loss_type": "ppo"}, "loss_type"),
+    (GRPOConfig, {"scale_rewards": "std"}, "scale_rewards"),
+    (GRPOConfig, {"importance_sampling_level": "sequence_level"}, "importance_sampling_level"),
+    (TrainingConfig, {"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
+    (TrainingConfig, {"save_strategy": "best"}, "save_strategy"),
+    (TrainingConfig, {"eval_strategy": "always"}, "eval_strategy"),
+    (TrainingConfig, {"warmup_steps": 5, "warmup_ratio": 0.1}, "warmup_ratio"),
+    (TrainingConfig, {"warmup_steps": 0.05, "warmup_ratio": 0.1}, "warmup_ratio"),
+    (TrainingConfig, {"bf16": True, "fp16": True}, "fp16"),
+    (GRPOConfig, {"use_vllm": True}, "use_vllm"),
+    (GRPOConfig, {"generation_batch_size": 16, "steps_per_generation": 2}, "steps_per_generation"),
+    # The rest of the checks.
+    (TrainingConfig, {"learning_rate": float("inf")}, "learning_rate"),
+    (TrainingConfig, {"learning_rate": float("nan")}, "learning_rate"),
+    (TrainingConfig, {"learning_rate": "1e-4"}, "learning_rate"),
+    (TrainingConfig, {"per_device_train_batch_size": 2.0}, "per_device_train_batch_size"),
+    (TrainingConfig, {"per_device_train_batch_size": True}, "per_device_train_batch_size"),
+    (TrainingConfig, {"per_device_eval_batch_size": 0}, "per_device_eval_batch_size"),
+    (TrainingConfig, {"logging_steps": 0}, "logging_steps"),
+    (TrainingConfig, {"save_steps": -5}, "save_steps"),
+    (TrainingConfig, {"weight_decay": -0.01}, "weight_decay"),
+    (TrainingConfig, {"adam_beta1": 1.0}, "adam_beta1"),
+    (TrainingConfig, {"adam_beta2": -0.1}, "adam_beta2"),
+    (TrainingConfig, {"adam_epsilon": 0}, "adam_epsilon"),
+    (TrainingConfig, {"optim": "sgd"}, "optim"),
+    (TrainingConfig, {"max_grad_norm": -1.0}, "max_grad_norm"),
+    (TrainingConfig, {"num_train_epochs": 0}, "num_train_epochs"),
+    (TrainingConfig, {"max_steps": 0}, "max_steps"),
+    (TrainingConfig, {"max_steps": -2}, "max_steps"),
+    (TrainingConfig, {"max_steps": 10.0}, "max_steps"),
+    (TrainingConfig, {"warmup_steps": -1}, "warmup_steps"),
+    (TrainingConfig, {"warmup_steps": 2.5}, "warmup_steps"),
+    (TrainingConfig, {"warmup_ratio": 1.0}, "warmup_ratio"),
+    (TrainingConfig, {"warmup_ratio": -0.1}, "warmup_ratio"),
+    (TrainingConfig, {"eval_steps": 0}, "eval_steps"),
+    (TrainingConfig, {"save_total_limit": 0}, "save_total_limit"),
+    (TrainingConfig, {"report_to": ["wandb", 3]}, "report_to"),
+    (SFTConfig, {"max_length": -4}, "max_length"),
+    (SFTConfig, {"max_length": 12.5}, "max_length"),
+    (SFTConfig, {"packing": True, "max_length": None}, "max_length"),
+    (SFTConfig, {"truncation_mode": "keep_middle"}, "truncation_mode"),
+    (SFTConfig, {"packing_strategy": "wrapped"}, "packing_strategy"),
+    (SFTConfig, {"pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+    (SFTConfig, {"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    (GRPOConfig, {"num_generations": 0}, "num_generations"),
+    (GRPOConfig, {"num_generations": 4.0}, "num_generations"),
+    (GRPOConfig, {"max_completion_length": -1}, "max_completion_length"),
+    (GRPOConfig, {"num_iterations": 0}, "num_iterations"),
+    (GRPOConfig, {"temperature": 0.0}, "temperature"),
+    (GRPOConfig, {"top_p": 0.0}, "top_p"),
+    (GRPOConfig, {"top_p": 1.01}, "top_p"),
+    (GRPOConfig, {"top_k": -1}, "top_k"),
+    (GRPOConfig, {"beta": -0.04}, "beta"),
+    (GRPOConfig, {"epsilon": 0.0}, "epsilon"),
+    (GRPOConfig, {"epsilon_high": 0.0}, "epsilon_high"),
+    (GRPOConfig, {"delta": 1.0}, "delta"),
+    (GRPOConfig, {"generation_batch_size": 0}, "generation_batch_size"),
+    (GRPOConfig, {"steps_per_generation": -1}, "steps_per_generation"),
+    (GRPOConfig, {"num_completions_to_print": 0}, "num_completions_to_print"),
+    (GRPOConfig, {"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type"),
+]
+
+
+@pytest.mark.parametrize("cls", ALL_CONFIGS)
+def test_defaults_are_valid(cls):
+    cls()  # every invalid case below differs from a valid default only in its kwargs
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,field_name", INVALID, ids=[f"{c.__name__}-{'-'.join(f'{k}={v!r}' for k, v in kw.items())}"
+                                           for c, kw, _ in INVALID]
+)
+def test_invalid_value_raises_config_error_naming_the_field(cls, kwargs, field_name):
+    with pytest.raises(ConfigError) as info:
+        cls(**kwargs)
+    message = str(info.value)
+    assert f"`{field_name}=" in message
+    assert message.startswith(cls.__name__ + ":")
+
+
+def test_both_warmups_message_names_both_fields():
+    with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio, not both"):
+        TrainingConfig(warmup_steps=5, warmup_ratio=0.1)
+
+
+def test_bf16_and_fp16_message_names_both():
+    with pytest.raises(ConfigError, match=r"set bf16 or fp16, not both"):
+        SFTConfig(bf16=True, fp16=True)
+
+
+def test_generation_batch_size_and_steps_per_generation_message_names_both():
+    with pytest.raises(ConfigError, match="set generation_batch_size or steps_per_generation, not both"):
+        GRPOConfig(generation_batch_size=16, steps_per_generation=2)
+
+
+def test_invalid_choice_message_lists_valid_values():
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(loss_type="ppo")
+    for valid in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        assert valid in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        TrainingConfig(lr_scheduler_type="polynomial")
+    for valid in ("linear", "cosine", "constant", "constant_with_warmup"):
+        assert valid in str(info.value)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (TrainingConfig, {"num_train_epochs": 0, "max_steps": 5}),  # epochs ignored when max_steps > 0
+        (TrainingConfig, {"warmup_steps": 0.5}),  # a fraction
+        (TrainingConfig, {"warmup_steps": 3.0}),  # a whole-number float counts steps
+        (TrainingConfig, {"warmup_ratio": 0.99}),
+        (TrainingConfig, {"max_grad_norm": None}),
+        (TrainingConfig, {"max_grad_norm": 0}),
+        (TrainingConfig, {"bf16": True, "fp16": False}),
+        (TrainingConfig, {"bf16": False, "fp16": True}),
+        (TrainingConfig, {"report_to": ["tensorboard", "wandb"]}),
+        (TrainingConfig, {"eval_strategy": "steps", "eval_steps": 3, "save_strategy": "epoch"}),
+        (TrainingConfig, {"adam_beta1": 0.0}),
+        (SFTConfig, {"max_length": None}),
+        (SFTConfig, {"packing": True, "max_length": 64, "truncation_mode": "keep_end"}),
+        (SFTConfig, {"pad_to_multiple_of": 8}),
+        (GRPOConfig, {"num_generations": 2}),
+        (GRPOConfig, {"generation_batch_size": 16}),
+        (GRPOConfig, {"steps_per_generation": 4}),
+        (GRPOConfig, {"top_k": None}),
+        (GRPOConfig, {"top_p": 1.0, "delta": 1.5, "epsilon_high": 0.28}),
+        (GRPOConfig, {"scale_rewards": "batch", "importance_sampling_level": "sequence", "loss_type": "dr_grpo"}),
+    ],
+)
+def test_valid_edge_values_are_accepted(cls, kwargs):
+    config = cls(**kwargs)
+    for key, value in kwargs.items():
+        assert getattr(config, key) == value
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Unknown and TRL-only options
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ALL_CONFIGS)
+def test_unknown_option_near_miss_suggests_the_field(cls):
+    with pytest.raises(ConfigError) as info:
+        cls(learning_rat=1e-4)
+    message = str(info.value)
+    assert f"{cls.__name__} has no option `learning_rat`" in message
+    assert "Did you mean" in message
+    assert "`learning_rate`" in message
+
+
+def test_unknown_option_suggestion_is_class_specific():
+    with pytest.raises(ConfigError, match=r"Did you mean .*`num_generations`"):
+        GRPOConfig(num_generation=4)
+    with pytest.raises(ConfigError, match=r"Did you mean .*`max_length`"):
+        SFTConfig(max_lenght=128)
+
+
+def test_unknown_option_without_near_miss_has_no_suggestion():
+    with pytest.raises(ConfigError) as info:
+        TrainingConfig(zzqqxx=1)
+    message = str(info.value)
+    assert "has no option `zzqqxx`" in message
+    assert "Did you mean" not in message
+
+
+def test_option_of_another_config_is_unknown():
+    with pytest.raises(ConfigError, match="GRPOConfig has no option `packing`"):
+        GRPOConfig(packing=True)
+    with pytest.raises(ConfigError, match="SFTConfig has no option `num_generations`"):
+        SFTConfig(num_generations=4)
+    with pytest.raises(ConfigError, match="TrainingConfig has no option `max_length`"):
+        TrainingConfig(max_length=16)
+
+
+@pytest.mark.parametrize("cls", ALL_CONFIGS)
+@pytest.mark.parametrize(
+    "name,value",
+    [("push_to_hub", False), ("hub_model_id", None), ("ddp_timeout", 1800), ("include_for_metrics", []),
+     ("logging_strategy", "steps"), ("dataloader_num_workers", 0), ("vllm_mode", "colocate")],
+)
+def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
+    assert TRL_ONLY_OPTIONS[name] == value
+    config = cls(**{name: value}, learning_rate=3e-4)
+    assert config.learning_rate == 3e-4  # the other options still apply
+    assert name not in {f.name for f in dataclasses.fields(config)}
+    assert not hasattr(config, name)
+
+
+@pytest.mark.parametrize("cls", ALL_CONFIGS)
+@pytest.mark.parametrize(
+    "name,value",
+    [("push_to_hub", True), ("hub_model_id", "me/model"), ("ddp_timeout", 60), ("torch_compile", True),
+     ("logging_strategy", "epoch"), ("vllm_mode", "server"), ("include_for_metrics", ["inputs"])],
+)
+def test_trl_only_option_at_other_value_is_refused(cls, name, value):
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    message = str(info.value)
+    assert f"`{name}=" in message
+    assert "TRL" in message
+    assert repr(TRL_ONLY_OPTIONS[name]) in message  # says which value would be accepted
+    assert message.startswith(cls.__name__ + ":")
+
+
+def test_trl_only_options_do_not_shadow_real_fields():
+    for cls in ALL_CONFIGS:
+        assert not set(TRL_ONLY_OPTIONS) & {f.name for f in dataclasses.fields(cls)}
+
+
+def test_positional_argument_and_signature_preserved():
+    config = TrainingConfig("some/dir")
+    assert config.output_dir == "some/dir"
+    import inspect
+
+    params = inspect.signature(SFTConfig.__init__).parameters
+    assert "max_length" in params and "learning_rate" in params
+    assert params["learning_rate"].default == 2e-5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# scale_rewards booleans, defaults, properties
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,expected", [(True, "group"), (False, "none"), ("batch", "batch"),
+                                            ("group", "group"), ("none", "none")])
+def test_scale_rewards_accepts_booleans(value, expected):
+    assert GRPOConfig(scale_rewards=value).scale_rewards == expected
+
+
+def test_trl_mirroring_defaults():
+    base, sft, grpo = TrainingConfig(), SFTConfig(), GRPOConfig()
+    assert base.learning_rate == 5e-5
+    assert sft.learning_rate == 2e-5
+    assert grpo.learning_rate == 1e-6
+    assert grpo.loss_type == "dapo"
+    assert grpo.num_generations == 8
+    assert grpo.beta == 0.0
+    assert grpo.scale_rewards == "group"
+    assert grpo.importance_sampling_level == "token"
+    assert grpo.epsilon == 0.2
+    assert grpo.max_completion_length == 512
+    assert grpo.remove_unused_columns is False
+    assert sft.remove_unused_columns is True
+    for config in (base, sft, grpo):
+        assert config.logging_steps == 10
+        assert config.lr_scheduler_type == "linear"
+        assert config.per_device_train_batch_size == 8
+        assert config.gradient_accumulation_steps == 1
+        assert config.seed == 42
+        assert config.bf16 is None
+    assert sft.max_length == 1024
+    assert sft.loss_type == "nll"
+    assert sft.completion_only_loss is None
+    assert sft.assistant_only_loss is False
+    assert sft.packing is False
+
+
+def test_every_field_has_help_text():
+    for cls in ALL_CONFIGS:
+        for f in dataclasses.fields(cls):
+            assert isinstance(f.metadata.get("help"), str) and f.metadata["help"], f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [({}, None), ({"warmup_steps": 0.1}, 0.1), ({"warmup_ratio": 0.2}, 0.2), ({"warmup_steps": 5}, None),
+     ({"warmup_steps": 1}, None), ({"warmup_steps": 0.999}, 0.999)],
+)
+def test_warmup_fraction(kwargs, expected):
+    fraction = TrainingConfig(**kwargs).warmup_fraction
+    if expected is None:
+        assert fraction is None
+    else:
+        assert isinstance(fraction, float) and math.isclose(fraction, expected)
+
+
+def test_clip_high():
+    assert GRPOConfig().clip_high == 0.2
+    assert GRPOConfig(epsilon=0.1).clip_high == 0.1
+    assert GRPOConfig(epsilon_high=0.28).clip_high == 0.28
+
+
+def test_to_dict_round_trips():
+    config = SFTConfig(learning_rate=1e-4, max_length=256, packing=True)
+    as_dict = config.to_dict()
+    assert as_dict["learning_rate"] == 1e-4
+    assert as_dict["max_length"] == 256
+    assert as_dict["packing"] is True
+    assert set(as_dict) == {f.name for f in dataclasses.fields(SFTConfig)}
+    assert SFTConfig(**as_dict) == config
+
+
+
+def test_boolean_learning_rate_is_refused():
+    with pytest.raises(ConfigError, match="learning_rate"):
+        SFTConfig(learning_rate=True)

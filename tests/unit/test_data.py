@@ -1,0 +1,746 @@
+"""Unit tests for trainers/data.py (formats, tokenization with loss masks, truncation, shifting, packing,
+collation) and trainers/samplers.py (global batches and their split over processes and accumulation)."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainers.data import (
+    IGNORE,
+    Collator,
+    DatasetFormatError,
+    detect_format,
+    is_conversational,
+    pack_bfd,
+    pack_samples,
+    shift_targets,
+    tokenize_row,
+    truncate,
+)
+from trainers.samplers import GlobalBatchSampler, local_slice
+
+EOS = "<|im_end|>"
+EOS_ID = 256
+PAD_ID = 257
+IM_START_ID = 258
+
+
+def enc(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def trained_segments(tokenizer, sample: dict) -> list[str]:
+    """Decode each maximal run of consecutive trained (label != -100) positions."""
+    segments, current = [], []
+    for token, label in zip(sample["input_ids"], sample["labels"]):
+        if label != IGNORE:
+            assert label == token  # a trained label is always the input token itself
+            current.append(token)
+        elif current:
+            segments.append(current)
+            current = []
+    if current:
+        segments.append(current)
+    return [tokenizer.decode(s) for s in segments]
+
+
+@pytest.fixture(scope="module")
+def no_template_tokenizer():
+    from trainers.tiny import build_tokenizer
+
+    return build_tokenizer(chat_template=False)
+
+
+def test_tokenizer_fixture_ids(tokenizer):
+    # The hard-coded ids below rely on this layout of the byte-level test tokenizer.
+    assert tokenizer.eos_token == EOS and tokenizer.eos_token_id == EOS_ID
+    assert tokenizer.pad_token_id == PAD_ID
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == IM_START_ID
+    assert enc(tokenizer, "ab") == [64, 65]
+    assert enc(tokenizer, "ab" + EOS) == [64, 65, EOS_ID]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# detect_format
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "columns,text_field,expected",
+    [
+        (["text"], "text", "language_modeling"),
+        (["text", "id"], "text", "language_modeling"),
+        (["content", "id"], "content", "language_modeling"),
+        (["messages"], "text", "conversational"),
+        (["messages", "text"], "text", "conversational"),
+        (["prompt", "completion"], "text", "prompt_completion"),
+        (["prompt", "completion", "text"], "text", "prompt_completion"),
+        (["input_ids"], "text", "tokenized"),
+        (["input_ids", "labels"], "text", "tokenized"),
+        (["input_ids", "completion_mask", "messages", "prompt", "completion", "text"], "text", "tokenized"),
+    ],
+)
+def test_detect_format(columns, text_field, expected):
+    assert detect_format(columns, text_field=text_field) == expected
+
+
+@pytest.mark.parametrize("columns,text_field", [(["prompt", "answer"], "text"), (["text"], "content"), ([], "text"),
+                                                (["completion"], "text")])
+def test_detect_format_unknown_lists_columns(columns, text_field):
+    with pytest.raises(DatasetFormatError) as info:
+        detect_format(columns, text_field=text_field)
+    message = str(info.value)
+    assert f"columns {sorted(columns)}" in message
+    for fmt in ("language_modeling", "conversational", "prompt_completion", "tokenized"):
+        assert fmt in message
+
+
+def test_dataset_format_error_is_value_error():
+    assert issubclass(DatasetFormatError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [([{"role": "user", "content": "x"}], True), ([], False), ("text", False), ([{"content": "x"}], False),
+     (["a"], False), (None, False)],
+)
+def test_is_conversational(value, expected):
+    assert is_conversational(value) is expected
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tokenize_row: language modelling
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_language_modeling_appends_eos(tokenizer):
+    sample = tokenize_row({"text": "hello"}, tokenizer, "language_modeling", eos_token=EOS)
+    assert sample["input_ids"] == enc(tokenizer, "hello") + [EOS_ID]
+    assert len(sample["input_ids"]) == 6
+    assert sample["labels"] == sample["input_ids"]
+    assert sample["labels"] is not sample["input_ids"]
+
+
+def test_language_modeling_does_not_double_eos(tokenizer):
+    sample = tokenize_row({"text": "hello" + EOS}, tokenizer, "language_modeling", eos_token=EOS)
+    assert sample["input_ids"] == enc(tokenizer, "hello") + [EOS_ID]
+    assert sample["input_ids"].count(EOS_ID) == 1
+    assert sample["labels"] == sample["input_ids"]
+
+
+def test_language_modeling_custom_field_and_eos(tokenizer):
+    sample = tokenize_row({"body": "hi", "text": "ignored"}, tokenizer, "language_modeling", text_field="body",
+                          eos_token="<|endoftext|>")
+    assert sample["input_ids"] == enc(tokenizer, "hi") + [PAD_ID]
+
+
+def test_language_modeling_non_string_raises(tokenizer):
+    with pytest.raises(DatasetFormatError, match="Column 'text' must hold strings; got list"):
+        tokenize_row({"text": ["a"]}, tokenizer, "language_modeling", eos_token=EOS)
+
+
+def test_unknown_format_raises(tokenizer):
+    with pytest.raises(ValueError, match="unknown format 'nope'"):
+        tokenize_row({"text": "a"}, tokenizer, "nope", eos_token=EOS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tokenize_row: prompt/completion
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("completion_only_loss", [None, True])
+def test_prompt_completion_strings_mask_prompt(tokenizer, completion_only_loss):
+    row = {"prompt": "12+3=", "completion": "15"}
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS,
+                          completion_only_loss=completion_only_loss)
+    prompt_ids, completion_ids = enc(tokenizer, "12+3="), enc(tokenizer, "15")
+    assert sample["input_ids"] == prompt_ids + completion_ids + [EOS_ID]
+    assert sample["labels"] == [IGNORE] * 5 + completion_ids + [EOS_ID]
+    assert trained_segments(tokenizer, sample) == ["15" + EOS]
+
+
+def test_prompt_completion_strings_all_trained(tokenizer):
+    row = {"prompt": "12+3=", "completion": "15"}
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS, completion_only_loss=False)
+    assert sample["input_ids"] == enc(tokenizer, "12+3=15") + [EOS_ID]
+    assert sample["labels"] == sample["input_ids"]
+
+
+def test_prompt_completion_completion_already_ending_with_eos(tokenizer):
+    row = {"prompt": "ab", "completion": "c" + EOS}
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS)
+    assert sample["input_ids"] == enc(tokenizer, "abc") + [EOS_ID]
+    assert sample["labels"] == [IGNORE, IGNORE] + enc(tokenizer, "c") + [EOS_ID]
+
+
+def test_prompt_completion_multibyte_boundary(tokenizer):
+    # "é" is two byte tokens: both belong to the prompt, the completion "ü" (two tokens) and EOS are trained.
+    sample = tokenize_row({"prompt": "é", "completion": "ü"}, tokenizer, "prompt_completion", eos_token=EOS)
+    assert len(sample["input_ids"]) == 5
+    assert sample["labels"][:2] == [IGNORE, IGNORE]
+    assert sample["labels"][2:] == sample["input_ids"][2:]
+    assert trained_segments(tokenizer, sample) == ["ü" + EOS]
+
+
+def test_prompt_completion_conversational(tokenizer):
+    row = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
+        "completion": [{"role": "assistant", "content": "Hello."}],
+    }
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS)
+    prompt_text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(sample["input_ids"]) == prompt_text + "Hello.<|im_end|>\n"
+    n_prompt = len(enc(tokenizer, prompt_text))
+    assert n_prompt == 5 + len("system\nBe brief.\n") + len("user\nHi?\n") + len("assistant\n")
+    assert sample["labels"][:n_prompt] == [IGNORE] * n_prompt
+    assert sample["labels"][n_prompt:] == sample["input_ids"][n_prompt:]
+    assert trained_segments(tokenizer, sample) == ["Hello.<|im_end|>\n"]
+    assert sample["input_ids"].count(EOS_ID) == 3  # no extra EOS appended to chat data
+
+
+def test_prompt_completion_conversational_all_trained(tokenizer):
+    row = {"prompt": [{"role": "user", "content": "Hi?"}], "completion": [{"role": "assistant", "content": "Yo"}]}
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS, completion_only_loss=False)
+    assert sample["labels"] == sample["input_ids"]
+    assert tokenizer.decode(sample["input_ids"]) == (
+        "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt,completion",
+    [("Hi", [{"role": "assistant", "content": "Yo"}]), ([{"role": "user", "content": "Hi"}], "Yo")],
+)
+def test_prompt_completion_mixed_types_raise(tokenizer, prompt, completion):
+    with pytest.raises(DatasetFormatError, match="both be strings or both be lists of messages"):
+        tokenize_row({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", eos_token=EOS)
+
+
+def test_prompt_completion_non_string_raises(tokenizer):
+    with pytest.raises(DatasetFormatError, match="must hold strings or lists of messages"):
+        tokenize_row({"prompt": 3, "completion": 4}, tokenizer, "prompt_completion", eos_token=EOS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tokenize_row: conversational (`messages`)
+# ------------------------------------------------------------------------------------------------------------
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+RENDERED = (
+    "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    "<|im_start|>user\nHi there<|im_end|>\n"
+    "<|im_start|>assistant\nHello.<|im_end|>\n"
+    "<|im_start|>user\n2+2?<|im_end|>\n"
+    "<|im_start|>assistant\n4<|im_end|>\n"
+)
+
+
+def test_messages_all_trained(tokenizer):
+    sample = tokenize_row({"messages": CONVERSATION}, tokenizer, "conversational", eos_token=EOS)
+    assert tokenizer.decode(sample["input_ids"]) == RENDERED
+    assert sample["input_ids"] == enc(tokenizer, RENDERED)
+    assert sample["labels"] == sample["input_ids"]
+
+
+def test_messages_assistant_only_loss(tokenizer):
+    sample = tokenize_row({"messages": CONVERSATION}, tokenizer, "conversational", eos_token=EOS,
+                          assistant_only_loss=True)
+    assert sample["input_ids"] == enc(tokenizer, RENDERED)
+    assert trained_segments(tokenizer, sample) == ["Hello.<|im_end|>\n", "4<|im_end|>\n"]
+    # exact positions: the first assistant content starts right after its "<|im_start|>assistant\n" header
+    head = enc(tokenizer, RENDERED[: RENDERED.index("Hello.")])
+    first = enc(tokenizer, "Hello.<|im_end|>\n")
+    assert head[-len("assistant\n") - 1] == IM_START_ID
+    assert sample["labels"][: len(head)] == [IGNORE] * len(head)
+    assert sample["labels"][len(head): len(head) + len(first)] == first
+    assert sample["labels"][len(head) + len(first)] == IGNORE  # the next "<|im_start|>user" is not trained
+    n_trained = sum(label != IGNORE for label in sample["labels"])
+    assert n_trained == len(first) + len(enc(tokenizer, "4<|im_end|>\n")) == 8 + 3
+
+
+def test_messages_assistant_only_loss_consecutive_assistant_turns(tokenizer):
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "assistant", "content": "c"},
+    ]
+    sample = tokenize_row({"messages": messages}, tokenizer, "conversational", eos_token=EOS, assistant_only_loss=True)
+    # each assistant turn's header stays untrained, so the two turns are two separate trained runs
+    assert trained_segments(tokenizer, sample) == ["b<|im_end|>\n", "c<|im_end|>\n"]
+
+
+def test_messages_assistant_only_loss_conversation_starting_with_assistant(tokenizer):
+    messages = [
+        {"role": "assistant", "content": "Welcome!"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Sure."},
+    ]
+    sample = tokenize_row({"messages": messages}, tokenizer, "conversational", eos_token=EOS, assistant_only_loss=True)
+    assert trained_segments(tokenizer, sample) == ["Welcome!<|im_end|>\n", "Sure.<|im_end|>\n"]
+
+
+def test_messages_without_assistant_and_assistant_only_loss_trains_nothing(tokenizer):
+    sample = tokenize_row({"messages": [{"role": "user", "content": "hi"}]}, tokenizer, "conversational",
+                          eos_token=EOS, assistant_only_loss=True)
+    assert sample["labels"] == [IGNORE] * len(sample["input_ids"])
+    assert len(sample["input_ids"]) == 2 + len("user\nhi\n")
+
+
+def test_messages_not_a_message_list_raises(tokenizer):
+    with pytest.raises(DatasetFormatError, match="'messages' must hold lists"):
+        tokenize_row({"messages": "hello"}, tokenizer, "conversational", eos_token=EOS)
+
+
+@pytest.mark.parametrize("assistant_only_loss", [False, True])
+def test_messages_without_chat_template_raises(no_template_tokenizer, assistant_only_loss):
+    assert not no_template_tokenizer.chat_template
+    with pytest.raises(DatasetFormatError, match="no chat template"):
+        tokenize_row({"messages": CONVERSATION}, no_template_tokenizer, "conversational", eos_token=EOS,
+                     assistant_only_loss=assistant_only_loss)
+
+
+def test_conversational_prompt_completion_without_chat_template_raises(no_template_tokenizer):
+    row = {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Yo"}]}
+    with pytest.raises(DatasetFormatError, match="chat template"):
+        tokenize_row(row, no_template_tokenizer, "prompt_completion", eos_token=EOS)
+
+
+def test_assistant_only_loss_rejects_rewriting_template(tokenizer):
+    # A template that renders only the last message rewrites earlier turns.
+    import copy
+
+    tok = copy.deepcopy(tokenizer)  # leave the session fixture untouched
+    tok.chat_template = "{{ messages[-1]['role'] + ':' + messages[-1]['content'] + '\n' }}"
+    with pytest.raises(DatasetFormatError, match="assistant_only_loss=True"):
+        tokenize_row({"messages": CONVERSATION}, tok, "conversational", eos_token=EOS, assistant_only_loss=True)
+    assert tokenizer.chat_template != tok.chat_template
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tokenize_row: tokenized rows
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_tokenized_with_labels(tokenizer):
+    row = {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}
+    assert tokenize_row(row, tokenizer, "tokenized", eos_token=EOS) == {
+        "input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}
+
+
+def test_tokenized_with_completion_mask(tokenizer):
+    row = {"input_ids": [5, 6, 7, 8], "completion_mask": [0, 1, 0, 1]}
+    assert tokenize_row(row, tokenizer, "tokenized", eos_token=EOS) == {
+        "input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8]}
+
+
+def test_tokenized_labels_take_precedence_over_completion_mask(tokenizer):
+    row = {"input_ids": [5, 6, 7], "labels": [5, -100, 7], "completion_mask": [0, 0, 0]}
+    assert tokenize_row(row, tokenizer, "tokenized", eos_token=EOS)["labels"] == [5, -100, 7]
+
+
+@pytest.mark.parametrize("extra", [{}, {"labels": None}, {"completion_mask": None}])
+def test_tokenized_without_labels_trains_everything(tokenizer, extra):
+    row = {"input_ids": (9, 10, 11), **extra}
+    sample = tokenize_row(row, tokenizer, "tokenized", eos_token=EOS)
+    assert sample == {"input_ids": [9, 10, 11], "labels": [9, 10, 11]}  # no EOS appended to pre-tokenized rows
+    assert isinstance(sample["input_ids"], list)
+
+
+@pytest.mark.parametrize(
+    "row,n_labels",
+    [({"input_ids": [1, 2, 3], "labels": [1, 2]}, 2), ({"input_ids": [1, 2, 3], "labels": [1, 2, 3, 4]}, 4),
+     ({"input_ids": [1, 2, 3], "completion_mask": [1, 1]}, 2)],
+)
+def test_tokenized_length_mismatch_raises(tokenizer, row, n_labels):
+    with pytest.raises(DatasetFormatError, match=f"has {n_labels} entries but 'input_ids' has 3"):
+        tokenize_row(row, tokenizer, "tokenized", eos_token=EOS)
+
+
+def test_tokenized_completion_mask_longer_than_input_ids_raises(tokenizer):
+    with pytest.raises(DatasetFormatError):
+        tokenize_row({"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1, 1]}, tokenizer, "tokenized", eos_token=EOS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# truncate, shift_targets
+# ------------------------------------------------------------------------------------------------------------
+
+SAMPLE = {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]}
+
+
+def test_truncate_keep_start():
+    assert truncate(SAMPLE, 3, "keep_start") == {"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}
+    assert truncate(SAMPLE, 3) == {"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}
+
+
+def test_truncate_keep_end():
+    assert truncate(SAMPLE, 3, "keep_end") == {"input_ids": [3, 4, 5], "labels": [3, 4, 5]}
+    assert truncate(SAMPLE, 1, "keep_end") == {"input_ids": [5], "labels": [5]}
+
+
+@pytest.mark.parametrize("max_length", [None, 5, 6, 100])
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_truncate_noop(max_length, mode):
+    assert truncate(SAMPLE, max_length, mode) is SAMPLE
+
+
+def test_truncate_cuts_every_key():
+    sample = {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "position_ids": [0, 1, 2, 3]}
+    assert truncate(sample, 2, "keep_end") == {"input_ids": [3, 4], "labels": [3, 4], "position_ids": [2, 3]}
+
+
+def test_shift_targets():
+    assert shift_targets(SAMPLE) == {"input_ids": [1, 2, 3, 4, 5], "target_ids": [-100, 3, 4, 5, -100]}
+    assert shift_targets({"input_ids": [7], "labels": [7]}) == {"input_ids": [7], "target_ids": [-100]}
+    assert shift_targets({"input_ids": [1, 2], "labels": [1, 2]})["target_ids"] == [2, -100]
+
+
+def test_shift_after_tokenize_prompt_completion(tokenizer):
+    sample = tokenize_row({"prompt": "ab", "completion": "c"}, tokenizer, "prompt_completion", eos_token=EOS)
+    shifted = shift_targets(sample)
+    # position 1 ("b", the last prompt token) predicts "c"; position 2 ("c") predicts EOS; EOS predicts nothing
+    assert shifted["target_ids"] == [IGNORE] + enc(tokenizer, "c") + [EOS_ID, IGNORE]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pack_bfd
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_pack_bfd_hand_example():
+    # sorted: 5(#0) 4(#1) 3(#2) 3(#3) 1(#4). 5 -> A (3 left); 4 -> B (4 left); 3 -> A, the fuller fit (0 left);
+    # 3 -> B (1 left); 1 -> B (0 left).
+    assert pack_bfd([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+
+
+def test_pack_bfd_best_fit_not_first_fit():
+    # sorted: 5(#1) 3(#0) 3(#2) 1(#3). 5 -> A (2 left); 3 -> B (4 left); 3 -> B (1 left).
+    # The 1 fits both A (2 left) and B (1 left): best fit picks the fuller B; first fit would pick A.
+    assert pack_bfd([3, 5, 3, 1], 7) == [[1], [0, 2, 3]]
+
+
+def test_pack_bfd_ties_keep_index_order():
+    assert pack_bfd([2, 2, 2, 2], 4) == [[0, 1], [2, 3]]
+    assert pack_bfd([4, 4, 4], 4) == [[0], [1], [2]]
+    assert pack_bfd([1, 3, 1], 3) == [[1], [0, 2]]
+
+
+def test_pack_bfd_empty():
+    assert pack_bfd([], 8) == []
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(data=st.data(), capacity=st.integers(1, 40))
+def test_pack_bfd_properties(data, capacity):
+    lengths = data.draw(st.lists(st.integers(1, capacity), max_size=40))
+    bins = pack_bfd(lengths, capacity)
+    flat = [i for b in bins for i in b]
+    assert sorted(flat) == list(range(len(lengths)))  # every item in exactly one bin
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert all(0 < load <= capacity for load in loads)
+    # items are placed longest first, so each bin lists non-increasing lengths
+    assert all(lengths[a] >= lengths[b] for bin_ in bins for a, b in zip(bin_, bin_[1:]))
+    # a new bin is opened only when the item fits in no earlier bin (space only shrinks, so the final loads
+    # of earlier bins must still be too full for it); hence also at most one bin is at most half full
+    for j, bin_ in enumerate(bins):
+        assert all(lengths[bin_[0]] > capacity - loads[i] for i in range(j))
+    assert sum(2 * load <= capacity for load in loads) <= 1
+    assert len(bins) >= -(-sum(lengths) // capacity)  # lower bound on the number of bins
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pack_samples
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _samples(lengths, start=1):
+    """Samples with distinct token values; labels train everything, then targets are shifted."""
+    out, token = [], start
+    for n in lengths:
+        ids = list(range(token, token + n))
+        token += n
+        out.append(shift_targets({"input_ids": ids, "labels": list(ids)}))
+    return out
+
+
+def test_pack_samples_rows():
+    samples = _samples([5, 4, 3, 3, 1])
+    rows = pack_samples(samples, 8)
+    # bins [[0, 2], [1, 3, 4]], members in original order
+    assert rows[0]["input_ids"] == samples[0]["input_ids"] + samples[2]["input_ids"]
+    assert rows[0]["position_ids"] == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert rows[0]["target_ids"] == [2, 3, 4, 5, -100, 11, 12, -100]
+    assert rows[1]["input_ids"] == samples[1]["input_ids"] + samples[3]["input_ids"] + samples[4]["input_ids"]
+    assert rows[1]["position_ids"] == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert rows[1]["target_ids"] == [7, 8, 9, -100, 14, 15, -100, -100]
+    assert len(rows) == 2
+
+
+def test_pack_samples_keeps_dataset_order_within_a_row():
+    # best-fit decreasing places the longer sample #1 first, but a row lists its samples in dataset order
+    samples = _samples([2, 4])
+    assert pack_bfd([2, 4], 8) == [[1, 0]]
+    (row,) = pack_samples(samples, 8)
+    assert row["input_ids"] == [1, 2, 3, 4, 5, 6]
+    assert row["position_ids"] == [0, 1, 0, 1, 2, 3]
+    assert row["target_ids"] == [2, -100, 4, 5, 6, -100]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=25), max_length=st.integers(16, 40))
+def test_pack_samples_properties(lengths, max_length):
+    samples = _samples(lengths)
+    rows = pack_samples(samples, max_length)
+    all_ids = []
+    for row in rows:
+        n = len(row["input_ids"])
+        assert n == len(row["target_ids"]) == len(row["position_ids"]) <= max_length
+        all_ids += row["input_ids"]
+        pos, tgt = row["position_ids"], row["target_ids"]
+        assert pos[0] == 0
+        for t in range(n):
+            last_of_sample = t == n - 1 or pos[t + 1] == 0
+            if last_of_sample:
+                assert tgt[t] == IGNORE  # never a target across a document boundary
+            else:
+                assert pos[t + 1] == pos[t] + 1
+                assert tgt[t] == row["input_ids"][t + 1]
+    assert sorted(all_ids) == list(range(1, sum(lengths) + 1))  # every token exactly once
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Collator
+# ------------------------------------------------------------------------------------------------------------
+
+COLLATE_SAMPLES = [
+    {"input_ids": [1, 2, 3], "target_ids": [2, 3, -100]},
+    {"input_ids": [4, 5], "target_ids": [5, -100]},
+]
+
+
+def test_collator_padded():
+    batch = Collator(pad_token_id=PAD_ID)(COLLATE_SAMPLES)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 5, PAD_ID]]
+    assert batch["target_ids"].tolist() == [[2, 3, -100], [5, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["position_ids"] is None
+    assert batch["num_input_tokens"].item() == 5
+    for key in ("input_ids", "target_ids", "attention_mask"):
+        assert batch[key].dtype == torch.long
+        assert batch[key].shape == (2, 3)
+
+
+def test_collator_padded_pad_to_multiple_of():
+    batch = Collator(pad_token_id=0, pad_to_multiple_of=4)(COLLATE_SAMPLES)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]]
+    assert batch["target_ids"].tolist() == [[2, 3, -100, -100], [5, -100, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert batch["num_input_tokens"].item() == 5
+    # already a multiple: unchanged width
+    batch = Collator(pad_token_id=0, pad_to_multiple_of=3)(COLLATE_SAMPLES)
+    assert batch["input_ids"].shape == (2, 3)
+
+
+def test_collator_padding_free():
+    batch = Collator(pad_token_id=PAD_ID, padding_free=True)(COLLATE_SAMPLES)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
+    assert batch["target_ids"].tolist() == [[2, 3, -100, 5, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["attention_mask"] is None
+    assert batch["num_input_tokens"].item() == 5
+    assert batch["input_ids"].shape == batch["target_ids"].shape == batch["position_ids"].shape == (1, 5)
+    assert batch["input_ids"].dtype == torch.long
+
+
+def test_collator_padding_free_pad_to_multiple_of():
+    batch = Collator(pad_token_id=PAD_ID, padding_free=True, pad_to_multiple_of=8)(COLLATE_SAMPLES)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, PAD_ID, PAD_ID, PAD_ID]]
+    assert batch["target_ids"].tolist() == [[2, 3, -100, 5, -100, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert batch["num_input_tokens"].item() == 5  # padding is not counted
+
+
+def test_collator_padding_free_uses_packed_position_ids():
+    rows = pack_samples(_samples([3, 2, 4]), 5)  # bins [[2], [0, 1]]
+    batch = Collator(pad_token_id=0, padding_free=True)(rows)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
+    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 1, 2, 3, 4, 5]]
+    assert batch["target_ids"].tolist() == [[7, 8, 9, -100, 2, 3, -100, 5, -100]]
+    assert batch["num_input_tokens"].item() == 9
+
+
+def test_end_to_end_sft_pipeline(tokenizer):
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "10+5=", "completion": "15"}]
+    samples = [shift_targets(truncate(tokenize_row(r, tokenizer, "prompt_completion", eos_token=EOS), 16))
+               for r in rows]
+    batch = Collator(pad_token_id=tokenizer.pad_token_id)(samples)
+    # row 0: "1+1=2<eos>" (6 tokens) padded to 8; targets: "2" at position 3, EOS at position 4
+    assert batch["input_ids"][0].tolist() == enc(tokenizer, "1+1=2") + [EOS_ID, PAD_ID, PAD_ID]
+    assert batch["target_ids"][0].tolist() == [-100, -100, -100] + enc(tokenizer, "2") + [EOS_ID] + [-100] * 3
+    assert batch["target_ids"][1].tolist() == [-100] * 4 + enc(tokenizer, "15") + [EOS_ID, -100]
+    assert batch["num_input_tokens"].item() == 6 + 8
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GlobalBatchSampler and local_slice
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_sampler_rejects_empty_dataset():
+    with pytest.raises(ValueError, match="empty dataset"):
+        GlobalBatchSampler(0, 4, seed=0)
+
+
+@pytest.mark.parametrize(
+    "num_rows,global_batch,steps,padding",
+    [(10, 4, 3, 2), (12, 4, 3, 0), (3, 8, 1, 5), (1, 1, 1, 0), (7, 7, 1, 0), (9, 2, 5, 1), (2, 7, 1, 5)],
+)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_sampler_epoch_coverage_and_padding(num_rows, global_batch, steps, padding, shuffle):
+    sampler = GlobalBatchSampler(num_rows, global_batch, seed=3, shuffle=shuffle)
+    assert sampler.steps_per_epoch == steps
+    assert sampler.padding_per_epoch == padding
+    for epoch in range(3):
+        batches = [sampler.batch(epoch * steps + s) for s in range(steps)]
+        rows = [r for b in batches for r in b]
+        assert all(len(b) == global_batch for b in batches)
+        assert set(rows) == set(range(num_rows))  # every row at least once
+        assert len(rows) - num_rows == padding  # the top-up is exactly padding_per_epoch rows
+        counts = [rows.count(r) for r in range(num_rows)]
+        # topping up is spread: no row appears more than once more than any other
+        assert max(counts) - min(counts) <= 1
+
+
+def test_sampler_top_up_uses_first_rows_of_the_epoch_order():
+    sampler = GlobalBatchSampler(10, 4, seed=0, shuffle=True)
+    order = sampler.epoch_order(0)
+    assert sorted(order[:10]) == list(range(10))
+    assert order[10:] == order[:2]
+    assert sampler.batch(2) == order[8:10] + order[:2]
+
+
+def test_sampler_no_shuffle_is_identity_order():
+    sampler = GlobalBatchSampler(10, 4, seed=0, shuffle=False)
+    assert [sampler.batch(s) for s in range(6)] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1],
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1],
+    ]
+    assert GlobalBatchSampler(3, 8, seed=0, shuffle=False).batch(0) == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_sampler_deterministic_for_seed_and_differs_across_epochs():
+    a = GlobalBatchSampler(50, 8, seed=7)
+    b = GlobalBatchSampler(50, 8, seed=7)
+    steps = a.steps_per_epoch
+    assert [a.batch(s) for s in range(3 * steps)] == [b.batch(s) for s in range(3 * steps)]
+    epoch0 = [r for s in range(steps) for r in a.batch(s)]
+    epoch1 = [r for s in range(steps, 2 * steps) for r in a.batch(s)]
+    assert epoch0 != epoch1
+    assert epoch0 != list(range(50)) + list(range(6))  # actually shuffled
+    other_seed = GlobalBatchSampler(50, 8, seed=8)
+    assert [r for s in range(steps) for r in other_seed.batch(s)] != epoch0
+    # the order is torch.randperm seeded with seed + epoch
+    expected = torch.randperm(50, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    assert epoch1[:50] == expected
+
+
+def test_sampler_batch_is_pure():
+    sampler = GlobalBatchSampler(23, 5, seed=11)
+    forward = {s: sampler.batch(s) for s in range(20)}
+    fresh = GlobalBatchSampler(23, 5, seed=11)
+    order = [13, 0, 19, 4, 4, 7, 1, 18, 12, 0, 5, 6, 2, 3, 8, 9, 10, 11, 14, 15, 16, 17]
+    for s in order:
+        assert fresh.batch(s) == forward[s]
+    for s in reversed(range(20)):
+        assert sampler.batch(s) == forward[s]
+    # a returned batch is a copy: mutating it does not change later answers
+    got = sampler.batch(3)
+    got[0] = -1
+    assert sampler.batch(3) == forward[3]
+
+
+def test_local_slice_layout_hand_example():
+    batch = list(range(100, 112))  # B=2, P=3, A=2
+    assert local_slice(batch, 0, 0, 2, 3) == [100, 101]
+    assert local_slice(batch, 0, 2, 2, 3) == [104, 105]
+    assert local_slice(batch, 1, 0, 2, 3) == [106, 107]
+    assert local_slice(batch, 1, 2, 2, 3) == [110, 111]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(per_device=st.integers(1, 4), processes=st.integers(1, 4), accumulation=st.integers(1, 4),
+       num_rows=st.integers(1, 60), seed=st.integers(0, 1000), step=st.integers(0, 30))
+def test_local_slice_partitions_the_global_batch(per_device, processes, accumulation, num_rows, seed, step):
+    global_batch = per_device * processes * accumulation
+    batch = GlobalBatchSampler(num_rows, global_batch, seed=seed).batch(step)
+    assert len(batch) == global_batch
+    positions = list(range(global_batch))  # slice positions, so duplicated rows (top-up) are still distinct
+    slices = {(a, p): local_slice(positions, a, p, per_device, processes)
+              for a in range(accumulation) for p in range(processes)}
+    assert all(len(s) == per_device for s in slices.values())
+    union = sorted(i for s in slices.values() for i in s)
+    assert union == positions  # disjoint and covering
+    # [accumulation][process][row] layout
+    rebuilt = [i for a in range(accumulation) for p in range(processes) for i in slices[(a, p)]]
+    assert rebuilt == positions
+    assert [batch[i] for i in rebuilt] == batch
+    assert all(local_slice(batch, a, p, per_device, processes) == [batch[i] for i in slices[(a, p)]]
+               for a, p in slices)
+
+
+@pytest.mark.parametrize("num_rows", [24, 30, 5])
+def test_global_batch_rows_do_not_depend_on_the_split(num_rows):
+    splits = [(12, 1, 1), (1, 12, 1), (1, 1, 12), (2, 3, 2), (3, 2, 2), (4, 3, 1), (6, 1, 2)]
+    per_split = []
+    for per_device, processes, accumulation in splits:
+        assert per_device * processes * accumulation == 12
+        sampler = GlobalBatchSampler(num_rows, per_device * processes * accumulation, seed=5)
+        steps = []
+        for step in range(2 * sampler.steps_per_epoch):
+            batch = sampler.batch(step)
+            gathered = [r for a, p in itertools.product(range(accumulation), range(processes))
+                        for r in local_slice(batch, a, p, per_device, processes)]
+            steps.append(sorted(gathered))
+        per_split.append(steps)
+    assert all(s == per_split[0] for s in per_split)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# group_slots (GRPO's layout of one generation round)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompts,num_generations,num_processes,expected",
+    [
+        ([3, 7], 4, 2, [[3, 3, 3, 3], [7, 7, 7, 7]]),
+        ([3, 7], 4, 1, [[3, 3, 3, 3, 7, 7, 7, 7]]),
+        ([5, 6, 7], 2, 3, [[5, 5], [6, 6], [7, 7]]),
+        ([1, 2], 3, 3, [[1, 1], [1, 2], [2, 2]]),  # a group may straddle two processes
+        ([9, 8, 7, 6], 2, 4, [[9, 9], [8, 8], [7, 7], [6, 6]]),
+        ([0, 1], 2, 4, [[0], [0], [1], [1]]),
+    ],
+)
+def test_group_slots(prompts, num_generations, num_processes, expected):
+    from trainers.samplers import group_slots
+
+    shares = [group_slots(prompts, num_generations, num_processes, p) for p in range(num_processes)]
+    assert shares == expected
+    assert [r for share in shares for r in share] == [p for p in prompts for _ in range(num_generations)]
+
+
+def test_group_slots_uneven_split_raises():
+    from trainers.samplers import group_slots
+
+    with pytest.raises(ValueError, match="3 completions cannot be split evenly over 2 processes"):
+        group_slots([4], 3, 2, 0)

@@ -1,0 +1,160 @@
+"""Each loss variant, advantage mode and helper against values computed by hand on tiny tensors."""
+
+import math
+
+import pytest
+import torch
+
+from trainers.losses import (
+    AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, entropy_from_logits, group_advantages,
+    importance_log_weights, k3_kl, nanstd, selective_log_softmax,
+)
+
+# Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+# As if this micro-batch were one of 2 micro-batches whose step holds 8 tokens and 4 sequences.
+COUNTS = BatchCounts(tokens=8, sequences=4, micro_batches=2, max_completion_length=5)
+
+
+def test_dapo_divides_by_tokens_of_the_whole_step():
+    # (1 + 2 + 3 + 4) / 8
+    assert AGGREGATIONS["dapo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 8)
+
+
+def test_grpo_averages_sequence_means_over_the_step():
+    # sequence means 2 and 4, summed, over the step's 4 sequences
+    assert AGGREGATIONS["grpo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx((2 + 4) / 4)
+
+
+def test_bnpo_is_a_micro_batch_token_mean_averaged_over_micro_batches():
+    # (10 / 4 tokens here) / 2 micro-batches
+    assert AGGREGATIONS["bnpo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 4 / 2)
+
+
+def test_dr_grpo_divides_by_sequences_times_max_length():
+    assert AGGREGATIONS["dr_grpo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / (4 * 5))
+
+
+def test_nll_is_the_token_mean():
+    assert AGGREGATIONS["nll"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 8)
+
+
+def test_split_invariance_of_global_aggregations():
+    """Summing micro-batch losses normalized by global counts equals the loss of the whole batch at once."""
+    per_token = torch.rand(6, 4)
+    mask = (torch.rand(6, 4) > 0.3).float()
+    mask[:, 0] = 1
+    whole = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=1, max_completion_length=4)
+    split = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=3, max_completion_length=4)
+    for name in ("dapo", "grpo", "dr_grpo", "nll"):
+        together = AGGREGATIONS[name](per_token, mask, whole)
+        parts = sum(AGGREGATIONS[name](per_token[i:i + 2], mask[i:i + 2], split) for i in (0, 2, 4))
+        assert parts.item() == pytest.approx(together.item(), rel=1e-6), name
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0])  # two groups of 4
+    adv, zero_std = group_advantages(rewards, 4, "group")
+    std = torch.tensor([1.0, 0.0, 1.0, 0.0]).std().item()  # unbiased: sqrt(1/3)
+    expected = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 2 + [0.0] * 4
+    assert adv.tolist() == pytest.approx(expected, rel=1e-6)
+    assert zero_std.tolist() == [False, True]
+
+
+def test_batch_and_no_scaling():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    adv_none, _ = group_advantages(rewards, 2, "none")
+    assert adv_none.tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])
+    adv_batch, _ = group_advantages(rewards, 2, "batch")
+    batch_std = rewards.std().item()
+    assert adv_batch.tolist() == pytest.approx([v / (batch_std + 1e-4) for v in (0.5, -0.5, 1.0, -1.0)], rel=1e-6)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(rewards, 2, "nope")
+
+
+def test_unscorable_completions_get_zero_advantage_and_do_not_bias_the_group():
+    rewards = torch.tensor([1.0, 0.0, float("nan"), 1.0])
+    adv, zero_std = group_advantages(rewards, 4, "none")
+    mean = 2 / 3
+    assert adv.tolist() == pytest.approx([1 - mean, -mean, 0.0, 1 - mean])
+    assert zero_std.tolist() == [False]
+
+
+def test_combine_rewards_skips_none_and_weights():
+    nan = float("nan")
+    per_func = torch.tensor([[1.0, 2.0], [nan, 3.0], [nan, nan]])
+    total = combine_rewards(per_func, torch.tensor([0.5, 2.0]))
+    assert total[:2].tolist() == pytest.approx([0.5 + 4.0, 6.0])
+    assert math.isnan(total[2].item())  # no function applied: unscorable, not 0
+
+
+def test_nanstd_matches_torch_std_without_nans():
+    x = torch.tensor([[1.0, 2.0, 4.0], [3.0, 3.0, 9.0]])
+    assert nanstd(x, dim=1).tolist() == pytest.approx(x.std(dim=1).tolist())
+    assert nanstd(torch.tensor([1.0, float("nan"), 3.0])).item() == pytest.approx(math.sqrt(2))
+
+
+def test_clipped_policy_loss_by_hand():
+    # ratios 1.5 (A>0: clipped at 1.2), 0.5 (A<0: clipped at 0.8), 1.1 (inside)
+    log_w = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    adv = torch.tensor([2.0])
+    loss, low, high = clipped_policy_loss(log_w, adv, 0.2, 0.2)
+    # A > 0: -min(r A, clip(r) A): r=1.5 -> -1.2*2; r=0.5 -> -0.5*2 (min picks unclipped); r=1.1 -> -2.2
+    assert loss[0].tolist() == pytest.approx([-2.4, -1.0, -2.2])
+    assert high.tolist() == [[True, False, False]] and low.tolist() == [[False, False, False]]
+    loss_neg, low_neg, _ = clipped_policy_loss(log_w, torch.tensor([-1.0]), 0.2, 0.2)
+    # A < 0: r=1.5 -> -min(-1.5, -1.2) = 1.5; r=0.5 -> -min(-0.5, -0.8) = 0.8; r=1.1 -> 1.1
+    assert loss_neg[0].tolist() == pytest.approx([1.5, 0.8, 1.1])
+    assert low_neg.tolist() == [[False, True, False]]
+
+
+def test_clip_higher_and_two_sided_delta():
+    log_w = torch.log(torch.tensor([[1.25, 3.0]]))
+    loss, _, high = clipped_policy_loss(log_w, torch.tensor([1.0]), 0.2, 0.28)  # DAPO: 1 + 0.28
+    assert loss[0].tolist() == pytest.approx([-1.25, -1.28])
+    assert high.tolist() == [[False, True]]
+    # delta caps the unclipped ratio for A < 0: r = 3 -> min(3, 2) = 2 -> loss -min(-2, -1.28) = 2
+    loss_delta, _, _ = clipped_policy_loss(log_w, torch.tensor([-1.0]), 0.2, 0.28, delta=2.0)
+    assert loss_delta[0].tolist() == pytest.approx([1.25, 2.0])
+
+
+def test_gradient_of_the_unclipped_objective_is_advantage_times_score():
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _, _ = clipped_policy_loss(importance_log_weights(logps, logps.detach(), torch.ones(1, 2), "token"),
+                                     torch.tensor([3.0]), 0.2, 0.2)
+    loss.sum().backward()
+    assert logps.grad.tolist() == [[-3.0, -3.0]]  # d(-r A)/dlogp = -A at r = 1
+
+
+def test_gspo_sequence_ratio_is_the_length_normalized_mean():
+    logps = torch.tensor([[-1.0, -2.0, -3.0]])
+    old = torch.tensor([[-1.5, -2.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = importance_log_weights(logps, old, mask, "sequence")
+    assert w.shape == (1, 1)
+    assert w.item() == pytest.approx((0.5 + 0.0) / 2)
+    assert importance_log_weights(logps, old, mask, "token").tolist() == [[0.5, 0.0, 6.0]]
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        importance_log_weights(logps, old, mask, "nope")
+
+
+def test_k3_kl_by_hand():
+    logp = torch.tensor([-1.0, -1.0])
+    ref = torch.tensor([-1.0, -2.0])
+    kl = k3_kl(logp, ref)
+    assert kl.tolist() == pytest.approx([0.0, math.exp(-1) + 1 - 1])
+    assert (k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+def test_selective_log_softmax_and_entropy_match_the_dense_computation():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 11)
+    index = torch.randint(0, 11, (5, 7))
+    dense = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits, index, chunk_rows=2), dense)
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_rows=3), -(probs * probs.log()).sum(-1))
+    # bf16 logits are upcast before the softmax
+    low = selective_log_softmax(logits.bfloat16(), index)
+    assert low.dtype == torch.float32

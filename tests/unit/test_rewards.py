@@ -1,0 +1,118 @@
+"""The reward-function contract, built-in rewards, reward models, and GRPO's process-aware group layout."""
+
+import math
+
+import pytest
+import torch
+
+from trainers.rewards import (
+    Reward, RewardFunctionError, accuracy_reward, call_reward, format_reward, resolve_reward, soft_overlong_penalty,
+)
+from trainers.samplers import group_slots
+
+PROMPTS = ["1+1=", "2+2=", "3+3="]
+COMPLETIONS = ["2", "The answer is 4.", "7"]
+IDS = [[50], [1, 2, 3], [55, 56]]
+
+
+def call(func, columns=None, name="f"):
+    return call_reward(Reward(name, func), PROMPTS, COMPLETIONS, IDS, columns or {})
+
+
+def test_columns_arrive_as_keyword_arguments_and_none_becomes_nan():
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(answer=answer, ids=completion_ids, state=kwargs.get("trainer_state"))
+        return [1.0, None, 0.5]
+
+    values = call_reward(Reward("r", reward), PROMPTS, COMPLETIONS, IDS, {"answer": ["2", "4", "6"]},
+                         {"trainer_state": "STATE"})
+    assert seen == {"answer": ["2", "4", "6"], "ids": IDS, "state": "STATE"}
+    assert values[0].item() == 1.0 and math.isnan(values[1].item()) and values[2].item() == 0.5
+
+
+def test_wrong_length_is_named():
+    with pytest.raises(RewardFunctionError, match=r"'short' returned 2 rewards for 3 completions"):
+        call(lambda **kw: [1.0, 2.0], name="short")
+
+
+@pytest.mark.parametrize("bad", ["1.0", [1.0], float("nan"), True])
+def test_non_numbers_are_named_with_the_sample(bad):
+    with pytest.raises(RewardFunctionError, match=r"'odd' returned .* for sample 1"):
+        call(lambda **kw: [0.0, bad, 0.0], name="odd")
+
+
+def test_a_raising_function_is_named_with_the_failing_sample():
+    def fragile(completions, **kwargs):
+        return [1.0 / (len(c) - 1) for c in completions]  # divides by zero on "2" (sample 0)... and "7"
+
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample 0") as info:
+        call(fragile, name="fragile")
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_tensor_scalars_are_accepted():
+    assert call(lambda **kw: [torch.tensor(1.0), 2, 3.5]).tolist() == [1.0, 2.0, 3.5]
+
+
+def test_accuracy_compares_numbers_and_strings():
+    assert accuracy_reward(COMPLETIONS, answer=["2", "4", "6"]) == [1.0, 1.0, 0.0]
+    assert accuracy_reward(["abc ", "abd"], answer=["abc", "abc"]) == [1.0, 0.0]
+    assert accuracy_reward(["x", "y"], solution=[None, "y"]) == [None, 1.0]
+    assert accuracy_reward([[{"role": "assistant", "content": "it is 12"}]], answer=[12]) == [1.0]
+    with pytest.raises(RewardFunctionError, match="'answer'"):
+        accuracy_reward(["1"])
+
+
+def test_format_reward():
+    good = "<think>add them</think>\n<answer>4</answer>"
+    assert format_reward([good, "4", "<answer>4</answer>"]) == [1.0, 0.0, 0.0]
+
+
+def test_soft_overlong_penalty_by_hand():
+    penalty = soft_overlong_penalty(max_completion_length=8, soft_cache_length=4)
+    ids = [[0] * n for n in (3, 4, 5, 8, 9)]
+    # free up to 4 tokens; then (4 - L) / 4; -1 beyond 8
+    assert penalty(completion_ids=ids) == pytest.approx([0.0, 0.0, -0.25, -1.0, -1.0])
+
+
+def test_resolve_names_modules_and_errors(tmp_path, monkeypatch):
+    assert resolve_reward("accuracy", 8).func is accuracy_reward
+    assert resolve_reward("overlong", 8).name == "overlong"
+    module = tmp_path / "my_rewards.py"
+    module.write_text("def longer(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = resolve_reward("my_rewards:longer", 8)
+    assert reward.name == "longer" and reward.func(completions=["ab"]) == [2.0]
+    with pytest.raises(RewardFunctionError, match="'nonsense'.*built-in"):
+        resolve_reward("nonsense", 8)
+    with pytest.raises(RewardFunctionError, match="could not be imported"):
+        resolve_reward("my_rewards:missing", 8)
+    with pytest.raises(RewardFunctionError, match="callables"):
+        resolve_reward(42, 8)
+
+
+def test_a_reward_model_scores_with_logit_zero(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForSequenceClassification(config).eval()
+    reward = resolve_reward(model, 8, processing_class=tokenizer)
+    scores = reward.func(prompts=["ab", "c"], completions=["cd", "def"])
+    with torch.no_grad():
+        expected = model(**tokenizer(["abcd"], return_tensors="pt")).logits[0, 0].item()
+    assert scores[0] == pytest.approx(expected, rel=1e-5)
+    assert len(scores) == 2
+
+
+def test_group_slots_layout_across_processes():
+    prompts = [7, 3, 5]  # the round's prompts, identical on every process
+    shares = [group_slots(prompts, 4, 2, p) for p in range(2)]
+    assert shares == [[7, 7, 7, 7, 3, 3], [3, 3, 5, 5, 5, 5]]  # group of prompt 3 straddles the processes
+    assert group_slots(prompts, 4, 1, 0) == shares[0] + shares[1]
+    with pytest.raises(ValueError, match="evenly"):
+        group_slots(prompts, 3, 2, 0)

@@ -1,0 +1,78 @@
+"""Sampling completions for a batch of prompts from the policy itself (HF ``generate`` with a KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are drawn. ``do_sample=False`` is greedy decoding (evaluation)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    do_sample: bool = True
+    extra: dict = field(default_factory=dict)  # GRPOConfig.generation_kwargs
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids [N, P], mask [N, P]) with padding on the left, as generation wants."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def right_pad(sequences: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids [N, C], mask [N, C]) with padding on the right."""
+    width = width if width is not None else max([len(s) for s in sequences] + [1])
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int) -> list[int]:
+    """Keep tokens up to and including the first EOS; drop trailing padding when there is no EOS."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: i + 1]
+    while tokens and tokens[-1] == pad_id and pad_id not in eos_ids:
+        tokens = tokens[:-1]
+    return tokens
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
+                synced_gpus: bool = False) -> list[list[int]]:
+    """Sample one completion per prompt with ``model.generate``; returns completion token ids, each cut after
+    its first EOS (a completion without EOS was truncated at ``max_new_tokens``)."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompt_ids, pad_id)
+    kwargs = dict(
+        max_new_tokens=params.max_new_tokens, do_sample=params.do_sample, pad_token_id=pad_id,
+        eos_token_id=sorted(eos_ids), use_cache=True, synced_gpus=synced_gpus,
+    )
+    if params.do_sample:
+        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      repetition_penalty=params.repetition_penalty)
+        if params.min_p is not None:
+            kwargs["min_p"] = params.min_p
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    kwargs.update(params.extra)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+    completions = out[:, input_ids.shape[1]:].tolist()  # [N, <= max_new_tokens]
+    return [cut_at_eos(c, eos_ids, pad_id) for c in completions]

@@ -1,0 +1,412 @@
+"""GRPOTrainer: group-relative policy optimization with verifiable rewards (arXiv:2402.03300).
+
+Each generation round: sample ``generation_batch_size / num_generations`` prompts (identically on every
+process), repeat each ``num_generations`` times, give each process its contiguous share, generate, score,
+gather the rewards of the whole round, compute group-relative advantages, and keep this process's rows as a
+``Rollout``. The round then serves ``steps_per_generation`` micro-steps, ``num_iterations`` times over.
+docs/grpo.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainers import distributed as dist
+from trainers.base import BaseTrainer, Stats
+from trainers.configs import ConfigError, GRPOConfig
+from trainers.data import DatasetFormatError, is_conversational
+from trainers.generation import SamplingParams, hf_generate, left_pad, right_pad
+from trainers.logs import logger
+from trainers.losses import (
+    AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
+    k3_kl, nanstd,
+)
+from trainers.modeling import load_causal_lm, token_logprobs
+from trainers.rewards import Reward, call_reward, completion_text, resolve_reward
+from trainers.samplers import GlobalBatchSampler, group_slots
+from trainers.sft import as_dataset
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One generation round's rows on this process (N = per_device_train_batch_size x steps_per_generation)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] right-padded, cut after the first EOS
+    completion_attention: torch.Tensor  # [N, C] 1 on real completion tokens
+    loss_mask: torch.Tensor  # [N, C] float: tokens that count in the loss
+    advantages: torch.Tensor  # [N]
+    old_logps: torch.Tensor | None  # [N, C] log-probs under the policy that sampled (None: equal to current)
+    ref_logps: torch.Tensor | None  # [N, C] log-probs under the reference model (beta > 0)
+
+    def micro_batch(self, start: int, end: int) -> dict:
+        """Rows [start, end), with all-padding columns trimmed on both sides."""
+        prompt_mask = self.prompt_mask[start:end]
+        first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1] - 1
+        width = max(int(self.completion_attention[start:end].sum(1).max()), 1)
+        cut = lambda t: None if t is None else t[start:end, :width]  # noqa: E731
+        batch = {
+            "prompt_ids": self.prompt_ids[start:end, first:], "prompt_mask": prompt_mask[:, first:],
+            "completion_ids": cut(self.completion_ids), "completion_attention": cut(self.completion_attention),
+            "loss_mask": cut(self.loss_mask), "advantages": self.advantages[start:end],
+            "old_logps": cut(self.old_logps), "ref_logps": cut(self.ref_logps),
+        }
+        batch["num_input_tokens"] = batch["prompt_mask"].sum() + batch["completion_attention"].sum()
+        return batch
+
+    def to(self, device) -> "Rollout":
+        return Rollout(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
+
+
+def policy_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """prompt + completion -> (input_ids, attention_mask, position_ids), each [B, P + C].
+
+    Position ids count real tokens only, so a left-padded prompt gets the same positions as in generation.
+    """
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_attention"]], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+class GRPOTrainer(BaseTrainer):
+    """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
+    "overlong"), ``module:function`` strings, or reward models (folders or instances)."""
+
+    config_class = GRPOConfig
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, peft_config=None):
+        self._reward_specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not self._reward_specs:
+            raise ConfigError("reward_funcs is empty; give at least one reward function.")
+        self._reward_tokenizers = (list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
+                                   else [reward_processing_classes] * len(self._reward_specs))
+        self._model_source = model
+        self._rollout: Rollout | None = None
+        self._rollout_round = -1
+        self._round_metrics: dict = {}
+        self._samples: list[dict] = []
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config)
+
+    # ------------------------------------------------------------------ batches and data
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        args, world = self.args, self.accelerator.num_processes
+        per_step = args.per_device_train_batch_size * world  # completions per micro-step, all processes
+        if args.generation_batch_size is not None:
+            if args.generation_batch_size % per_step:
+                raise ConfigError(
+                    f"generation_batch_size={args.generation_batch_size} must be a multiple of "
+                    f"per_device_train_batch_size x processes = {args.per_device_train_batch_size} x {world} = {per_step}.")
+            self.steps_per_generation = args.generation_batch_size // per_step
+        else:
+            self.steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
+        self.generation_batch_size = per_step * self.steps_per_generation
+        if self.generation_batch_size % args.num_generations:
+            raise ConfigError(
+                f"generation_batch_size = per_device_train_batch_size x processes x steps_per_generation = "
+                f"{args.per_device_train_batch_size} x {world} x {self.steps_per_generation} = "
+                f"{self.generation_batch_size} completions per round is not a multiple of num_generations="
+                f"{args.num_generations}; each prompt needs all its {args.num_generations} completions in one round.")
+        self.prompts_per_round = self.generation_batch_size // args.num_generations
+        # Old log-probs differ from the current ones once an optimizer step falls inside a round.
+        self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
+
+        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok)
+                                      for spec, tok in zip(self._reward_specs, self._reward_tokenizers)]
+        weights = args.reward_weights or [1.0] * len(self.rewards)
+        if len(weights) != len(self.rewards):
+            raise ConfigError(f"reward_weights has {len(weights)} entries but reward_funcs has {len(self.rewards)}; "
+                              f"give one weight per reward function.")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
+        if train_dataset is None:
+            raise DatasetFormatError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        self.train_rows, self.train_prompt_ids = self._prompts(train_dataset, "train_dataset")
+        self.eval_rows = None
+        if eval_dataset is not None:
+            self.eval_rows, self.eval_prompt_ids = self._prompts(eval_dataset, "eval_dataset")
+        self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.seed,
+                                                 args.shuffle_dataset)
+        eos = {self.processing_class.eos_token_id}
+        self.eos_ids = {i for i in eos if i is not None}
+        self.sampling = SamplingParams(
+            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k or 0, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            extra=dict(args.generation_kwargs or {}))
+
+    def _prompts(self, dataset, name: str) -> tuple[list[dict], list[list[int]]]:
+        """Validate a prompt dataset and tokenize its prompts (chat template + generation prompt if conversational)."""
+        dataset = as_dataset(dataset, name)
+        if "prompt" not in dataset.column_names:
+            raise DatasetFormatError(f"{name} has columns {dataset.column_names}; GRPO needs a 'prompt' column "
+                                     f"(a string, or a list of {{'role', 'content'}} messages).")
+        rows = dataset.to_list()
+        tokenizer, kwargs = self.processing_class, dict(self.args.chat_template_kwargs or {})
+        ids = []
+        for index, row in enumerate(rows):
+            prompt = row["prompt"]
+            if is_conversational(prompt):
+                if not getattr(tokenizer, "chat_template", None):
+                    raise DatasetFormatError(
+                        f"{name} has conversational prompts but the tokenizer has no chat template; set "
+                        f"`processing_class.chat_template` (e.g. a ChatML template) before training.")
+                text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+                ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            elif isinstance(prompt, str):
+                ids.append(tokenizer(prompt)["input_ids"])
+            else:
+                raise DatasetFormatError(f"{name} row {index}: 'prompt' must be a string or a list of messages, "
+                                         f"got {type(prompt).__name__}.")
+            if not ids[-1]:
+                raise DatasetFormatError(f"{name} row {index}: the prompt is empty.")
+        return rows, ids
+
+    def optimizer_steps_per_epoch(self) -> int:
+        micro_steps = self.prompt_sampler.steps_per_epoch * self.steps_per_generation * self.args.num_iterations
+        return max(1, math.ceil(micro_steps / self.args.gradient_accumulation_steps))
+
+    # ------------------------------------------------------------------ models
+
+    def after_load(self, model) -> None:
+        args = self.args
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context:
+            for name, prompt_ids in (("train_dataset", self.train_prompt_ids),
+                                     ("eval_dataset", getattr(self, "eval_prompt_ids", []))):
+                for index, ids in enumerate(prompt_ids):
+                    if len(ids) + args.max_completion_length > context:
+                        raise DatasetFormatError(
+                            f"{name} row {index}: the prompt has {len(ids)} tokens; with max_completion_length="
+                            f"{args.max_completion_length} that exceeds the model's context of {context} tokens. "
+                            f"Shorten the prompt or lower max_completion_length.")
+        if args.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self._ref_model = None
+        if args.beta > 0 and not self.is_peft:  # with PEFT the reference is the base model, adapters disabled
+            source = self._model_source
+            self._ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
+                               if isinstance(source, str) else copy.deepcopy(model))
+
+    def after_prepare(self) -> None:
+        if self._ref_model is not None:
+            self._ref_model = dist.prepare_frozen(self.accelerator, self._ref_model)
+        from trainers.rewards import RewardModel
+
+        for reward in self.rewards:
+            if isinstance(reward.func, RewardModel):
+                reward.func.model = dist.prepare_frozen(self.accelerator, reward.func.model)
+
+    # ------------------------------------------------------------------ generation rounds
+
+    def micro_batch(self, step: int, accumulation_index: int) -> dict:
+        args = self.args
+        micro_step = step * args.gradient_accumulation_steps + accumulation_index
+        round_index, within = divmod(micro_step, self.steps_per_generation * args.num_iterations)
+        if self._rollout_round != round_index:
+            self._rollout = self._generate_round(round_index)
+            self._rollout_round = round_index
+        j = within % self.steps_per_generation
+        size = args.per_device_train_batch_size
+        return self._rollout.micro_batch(j * size, (j + 1) * size)
+
+    def step_metrics(self) -> dict:
+        metrics, self._round_metrics = self._round_metrics, {}
+        return metrics
+
+    def _local_slots(self, round_index: int) -> list[int]:
+        """Dataset rows of this process's completions in a round (see samplers.group_slots)."""
+        return group_slots(self.prompt_sampler.batch(round_index), self.args.num_generations,
+                           self.accelerator.num_processes, self.accelerator.process_index)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+        """Completions from the policy (eval mode, no gradients). Every process must call this together."""
+        acc, args = self.accelerator, self.args
+        model = self.unwrapped_model
+        was_training = model.training
+        model.eval()
+        gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
+        synced = dist.zero_stage(acc) == 3 and not gather
+        with dist.gathered_parameters(acc, self.model, enabled=gather):
+            completions = hf_generate(model, prompt_ids, params or self.sampling, self.processing_class.pad_token_id,
+                                      self.eos_ids, synced_gpus=synced)
+        model.train(was_training)
+        return completions
+
+    def _decode(self, rows: list[dict], completion_ids: list[list[int]]) -> tuple[list, list]:
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [row["prompt"] for row in rows]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(prompts, texts)]
+        return prompts, completions
+
+    def _score(self, rows: list[dict], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+        """[N, F] rewards of this process's completions (NaN where a function returned None)."""
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        scores = [call_reward(r, prompts, completions, completion_ids, columns, {"trainer_state": self.state})
+                  for r in self.rewards]
+        return torch.stack(scores, dim=1)
+
+    @torch.no_grad()
+    def _generate_round(self, round_index: int) -> Rollout:
+        args, acc = self.args, self.accelerator
+        slots = self._local_slots(round_index)
+        rows = [self.train_rows[i] for i in slots]
+        completion_ids = self.generate([self.train_prompt_ids[i] for i in slots])
+        prompts, completions = self._decode(rows, completion_ids)
+
+        local_rewards = self._score(rows, prompts, completions, completion_ids)  # [n, F]
+        rewards_per_func = acc.gather(local_rewards.to(acc.device)).cpu()  # [generation_batch_size, F]
+        rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [generation_batch_size]
+        advantages, zero_std = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        n, start = len(slots), acc.process_index * len(slots)
+        local_advantages = advantages[start:start + n]
+
+        prompt_ids, prompt_mask = left_pad([self.train_prompt_ids[i] for i in slots], self.processing_class.pad_token_id)
+        ids, attention = right_pad(completion_ids, self.processing_class.pad_token_id)
+        truncated = torch.tensor([not (c and c[-1] in self.eos_ids) for c in completion_ids])  # [n]
+        loss_mask = attention.float()
+        if args.mask_truncated_completions:
+            loss_mask[truncated] = 0.0
+        dropped_groups = 0
+        if args.dynamic_sampling:
+            group_of_row = torch.arange(start, start + n) // args.num_generations
+            loss_mask[zero_std[group_of_row]] = 0.0
+            dropped_groups = int(zero_std.sum())
+        rollout = Rollout(prompt_ids, prompt_mask, ids, attention, loss_mask, local_advantages, None, None).to(acc.device)
+        old = self._batched_logps(self.model, rollout) if self.need_old_logps else None
+        ref = self._reference_logps(rollout) if args.beta > 0 else None
+        rollout = Rollout(**{**rollout.__dict__, "old_logps": old, "ref_logps": ref})
+
+        lengths = acc.gather(torch.tensor([len(c) for c in completion_ids], device=acc.device)).float().cpu()
+        all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
+        metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
+                   "frac_reward_zero_std": float(zero_std.float().mean()),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
+        for i, reward in enumerate(self.rewards):
+            metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(rewards_per_func[:, i]))
+            metrics[f"rewards/{reward.name}/std"] = float(nanstd(rewards_per_func[:, i]))
+        if args.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+        self._round_metrics = metrics
+        if args.log_completions:
+            self._keep_samples(prompts, completions, rewards[start:start + n], local_advantages)
+        return rollout
+
+    def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs of every completion of the round, in micro-batches: [N, C]."""
+        out = torch.zeros_like(rollout.loss_mask)
+        size = self.args.per_device_train_batch_size
+        for start in range(0, rollout.loss_mask.shape[0], size):
+            batch = rollout.micro_batch(start, start + size)
+            logps = self._policy_forward(model, batch)["logps"]
+            out[start:start + size, : logps.shape[1]] = logps
+        return out
+
+    def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
+        if self._ref_model is not None:
+            return self._batched_logps(self._ref_model, rollout)
+        with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
+            return self._batched_logps(self.model, rollout)
+
+    # ------------------------------------------------------------------ loss
+
+    def _policy_forward(self, model, batch: dict, with_entropy: bool = False) -> dict:
+        input_ids, attention_mask, position_ids = policy_inputs(batch)
+        return token_logprobs(model, input_ids, batch["completion_ids"], attention_mask, position_ids,
+                              temperature=self.args.temperature, logits_to_keep=batch["completion_ids"].shape[1],
+                              with_entropy=with_entropy)
+
+    def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        args = self.args
+        out = self._policy_forward(model, batch, with_entropy=True)
+        logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
+        old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
+        log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)
+        per_token, low, high = clipped_policy_loss(log_weights, batch["advantages"], args.epsilon, args.clip_high,
+                                                   args.delta)
+        stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
+        if args.beta > 0:
+            # k3 KL, importance-weighted so it estimates KL(pi || ref) under the current policy (as TRL does).
+            kl = k3_kl(logps, batch["ref_logps"]) * torch.exp(log_weights)
+            per_token = per_token + args.beta * kl
+            stats["kl"] = ((kl.detach() * mask).sum(), mask.sum())
+        loss = AGGREGATIONS[args.loss_type](per_token, mask, counts)
+        low, high = low.expand_as(mask).float(), high.expand_as(mask).float()
+        stats["clip_ratio/low_mean"] = ((low * mask).sum(), mask.sum())
+        stats["clip_ratio/high_mean"] = ((high * mask).sum(), mask.sum())
+        stats["clip_ratio/region_mean"] = (((low + high) * mask).sum(), mask.sum())
+        return loss, stats
+
+    # ------------------------------------------------------------------ evaluation and logging
+
+    def evaluation_stats(self) -> Stats:
+        """Mean reward (and each function's) of num_generations sampled completions per eval prompt."""
+        acc, args = self.accelerator, self.args
+        n, world = len(self.eval_rows), acc.num_processes
+        mine = [i for i in range(acc.process_index, n, world)]
+        per_process = -(-n // world)
+        device = acc.device
+        sums = torch.zeros(len(self.rewards) + 1, device=device)
+        counts = torch.zeros(len(self.rewards) + 1, device=device)
+        size = max(1, args.per_device_eval_batch_size // args.num_generations)
+        for start in range(0, per_process, size):
+            chunk = mine[start:start + size]
+            indices = [i for i in (chunk or [0]) for _ in range(args.num_generations)]
+            rows = [self.eval_rows[i] for i in indices]
+            completion_ids = self.generate([self.eval_prompt_ids[i] for i in indices])
+            if not chunk:
+                continue  # kept every process in step; nothing to score
+            prompts, completions = self._decode(rows, completion_ids)
+            per_func = self._score(rows, prompts, completions, completion_ids).to(device)  # [n, F]
+            total = combine_rewards(per_func, self.reward_weights.to(device))
+            values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
+            sums += torch.nan_to_num(values).sum(0)
+            counts += (~torch.isnan(values)).sum(0)
+        names = ["reward"] + [f"rewards/{r.name}/mean" for r in self.rewards]
+        return {name: (sums[i], counts[i]) for i, name in enumerate(names)}
+
+    def _keep_samples(self, prompts, completions, rewards, advantages) -> None:
+        samples = [{"prompt": p, "completion": completion_text(c), "reward": float(r), "advantage": float(a)}
+                   for p, c, r, a in zip(prompts, completions, rewards, advantages)]
+        self._samples = dist.gather_objects(self.accelerator, samples)
+
+    def on_log(self, record: dict) -> None:
+        if not (self.args.log_completions and self._samples and self.accelerator.is_main_process):
+            return
+        shown = self._samples[: self.args.num_completions_to_print or len(self._samples)]
+        path = os.path.join(self.args.output_dir, "completions.jsonl")
+        with open(path, "a") as f:
+            for sample in self._samples:
+                f.write(json.dumps({"step": record["step"], **sample}, default=str) + "\n")
+        lines = [f"{'reward':>7} {'adv':>6}  prompt -> completion"]
+        for s in shown:
+            prompt = completion_text(s["prompt"]) if not isinstance(s["prompt"], str) else s["prompt"]
+            lines.append(f"{s['reward']:7.3f} {s['advantage']:6.2f}  {prompt[-40:]!r} -> {s['completion'][:60]!r}")
+        logger.info("completions at step %d:\n%s", record["step"], "\n".join(lines))
+        self._samples = []
+
+    # ------------------------------------------------------------------ resume
+
+    def save_extra_state(self, folder: str) -> None:
+        if self._rollout is not None:
+            torch.save({"round": self._rollout_round, "rollout": self._rollout.to("cpu").__dict__},
+                       os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt"))
+
+    def load_extra_state(self, folder: str) -> None:
+        path = os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt")
+        if os.path.exists(path):
+            saved = torch.load(path, weights_only=True)
+            self._rollout = Rollout(**saved["rollout"]).to(self.accelerator.device)
+            self._rollout_round = saved["round"]

@@ -1,0 +1,253 @@
+"""Reward functions: the contract, built-in rewards by name, and reward models used as reward functions.
+
+The contract (TRL's): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, one value
+per completion. ``prompts``/``completions`` are strings, or lists of messages for conversational data; every
+other dataset column arrives as a keyword argument (one value per completion), plus ``trainer_state``.
+``None`` means "not applicable to this sample": it is left out of the weighted sum.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+class RewardFunctionError(ValueError):
+    """A reward function is invalid, raised, or returned something unusable; the message names it."""
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: the string itself, or the content of its (last) assistant message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Built-in rewards
+# ----------------------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def accuracy_reward(completions: list, answer: list | None = None, solution: list | None = None,
+                    **kwargs) -> list[float | None]:
+    """1.0 when the completion's answer equals the reference, else 0.0.
+
+    The reference comes from the ``answer`` (or ``solution``) column. Numeric references are compared as
+    numbers against the last number in the completion (so "The sum is 46." matches 46); other references
+    must equal the completion's stripped text. Rows without a reference get None.
+    """
+    references = answer if answer is not None else solution
+    if references is None:
+        raise RewardFunctionError("The built-in 'accuracy' reward needs an 'answer' (or 'solution') column.")
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, references):
+        if reference is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip()
+        target = _as_number(str(reference))
+        if target is not None:
+            numbers = _NUMBER.findall(text)
+            rewards.append(1.0 if numbers and math.isclose(float(numbers[-1]), target) else 0.0)
+        else:
+            rewards.append(1.0 if text == str(reference).strip() else 0.0)
+    return rewards
+
+
+FORMAT_PATTERN = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def format_reward(completions: list, **kwargs) -> list[float]:
+    """1.0 when the completion is ``<think>...</think><answer>...</answer>`` (reasoning-model format), else 0.0."""
+    return [1.0 if FORMAT_PATTERN.match(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def soft_overlong_penalty(max_completion_length: int, soft_cache_length: int | None = None) -> Callable:
+    """DAPO's soft over-length punishment (arXiv:2503.14476 eq. 13), as a reward function.
+
+    With L = completion length, L_max = max_completion_length and L_cache the soft window (default L_max/4):
+    0 if L <= L_max - L_cache; (L_max - L_cache - L) / L_cache inside the window; -1 beyond L_max.
+    """
+    cache = soft_cache_length if soft_cache_length is not None else max(1, max_completion_length // 4)
+    if not 0 < cache <= max_completion_length:
+        raise RewardFunctionError(f"soft_cache_length={cache} must be in (0, max_completion_length].")
+
+    def overlong(completion_ids: list, **kwargs) -> list[float]:
+        free = max_completion_length - cache
+        out = []
+        for ids in completion_ids:
+            length = len(ids)
+            if length <= free:
+                out.append(0.0)
+            elif length <= max_completion_length:
+                out.append((free - length) / cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    overlong.__name__ = "overlong"
+    return overlong
+
+
+BUILTIN_REWARDS = {"accuracy", "format", "overlong"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reward models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RewardModel:
+    """A sequence-classification model used as a reward function: the score is logit 0 of prompt+completion.
+
+    Conversational samples are rendered with the reward tokenizer's chat template.
+    """
+
+    def __init__(self, model, tokenizer, name: str):
+        self.model, self.tokenizer, self.__name__ = model, tokenizer, name
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if getattr(self.model.config, "pad_token_id", None) is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        texts = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, list):
+                texts.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False))
+            else:
+                texts.append(prompt + completion)
+        device = next(self.model.parameters()).device
+        inputs = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(device)
+        return self.model(**inputs).logits[:, 0].float().tolist()
+
+
+def load_reward_model(path_or_model: Any, tokenizer=None) -> RewardModel:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if isinstance(path_or_model, str):
+        model = AutoModelForSequenceClassification.from_pretrained(path_or_model, num_labels=1)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path_or_model)
+        name = os.path.basename(path_or_model.rstrip("/"))
+    else:
+        model = path_or_model
+        source = getattr(model.config, "_name_or_path", "")
+        if tokenizer is None:
+            if not source:
+                raise RewardFunctionError("A reward model instance needs a tokenizer: pass reward_processing_classes.")
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        name = os.path.basename(source.rstrip("/")) or type(model).__name__
+    model.eval().requires_grad_(False)
+    return RewardModel(model, tokenizer, name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resolving and calling reward functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reward:
+    """A resolved reward function and the name its metrics are logged under (``rewards/<name>/mean``)."""
+
+    name: str
+    func: Callable
+
+
+def resolve_reward(spec: Any, max_completion_length: int, processing_class=None) -> Reward:
+    """A callable, a built-in name, ``module:function``, a reward-model folder, or a model instance -> Reward."""
+    from transformers import PreTrainedModel
+
+    if isinstance(spec, PreTrainedModel):
+        model = load_reward_model(spec, processing_class)
+        return Reward(model.__name__, model)
+    if isinstance(spec, str):
+        if spec == "accuracy":
+            return Reward("accuracy", accuracy_reward)
+        if spec == "format":
+            return Reward("format", format_reward)
+        if spec == "overlong":
+            return Reward("overlong", soft_overlong_penalty(max_completion_length))
+        if os.path.isdir(spec):
+            model = load_reward_model(spec, processing_class)
+            return Reward(model.__name__, model)
+        if ":" in spec:
+            module_name, _, attr = spec.partition(":")
+            try:
+                func = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as error:
+                raise RewardFunctionError(f"reward function '{spec}' could not be imported: {error}") from error
+            return Reward(attr, func)
+        raise RewardFunctionError(
+            f"reward function '{spec}' is neither a built-in ({sorted(BUILTIN_REWARDS)}), a 'module:function', "
+            f"nor a reward-model folder."
+        )
+    if callable(spec):
+        return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
+    raise RewardFunctionError(f"reward_funcs entries must be callables, names or models; got {type(spec).__name__}.")
+
+
+def _first_failing_sample(call, n: int) -> int | None:
+    """Index of the first sample on which ``call`` raises when called one sample at a time (None if none does)."""
+    for index in range(n):
+        try:
+            call(slice(index, index + 1))
+        except Exception:
+            return index
+    return None
+
+
+def call_reward(reward: Reward, prompts: list, completions: list, completion_ids: list, columns: dict,
+                extra: dict | None = None) -> torch.Tensor:
+    """Call one reward function and check its answer; returns [N] float32 with NaN for None."""
+    def call(rows: slice):
+        return reward.func(prompts=prompts[rows], completions=completions[rows], completion_ids=completion_ids[rows],
+                           **{k: v[rows] for k, v in columns.items()}, **(extra or {}))
+
+    try:
+        values = call(slice(None))
+    except Exception as error:
+        index = _first_failing_sample(call, len(completions))
+        where = f"on sample {index} (prompt {str(prompts[index])[:80]!r})" if index is not None else \
+            f"on a batch of {len(completions)} completions"
+        raise RewardFunctionError(
+            f"reward function '{reward.name}' raised {type(error).__name__}: {error} {where}"
+        ) from error
+    if values is None or not hasattr(values, "__len__"):
+        raise RewardFunctionError(f"reward function '{reward.name}' returned {type(values).__name__}, "
+                                  f"expected a list of {len(completions)} floats (or None).")
+    values = list(values)
+    if len(values) != len(completions):
+        raise RewardFunctionError(f"reward function '{reward.name}' returned {len(values)} rewards for "
+                                  f"{len(completions)} completions; it must return one per completion.")
+    out = []
+    for index, value in enumerate(values):
+        if value is None:
+            out.append(float("nan"))
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+            raise RewardFunctionError(f"reward function '{reward.name}' returned {value!r} for sample {index}; "
+                                      f"rewards must be numbers or None.")
+        out.append(float(value))
+    return torch.tensor(out, dtype=torch.float32)
