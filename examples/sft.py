@@ -18,19 +18,8 @@ import os
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.argparsing import add_config_arguments, config_overrides
+from trainers.data import load_dataset_file
 from trainers.tiny import as_sft_rows, reverse_digits_rows, save_tiny_model
-
-
-def load_local_dataset(path: str):
-    from datasets import load_dataset
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--dataset '{path}' does not exist.")
-    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in kinds:
-        raise ValueError(f"--dataset '{path}': unsupported extension {ext!r}; use one of {sorted(kinds)}.")
-    return load_dataset(kinds[ext], data_files=path)["train"]
 
 
 def main(argv=None):
@@ -49,8 +38,8 @@ def main(argv=None):
                      "warmup_steps": 10, **overrides}
         cli.model = save_tiny_model(os.path.join(overrides["output_dir"], "tiny-model"), hidden_size=128,
                                     num_layers=4)
-    train = load_local_dataset(cli.dataset) if cli.dataset else as_sft_rows(reverse_digits_rows(2000, seed=1))
-    evaluation = load_local_dataset(cli.eval_dataset_file) if cli.eval_dataset_file else None
+    train = load_dataset_file(cli.dataset) if cli.dataset else as_sft_rows(reverse_digits_rows(2000, seed=1))
+    evaluation = load_dataset_file(cli.eval_dataset_file, "--eval_dataset_file") if cli.eval_dataset_file else None
 
     peft_config = None
     if cli.lora_r:

@@ -3,4 +3,4 @@
 # no network, no GPU needed).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-python examples/sft.py "$@"
+python examples/grpo_arithmetic.py "$@"

@@ -83,6 +83,8 @@ class BaseTrainer:
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
         self.state = TrainerState()
         self.after_prepare()
+        # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
+        set_seed(args.seed + self.accelerator.process_index)
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -171,9 +173,8 @@ class BaseTrainer:
         if resume_path is not None:
             self.state = load_checkpoint(acc, resume_path)
             self.load_extra_state(resume_path)
-            logger.info(f"resumed from {resume_path} at step {self.state.global_step}") if acc.is_main_process else None
-        else:
-            set_seed(args.seed + acc.process_index)  # sampling differs per process; data order does not
+            if acc.is_main_process:
+                logger.info(f"resumed from {resume_path} at step {self.state.global_step}")
         if acc.is_main_process:
             logger.info(
                 f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "

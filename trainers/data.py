@@ -26,6 +26,23 @@ class DatasetFormatError(ValueError):
     """A dataset does not have the columns or values a trainer needs. The message names them."""
 
 
+DATA_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_dataset_file(path: str, option: str = "--dataset"):
+    """A local .json/.jsonl/.parquet/.csv file as a ``datasets.Dataset`` (errors name the option and path)."""
+    import os
+
+    from datasets import load_dataset
+
+    if not os.path.isfile(path):
+        raise DatasetFormatError(f"{option} '{path}' does not exist.")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in DATA_FILE_KINDS:
+        raise DatasetFormatError(f"{option} '{path}': unsupported extension {ext!r}; use one of {sorted(DATA_FILE_KINDS)}.")
+    return load_dataset(DATA_FILE_KINDS[ext], data_files=path)["train"]
+
+
 def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
     """Which SFT format a dataset is in, judged by its columns."""
     columns = set(columns)

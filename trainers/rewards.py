@@ -251,3 +251,12 @@ def call_reward(reward: Reward, prompts: list, completions: list, completion_ids
                                       f"rewards must be numbers or None.")
         out.append(float(value))
     return torch.tensor(out, dtype=torch.float32)
+
+
+# TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.
+think_format_reward = format_reward
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:
+    """TRL's name for :func:`soft_overlong_penalty`."""
+    return soft_overlong_penalty(max_completion_len, soft_punish_cache)

@@ -1,0 +1,110 @@
+"""The embedded demo: a tiny model gets measurably better at addition through RL, on a laptop CPU.
+
+    python examples/grpo_arithmetic.py            # about 3 minutes on 2 CPU cores, no network, no GPU
+
+1. Build a tiny Qwen2 (width 128, 4 layers, 0.8M parameters) and a byte-level tokenizer offline.
+2. Generate every two-digit addition "a+b=" (10,000 problems) and split them: 500 held out for the final
+   score, 300 for validation, the rest for training. Answers are written least-significant digit first
+   ("17+25=" -> "24", i.e. 42 reversed): the model then produces digits in the order carries flow, which a
+   4-layer model can learn in a minute (in the usual order it needs a much larger model or far longer).
+3. Warm up with SFT until the model is about half right on the validation split. Training in stages and
+   checking after each keeps the starting point stable: accuracy jumps suddenly during this SFT, at a step
+   that moves with the seed and the machine.
+4. Train with GRPO using only an exact-answer reward (the model's own samples, scored 1 or 0), and report
+   greedy accuracy on the held-out problems before and after.
+"""
+
+import argparse
+import os
+import random
+import time
+
+from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers.generation import SamplingParams, hf_generate
+from trainers.tiny import save_tiny_model
+
+
+def reversed_sum(a: int, b: int) -> str:
+    return str(a + b)[::-1]
+
+
+def make_splits(seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
+    rows = [{"prompt": f"{a}+{b}=", "answer": reversed_sum(a, b)} for a, b in pairs]
+    return rows[:500], rows[500:800], rows[800:]  # held out, validation, train
+
+
+def exact_answer(completions, answer, **kwargs):
+    """1.0 when the completion is exactly the expected answer, else 0.0."""
+    return [1.0 if completion.strip() == expected else 0.0 for completion, expected in zip(completions, answer)]
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    was_training = model.training
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    outputs = hf_generate(model.eval(), prompts, SamplingParams(max_new_tokens=5, do_sample=False),
+                          tokenizer.pad_token_id, {tokenizer.eos_token_id})
+    model.train(was_training)
+    texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
+    return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
+
+
+def warm_up(model_path: str, train: list[dict], validation: list[dict], output_dir: str, target: float,
+            stage_steps: int = 100, max_stages: int = 12):
+    """SFT in stages until greedy validation accuracy reaches ``target``; returns (model, tokenizer)."""
+    rows = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train]
+    model, tokenizer = model_path, None
+    for stage in range(max_stages):
+        trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows, args=SFTConfig(
+            output_dir=output_dir, per_device_train_batch_size=64, learning_rate=3e-3, max_steps=stage_steps,
+            lr_scheduler_type="constant", warmup_steps=20 if stage == 0 else 0, save_strategy="no",
+            logging_steps=stage_steps, disable_tqdm=True, seed=stage, bf16=False, report_to="none"))
+        trainer.train()
+        model, tokenizer = trainer.unwrapped_model, trainer.processing_class
+        accuracy = greedy_accuracy(model, tokenizer, validation)
+        print(f"  SFT {(stage + 1) * stage_steps} steps: validation accuracy {accuracy:.1%}", flush=True)
+        if accuracy >= target:
+            break
+    return model, tokenizer
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="outputs/grpo-arithmetic")
+    parser.add_argument("--warmup_target", type=float, default=0.45, help="Validation accuracy that ends the SFT warm-up.")
+    parser.add_argument("--grpo_steps", type=int, default=400)
+    parser.add_argument("--learning_rate", type=float, default=2e-4)
+    parser.add_argument("--num_generations", type=int, default=8)
+    cli = parser.parse_args(argv)
+
+    started = time.time()
+    held_out, validation, train = make_splits()
+    base = save_tiny_model(os.path.join(cli.output_dir, "base-model"), hidden_size=128, num_layers=4)
+    print(f"1. tiny model built offline; {len(train)} training / {len(validation)} validation / "
+          f"{len(held_out)} held-out problems", flush=True)
+
+    print("2. SFT warm-up", flush=True)
+    model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.warmup_target)
+    before = greedy_accuracy(model, tokenizer, held_out)
+    print(f"   held-out accuracy after SFT: {before:.1%}  ({time.time() - started:.0f} s)", flush=True)
+
+    print(f"3. GRPO: {cli.grpo_steps} steps, {cli.num_generations} samples per prompt, exact-answer reward", flush=True)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact_answer, train_dataset=train,
+                          args=GRPOConfig(
+                              output_dir=cli.output_dir, per_device_train_batch_size=64,
+                              num_generations=cli.num_generations, max_completion_length=5,
+                              learning_rate=cli.learning_rate, lr_scheduler_type="constant", max_steps=cli.grpo_steps,
+                              logging_steps=50, save_strategy="no", bf16=False, beta=0.0, seed=0, report_to="none"))
+    trainer.train()
+    after = greedy_accuracy(trainer.unwrapped_model, tokenizer, held_out)
+    trainer.save_model(os.path.join(cli.output_dir, "final"))
+
+    print(f"\nheld-out accuracy (greedy, {len(held_out)} unseen problems): "
+          f"before RL {before:.1%} -> after RL {after:.1%}  ({after - before:+.1%})")
+    print(f"total time {time.time() - started:.0f} s; model saved to {os.path.join(cli.output_dir, 'final')}")
+    return before, after
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""A short GRPO job launched by tests/distributed with 2 processes; writes a JSON report per rank.
+
+argv: model_dir output_dir
+Layout: per-device 2 completions, num_generations 4, 2 processes, 1 step per generation: each round has one
+prompt whose group of 4 is split 2 + 2 across the processes.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.distributed import gathered_parameters, zero_stage
+
+
+def digits(completions, **kwargs):
+    """Fraction of digits, plus a small content-dependent term so a group's rewards always differ."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + (sum(map(ord, c)) % 7) / 100 for c in completions]
+
+
+def main():
+    model_dir, output_dir = sys.argv[1], sys.argv[2]
+    rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12"]]
+    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
+                      disable_tqdm=True, seed=0, bf16=False, beta=0.05)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=args, train_dataset=rows)
+    acc = trainer.accelerator
+
+    # One round by hand, to record what each process holds.
+    slots = trainer._local_slots(0)
+    batch = trainer.micro_batch(0, 0)
+    local_rewards = trainer._score([trainer.train_rows[i] for i in slots],
+                                   *trainer._decode([trainer.train_rows[i] for i in slots],
+                                                    [ids[m.bool()].tolist() for ids, m in
+                                                     zip(batch["completion_ids"], batch["completion_attention"])]),
+                                   [ids[m.bool()].tolist() for ids, m in
+                                    zip(batch["completion_ids"], batch["completion_attention"])])
+    round_report = {"slots": slots, "completions": batch["completion_ids"].tolist(), "rewards": local_rewards[:, 0].tolist(),
+                    "advantages": batch["advantages"].tolist()}
+    trainer._rollout_round = -1  # let training regenerate round 0 itself
+
+    trainer.train()
+    with gathered_parameters(acc, trainer.model):
+        checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
+    report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
+              "round": round_report, "checksum": checksum, "history": trainer.state.log_history}
+    with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,44 @@
+"""GRPO with 2 processes under the DDP, ZeRO-2 and ZeRO-3 templates."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import REPO, launch
+from trainers.losses import group_advantages
+
+JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["multi_gpu", "zero2", "zero3"])
+def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
+    launch(name, JOB, tiny_model_dir, str(tmp_path))
+    reports = []
+    for path in sorted(glob.glob(str(tmp_path / "report-*.json"))):
+        with open(path) as f:
+            reports.append(json.load(f))
+    assert [r["rank"] for r in reports] == [0, 1] and all(r["num_processes"] == 2 for r in reports)
+    assert reports[0]["zero_stage"] == {"multi_gpu": 0, "zero2": 2, "zero3": 3}[name]
+
+    # Every process sampled the same prompt for round 0, and its group of 4 is split 2 + 2.
+    slots = [r["round"]["slots"] for r in reports]
+    assert len(set(slots[0] + slots[1])) == 1 and len(slots[0]) == len(slots[1]) == 2
+    # The advantages each process holds equal one process's computation over the whole group.
+    rewards = torch.tensor(reports[0]["round"]["rewards"] + reports[1]["round"]["rewards"])
+    expected, _ = group_advantages(rewards, 4, "group")
+    held = reports[0]["round"]["advantages"] + reports[1]["round"]["advantages"]
+    assert held == pytest.approx(expected.tolist(), abs=1e-5)
+    assert reports[0]["round"]["completions"] != reports[1]["round"]["completions"], "processes must sample apart"
+    assert rewards.std() > 0
+
+    # Both processes train one model, log the same metrics, and the KL to the reference is tracked.
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    history = reports[0]["history"]
+    local = lambda h: [{k: v for k, v in r.items() if k != "step_time"} for r in h]  # noqa: E731  timing is per process
+    assert len(history) == 3 and local(history) == local(reports[1]["history"])
+    assert all("reward" in r and "kl" in r for r in history)
+    assert history[-1]["kl"] > 0
