@@ -182,3 +182,19 @@ def test_evaluation_reports_reward(tiny_model_dir, tmp_path):
     trainer.train()
     evals = [r for r in trainer.state.log_history if "eval_reward" in r]
     assert len(evals) == 1 and 0 <= evals[0]["eval_reward"] <= 1 and "eval_rewards/digits/mean" in evals[0]
+
+
+def test_a_reward_model_folder_serves_as_a_reward_function(tiny_model_dir, tokenizer, tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    rm_config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForSequenceClassification(rm_config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[str(tmp_path / "rm"), digits], train_dataset=PROMPTS,
+                          args=config(tmp_path, max_steps=1))
+    trainer.train()
+    record = trainer.state.log_history[0]
+    assert record["rewards/rm/std"] > 0  # a real score per completion, not a constant
+    assert record["reward"] == pytest.approx(record["rewards/rm/mean"] + record["rewards/digits/mean"], abs=1e-4)
