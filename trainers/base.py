@@ -21,9 +21,11 @@ from trainers.checkpoint import (
     TrainerState, load_checkpoint, resolve_resume_path, rotate_checkpoints, save_checkpoint,
 )
 from trainers.configs import ConfigError, TrainingConfig
+from trainers.errors import NonFiniteError
+from trainers.interrupts import StopOnSignal
 from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
-from trainers.modeling import load_causal_lm, load_tokenizer
+from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer
 from trainers.schedules import build_scheduler
 
 
@@ -50,6 +52,8 @@ class BaseTrainer:
             raise ConfigError(f"{type(self).__name__} needs args of type {self.config_class.__name__}, "
                               f"got {type(args).__name__}.")
         self.args = args
+        if isinstance(model, str):
+            check_model_path(model)  # before anything slow, and before the tokenizer is looked up there
         reports = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to)
         if any(r != "none" for r in reports):
             raise ConfigError(f"report_to={args.report_to!r}: trackers are not wired up yet; metrics always go to "
@@ -185,26 +189,72 @@ class BaseTrainer:
         run_log.start(self.state.log_history, self.state.global_step)
         window: list[dict] = []
         self.model.train()
-        while self.state.global_step < self.max_steps:
-            step = self.state.global_step
-            started = time.perf_counter()
-            batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
-            step_stats = self._optimizer_step(batches)
-            step_stats.update(self.step_metrics())
-            step_stats["step_time"] = time.perf_counter() - started
-            self.state.global_step += 1
-            self.state.epoch = self.state.global_step / self.steps_per_epoch
-            self.state.num_tokens += int(step_stats.pop("num_input_tokens"))
-            window.append(step_stats)
-            run_log.advance({"loss": step_stats["loss"]})
-            self._log_eval_save(window, run_log)
+        with StopOnSignal() as stop:
+            while self.state.global_step < self.max_steps:
+                step = self.state.global_step
+                started = time.perf_counter()
+                batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
+                step_stats = self._optimizer_step(batches, stop_requested=bool(stop.received))
+                step_stats.update(self.step_metrics())
+                step_stats["step_time"] = time.perf_counter() - started
+                self.state.global_step += 1
+                self.state.epoch = self.state.global_step / self.steps_per_epoch
+                self.state.num_tokens += int(step_stats.pop("num_input_tokens"))
+                stop_requested = step_stats.pop("stop_requested") > 0
+                window.append(step_stats)
+                run_log.advance({"loss": step_stats["loss"]})
+                self._log_eval_save(window, run_log, force_log=stop_requested)
+                self._check_nonfinite(step_stats["grad_norm"])
+                if stop_requested:
+                    run_log.close()
+                    self._stop_on_signal(stop.received)
         run_log.close()
         losses = [r["loss"] for r in self.state.log_history if "loss" in r]
         return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), dict(self.state.log_history[-1])
                            if self.state.log_history else {})
 
-    def _optimizer_step(self, batches: list[dict]) -> dict:
-        """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics."""
+    def _checkpoint_now(self) -> str:
+        """The checkpoint of the current step: the one just written, or a new one."""
+        path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        return path if os.path.isfile(os.path.join(path, "trainer_state.json")) else self.save_checkpoint()
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """A process received SIGTERM/SIGINT: every process checkpoints this step and exits non-zero."""
+        path = self._checkpoint_now()
+        if self.accelerator.is_main_process:
+            logger.error(f"stopped by a signal after step {self.state.global_step}; checkpoint written to {path}. "
+                         f"Resume with trainer.train(resume_from_checkpoint=True), or run the same command with "
+                         f"--resume_from_checkpoint true.")
+        raise SystemExit(StopOnSignal.exit_code(signum))
+
+    def _check_nonfinite(self, grad_norm: float | None) -> None:
+        """Count optimizer steps skipped for a non-finite loss or gradient norm; stop after too many in a row."""
+        state = self.state
+        if grad_norm is None or math.isfinite(grad_norm):
+            state.consecutive_nonfinite = 0
+            return
+        state.consecutive_nonfinite += 1
+        state.total_nonfinite += 1
+        if state.consecutive_nonfinite < self.args.max_consecutive_nonfinite_steps:
+            if self.accelerator.is_main_process:
+                logger.warning(f"step {state.global_step}: non-finite loss or gradient norm; the update was skipped "
+                               f"({state.consecutive_nonfinite} in a row, {state.total_nonfinite} in total).")
+            return
+        path = self._checkpoint_now()
+        raise NonFiniteError(
+            f"{state.consecutive_nonfinite} consecutive optimizer steps (up to step {state.global_step}) had a "
+            f"non-finite loss or gradient norm, so their updates were skipped and training stopped "
+            f"(max_consecutive_nonfinite_steps={self.args.max_consecutive_nonfinite_steps}). The checkpoint {path} "
+            f"holds the weights from before them. Usual causes: a learning rate too high "
+            f"(learning_rate={self.args.learning_rate}), fp16 overflow (try bf16), or rows that produce inf/NaN "
+            f"(check the data and the reward functions).")
+
+    def _optimizer_step(self, batches: list[dict], stop_requested: bool = False) -> dict:
+        """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics.
+
+        A step whose gradient norm is not finite (a non-finite loss makes it so) is not applied: its
+        gradients are dropped (DeepSpeed does the same inside its step). ``stop_requested`` is this process's
+        signal flag; the returned ``stop_requested`` is the sum over processes, so all stop together."""
         acc = self.accelerator
         counts, local_input_tokens = self._count(batches)
         # accelerator.backward divides by the accumulation steps and DDP/DeepSpeed average over processes;
@@ -223,21 +273,24 @@ class BaseTrainer:
                     totals[name] = totals[name] + pair if name in totals else pair
                 if acc.sync_gradients:
                     assert index == len(batches) - 1, "gradient sync must happen on the last micro-batch"
-                    grad_norm = self._clip_gradients()
-                    self.optimizer.step()
+                    norm = self._clip_gradients()
+                    grad_norm = None if norm is None else float(norm)
+                    if grad_norm is None or math.isfinite(grad_norm):
+                        self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         names = sorted(totals)
-        packed = torch.stack([loss_sum, torch.as_tensor(local_input_tokens, device=acc.device)]
-                             + [v for n in names for v in totals[n]])
-        packed = dist.all_reduce_sum(acc, packed).tolist()
-        metrics = {"loss": packed[0], "num_input_tokens": packed[1]}
+        head = [loss_sum, torch.as_tensor(local_input_tokens, device=acc.device),
+                torch.as_tensor(float(stop_requested), device=acc.device)]
+        packed = dist.all_reduce_sum(acc, torch.stack(head + [v for n in names for v in totals[n]])).tolist()
+        metrics = {"loss": packed[0], "num_input_tokens": packed[1], "stop_requested": packed[2]}
         for i, name in enumerate(names):
-            num, den = packed[2 + 2 * i], packed[3 + 2 * i]
+            num, den = packed[3 + 2 * i], packed[4 + 2 * i]
             metrics[name] = num / den if den else float("nan")
         metrics["learning_rate"] = learning_rate
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["grad_norm"] = grad_norm
+        metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))
         return metrics
 
     def _count(self, batches: list[dict]) -> tuple[BatchCounts, float]:
@@ -260,11 +313,11 @@ class BaseTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return self.accelerator.clip_grad_norm_(params, max_norm)
 
-    def _log_eval_save(self, window: list[dict], run_log: RunLog) -> None:
+    def _log_eval_save(self, window: list[dict], run_log: RunLog, force_log: bool = False) -> None:
         args, state = self.args, self.state
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
-        if step % args.logging_steps == 0 or last or step == 1:
+        if step % args.logging_steps == 0 or last or step == 1 or force_log:
             record = {"step": step, "epoch": round(state.epoch, 4)}
             for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]

@@ -18,13 +18,11 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 
+from trainers.errors import CheckpointError
+
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 _TMP_PREFIX = ".tmp-" + CHECKPOINT_PREFIX
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or unreadable; the message names the path and what is wrong."""
 
 
 @dataclass

@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-
-
-class ConfigError(ValueError):
-    """An option has an invalid value, or does not exist. The message names the option."""
+from trainers.errors import ConfigError
 
 
 def opt(default: Any, help: str) -> Any:
@@ -65,6 +62,35 @@ def _reject_unknown_options(cls):
     return cls
 
 
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "dict": dict, "None": type(None)}
+
+
+def _matches(value: Any, annotation: str) -> bool:
+    """Whether ``value`` fits a field annotation written as a string ("int | None", "list[float] | None", ...)."""
+    for part in (p.strip() for p in annotation.split("|")):
+        if part.startswith("list[") and isinstance(value, (list, tuple)):
+            inner = part[5:-1]
+            if all(_matches(item, inner) for item in value):
+                return True
+            continue
+        expected = _TYPES.get(part)
+        if expected is None:
+            return True  # an annotation this check does not know: do not judge
+        if isinstance(value, bool) and part in ("int", "float"):
+            continue  # True is an int to Python, not to a user
+        if isinstance(value, expected):
+            return True
+    return False
+
+
+def _check_types(config) -> None:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not _matches(value, str(f.type)):
+            raise ConfigError(f"{type(config).__name__}: `{f.name}={value!r}` is a {type(value).__name__}; "
+                              f"expected {f.type}.")
+
+
 def _check(condition: bool, cls_name: str, name: str, value: Any, valid: str) -> None:
     if not condition:
         raise ConfigError(f"{cls_name}: `{name}={value!r}` is invalid; {valid}.")
@@ -90,7 +116,7 @@ class TrainingConfig:
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
     optim: str = opt("adamw_torch_fused", f"Optimizer: one of {OPTIMIZERS} (both are torch AdamW).")
-    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this value; 0 or None disables clipping.")
+    max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm to this value; 0 or None disables clipping.")
     num_train_epochs: float = opt(3.0, "Passes over the training data (ignored when max_steps > 0).")
     max_steps: int = opt(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
     lr_scheduler_type: str = opt("linear", f"Learning-rate schedule after warmup: one of {LR_SCHEDULER_TYPES}.")
@@ -121,11 +147,16 @@ class TrainingConfig:
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
     use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
+    max_consecutive_nonfinite_steps: int = opt(
+        10, "Optimizer steps with a non-finite loss or gradient norm are skipped; after this many in a row, "
+        "training stops with a checkpoint and an explanation."
+    )
 
     def __post_init__(self):
+        _check_types(self)
         name = type(self).__name__
         for f in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                  "logging_steps", "save_steps"):
+                  "logging_steps", "save_steps", "max_consecutive_nonfinite_steps"):
             value = getattr(self, f)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f, value,
                    "it must be a positive integer")
@@ -140,7 +171,7 @@ class TrainingConfig:
         _check(self.optim in OPTIMIZERS, name, "optim", self.optim, f"valid: {OPTIMIZERS}")
         _check(self.max_grad_norm is None or self.max_grad_norm >= 0, name, "max_grad_norm", self.max_grad_norm,
                "it must be >= 0 (0 or None disables clipping)")
-        _check(self.num_train_epochs > 0 or self.max_steps > 0, name, "num_train_epochs", self.num_train_epochs,
+        _check(math.isfinite(self.num_train_epochs) and (self.num_train_epochs > 0 or self.max_steps > 0), name, "num_train_epochs", self.num_train_epochs,
                "it must be > 0 unless max_steps > 0")
         _check(isinstance(self.max_steps, int) and (self.max_steps > 0 or self.max_steps == -1), name, "max_steps",
                self.max_steps, "it must be a positive integer, or -1 to train for num_train_epochs")
@@ -243,7 +274,7 @@ class GRPOConfig(TrainingConfig):
     num_iterations: int = opt(1, "Passes over each generation round (mu); > 1 reuses rollouts with old log-probs.")
     temperature: float = opt(1.0, "Sampling temperature.")
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
-    top_k: int = opt(0, "Keep only the k most likely tokens when sampling; 0 disables.")
+    top_k: int | None = opt(0, "Keep only the k most likely tokens when sampling; 0 disables.")
     min_p: float | None = opt(None, "Drop tokens whose probability is below min_p x the top token's.")
     repetition_penalty: float = opt(1.0, "Penalty on tokens already in the prompt or completion (1.0: none).")
     generation_kwargs: dict | None = opt(None, "Extra keyword arguments for the generation call.")

@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from trainers.errors import DatasetFormatError
+
 IGNORE = -100
 
 FORMATS = {
@@ -20,10 +22,6 @@ FORMATS = {
     "prompt_completion": "'prompt' and 'completion' columns (strings, or lists of messages)",
     "tokenized": "an 'input_ids' column (optionally 'labels' or 'completion_mask')",
 }
-
-
-class DatasetFormatError(ValueError):
-    """A dataset does not have the columns or values a trainer needs. The message names them."""
 
 
 DATA_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -65,15 +63,41 @@ def is_conversational(value: Any) -> bool:
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+def check_messages(value: Any, where: str) -> None:
+    """A conversation must be a non-empty list of {'role': str, 'content': str} dicts."""
+    if not isinstance(value, list) or not value:
+        raise DatasetFormatError(f"{where} must be a non-empty list of {{'role', 'content'}} messages, got {value!r:.80}.")
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DatasetFormatError(f"{where}: message {i} must be a dict with string 'role' and 'content', "
+                                     f"got {message!r:.80}.")
+
+
+def check_token_ids(ids: Any, where: str, allow_ignore: bool = False) -> list[int]:
+    """A list of non-negative int token ids (and -100 where ``allow_ignore``)."""
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise DatasetFormatError(f"{where} must be a list of integer token ids, got {ids!r:.80}.")
+    bad = [t for t in ids if t < 0 and not (allow_ignore and t == IGNORE)]
+    if bad:
+        raise DatasetFormatError(f"{where} holds negative token id {bad[0]}" + (" (only -100 marks an ignored label)"
+                                                                                if allow_ignore else "") + ".")
+    return list(ids)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+    """The conversation as text through the tokenizer's chat template (errors name the fix)."""
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetFormatError(
             "The data is conversational (lists of messages) but the tokenizer has no chat template. Set one with "
             "`tokenizer.chat_template = ...`, or SFTConfig(chat_template_path=...)."
         )
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-    )
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except Exception as error:  # a template's own checks (e.g. "roles must alternate") or Jinja errors
+        raise DatasetFormatError(f"The chat template could not render a conversation: {error} "
+                                 f"(first message: {messages[0]!r:.80}).") from error
 
 
 def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
@@ -93,9 +117,9 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        through = _render(tokenizer, messages[: i + 1])
+        through = render_chat(tokenizer, messages[: i + 1])
         if i:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # ends with the assistant header
+            before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)  # ends with the assistant header
             start = len(before)
         else:
             # A conversation cannot be rendered empty, so the header of a leading assistant turn ends where its
@@ -116,11 +140,13 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
                  completion_only_loss: bool | None = None, assistant_only_loss: bool = False) -> dict:
     """One dataset row -> ``{"input_ids", "labels"}`` (labels are input ids, or -100 where no loss is taken)."""
     if fmt == "tokenized":
-        input_ids = list(row["input_ids"])
+        input_ids = check_token_ids(row["input_ids"], "'input_ids'")
         if row.get("labels") is not None:
-            labels = list(row["labels"])
+            labels = check_token_ids(row["labels"], "'labels'", allow_ignore=True)
         elif row.get("completion_mask") is not None:
             labels = list(row["completion_mask"])
+            if not all(m in (0, 1) for m in labels):
+                raise DatasetFormatError(f"'completion_mask' must hold 0s and 1s, got {labels!r:.80}.")
             if len(labels) == len(input_ids):
                 labels = [t if m else IGNORE for t, m in zip(input_ids, labels)]
         else:
@@ -142,20 +168,22 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
 
     if fmt == "conversational":
         messages = row["messages"]
-        if not is_conversational(messages):
-            raise DatasetFormatError("Column 'messages' must hold lists of {'role': ..., 'content': ...} dicts.")
-        text = _render(tokenizer, messages)
+        check_messages(messages, "column 'messages'")
+        text = render_chat(tokenizer, messages)
         spans = _assistant_spans(tokenizer, messages, text) if assistant_only_loss else [(0, len(text))]
         ids, trained = _tokenize_with_spans(tokenizer, text, spans)
         return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
 
     if fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
-        if is_conversational(prompt) != is_conversational(completion):
+        if isinstance(prompt, list) != isinstance(completion, list):
             raise DatasetFormatError("'prompt' and 'completion' must both be strings or both be lists of messages.")
+        if isinstance(prompt, list):
+            check_messages(prompt, "column 'prompt'")
+            check_messages(completion, "column 'completion'")
         if is_conversational(prompt):
-            before = _render(tokenizer, prompt, add_generation_prompt=True)
-            text = _render(tokenizer, prompt + completion)
+            before = render_chat(tokenizer, prompt, add_generation_prompt=True)
+            text = render_chat(tokenizer, prompt + completion)
             if not text.startswith(before):
                 raise DatasetFormatError("The chat template renders the prompt differently once a completion follows.")
         elif isinstance(prompt, str) and isinstance(completion, str):

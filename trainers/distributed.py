@@ -20,6 +20,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
 
+from trainers.errors import DistributedError
+
 DEEPSPEED_ENV = "ACCELERATE_USE_DEEPSPEED"
 
 
@@ -170,7 +172,9 @@ def configure_deepspeed(
     config["train_micro_batch_size_per_gpu"] = micro_batch_size
     config["gradient_accumulation_steps"] = gradient_accumulation_steps
     config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
-    config["gradient_clipping"] = float(max_grad_norm or 0.0)
+    # Clipping happens inside DeepSpeed's step. "No clipping" is an unreachable bound rather than 0, so that
+    # DeepSpeed still computes the gradient norm (the trainers log it and skip non-finite steps by it).
+    config["gradient_clipping"] = float(max_grad_norm or 1e30)
     # Steps are driven by the trainer's loop; DeepSpeed's own periodic prints would only add noise.
     config["steps_per_print"] = float("inf")
     applied = {}
@@ -223,6 +227,24 @@ def gather_objects(accelerator: Accelerator, objects: list) -> list:
     if accelerator.num_processes == 1:
         return list(objects)
     return gather_object(list(objects))
+
+
+def raise_together(accelerator: Accelerator, error: BaseException | None) -> None:
+    """Every process calls this at the same point, passing the exception it caught there (or None). If any
+    process failed, every process raises: the failing one its own exception, the others a DistributedError
+    naming it. Without this, the healthy processes would wait in the next collective until its timeout."""
+    if accelerator.num_processes == 1:
+        if error is not None:
+            raise error
+        return
+    failed = all_reduce_sum(accelerator, torch.tensor([0.0 if error is None else 1.0], device=accelerator.device))
+    if failed.item() == 0:
+        return
+    messages = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+    if error is not None:
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise DistributedError(f"process {rank} failed, so this process stops too: {message}")
 
 
 def broadcast_object(accelerator: Accelerator, obj: Any, from_process: int = 0) -> Any:

@@ -20,7 +20,8 @@ import torch
 from trainers import distributed as dist
 from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, GRPOConfig
-from trainers.data import DatasetFormatError, is_conversational
+from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
+from trainers.errors import RewardFunctionError
 from trainers.generation import SamplingParams, hf_generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
@@ -28,7 +29,7 @@ from trainers.losses import (
     k3_kl, nanstd,
 )
 from trainers.modeling import load_causal_lm, token_logprobs
-from trainers.rewards import Reward, call_reward, completion_text, resolve_reward
+from trainers.rewards import Reward, accuracy_reward, call_reward, completion_text, resolve_reward
 from trainers.samplers import GlobalBatchSampler, group_slots
 from trainers.sft import as_dataset
 
@@ -134,6 +135,9 @@ class GRPOTrainer(BaseTrainer):
         self.eval_rows = None
         if eval_dataset is not None:
             self.eval_rows, self.eval_prompt_ids = self._prompts(eval_dataset, "eval_dataset")
+        if any(r.func is accuracy_reward for r in self.rewards) and not {"answer", "solution"} & set(self.train_rows[0]):
+            raise RewardFunctionError(f"The built-in 'accuracy' reward compares completions with an 'answer' (or "
+                                      f"'solution') column; train_dataset has {sorted(self.train_rows[0])}.")
         self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.seed,
                                                  args.shuffle_dataset)
         eos = {self.processing_class.eos_token_id}
@@ -154,12 +158,9 @@ class GRPOTrainer(BaseTrainer):
         ids = []
         for index, row in enumerate(rows):
             prompt = row["prompt"]
-            if is_conversational(prompt):
-                if not getattr(tokenizer, "chat_template", None):
-                    raise DatasetFormatError(
-                        f"{name} has conversational prompts but the tokenizer has no chat template; set "
-                        f"`processing_class.chat_template` (e.g. a ChatML template) before training.")
-                text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+            if isinstance(prompt, list):
+                check_messages(prompt, f"{name} row {index}: 'prompt'")
+                text = render_chat(tokenizer, prompt, add_generation_prompt=True, **kwargs)
                 ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
             elif isinstance(prompt, str):
                 ids.append(tokenizer(prompt)["input_ids"])
@@ -265,7 +266,11 @@ class GRPOTrainer(BaseTrainer):
         completion_ids = self.generate([self.train_prompt_ids[i] for i in slots])
         prompts, completions = self._decode(rows, completion_ids)
 
-        local_rewards = self._score(rows, prompts, completions, completion_ids)  # [n, F]
+        try:  # user code: a failure on one process must stop all of them (see dist.raise_together)
+            local_rewards, error = self._score(rows, prompts, completions, completion_ids), None  # [n, F]
+        except Exception as caught:
+            local_rewards, error = None, caught
+        dist.raise_together(acc, error)
         rewards_per_func = acc.gather(local_rewards.to(acc.device)).cpu()  # [generation_batch_size, F]
         rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [generation_batch_size]
         advantages, zero_std = group_advantages(rewards, args.num_generations, args.scale_rewards)
@@ -366,10 +371,15 @@ class GRPOTrainer(BaseTrainer):
             indices = [i for i in (chunk or [0]) for _ in range(args.num_generations)]
             rows = [self.eval_rows[i] for i in indices]
             completion_ids = self.generate([self.eval_prompt_ids[i] for i in indices])
-            if not chunk:
-                continue  # kept every process in step; nothing to score
-            prompts, completions = self._decode(rows, completion_ids)
-            per_func = self._score(rows, prompts, completions, completion_ids).to(device)  # [n, F]
+            per_func, error = None, None
+            if chunk:  # a process without rows left only kept the others company in the collectives
+                try:
+                    per_func = self._score(rows, *self._decode(rows, completion_ids), completion_ids).to(device)
+                except Exception as caught:
+                    error = caught
+            dist.raise_together(acc, error)
+            if per_func is None:
+                continue
             total = combine_rewards(per_func, self.reward_weights.to(device))
             values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
             sums += torch.nan_to_num(values).sum(0)

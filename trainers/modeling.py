@@ -7,13 +7,10 @@ from typing import Any
 
 import torch
 
+from trainers.errors import ModelLoadError
 from trainers.losses import entropy_from_logits, selective_log_softmax
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer could not be loaded; the message names the path."""
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -41,7 +38,7 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         if dtype not in DTYPES:
             raise ModelLoadError(f"model_init_kwargs['dtype']={dtype!r} is invalid; valid: {sorted(DTYPES)} or 'auto'.")
         dtype = DTYPES[dtype]
-    _check_model_path(model)
+    check_model_path(model)
     try:
         return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except OSError as error:
@@ -51,7 +48,8 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
-def _check_model_path(path: str) -> None:
+def check_model_path(path: str) -> None:
+    """Refuse a local model path that does not exist or is not a saved model (Hub ids pass through)."""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ModelLoadError(f"Model folder '{path}' has no config.json; is it a saved model?")

@@ -17,9 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-
-class RewardFunctionError(ValueError):
-    """A reward function is invalid, raised, or returned something unusable; the message names it."""
+from trainers.errors import RewardFunctionError
 
 
 def completion_text(completion: Any) -> str:

@@ -22,7 +22,13 @@ def as_dataset(data, name: str):
     if isinstance(data, list):
         if not data:
             raise DatasetFormatError(f"{name} is empty.")
-        data = Dataset.from_list(data)
+        if not all(isinstance(row, dict) for row in data):
+            raise DatasetFormatError(f"{name} must be a list of dicts (one per row).")
+        try:
+            data = Dataset.from_list(data)
+        except Exception as error:  # pyarrow refuses columns whose values have mixed types
+            raise DatasetFormatError(f"{name} could not be turned into a dataset: {error}. Each column must hold "
+                                     f"values of one type.") from error
     if not isinstance(data, Dataset):
         raise DatasetFormatError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}.")
     if len(data) == 0:
@@ -88,6 +94,23 @@ class SFTTrainer(BaseTrainer):
         if args.packing:
             samples = pack_samples(samples, args.max_length)
         return samples
+
+    def after_load(self, model) -> None:
+        vocab = model.get_input_embeddings().num_embeddings
+        for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
+            top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
+            if top >= vocab:
+                raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
+        context = getattr(model.config, "max_position_embeddings", None)
+        if not context:
+            return
+        for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
+            longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
+            if longest is not None and len(rows[longest]["input_ids"]) > context:
+                raise ConfigError(
+                    f"{name}: a {'packed row' if self.args.packing else 'sample'} has "
+                    f"{len(rows[longest]['input_ids'])} tokens, more than the model's context of {context}. "
+                    f"Set max_length <= {context} (now {self.args.max_length}).")
 
     def optimizer_steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch

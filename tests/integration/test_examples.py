@@ -1,6 +1,7 @@
 """The shipped examples run (with tiny settings), and TRL-style scripts run after changing only the import."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -15,9 +16,15 @@ def load_example(name):
     return module
 
 
-def test_sft_example_on_its_embedded_default(tmp_path):
-    load_example("sft").main(["--output_dir", str(tmp_path), "--max_steps", "3", "--disable_tqdm", "true"])
+def test_sft_example_on_its_embedded_default_and_resume(tmp_path):
+    sft = load_example("sft")
+    sft.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3",
+              "--disable_tqdm", "true"])
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+    sft.main(["--output_dir", str(tmp_path), "--max_steps", "4", "--disable_tqdm", "true",
+              "--resume_from_checkpoint", "true"])
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 3, 4]  # logged: first, last, last after resuming
 
 
 def test_grpo_example_with_a_local_file_and_named_rewards(tiny_model_dir, tmp_path):

@@ -297,7 +297,7 @@ def test_messages_without_assistant_and_assistant_only_loss_trains_nothing(token
 
 
 def test_messages_not_a_message_list_raises(tokenizer):
-    with pytest.raises(DatasetFormatError, match="'messages' must hold lists"):
+    with pytest.raises(DatasetFormatError, match="'messages' must be a non-empty list of"):
         tokenize_row({"messages": "hello"}, tokenizer, "conversational", eos_token=EOS)
 
 

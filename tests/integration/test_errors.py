@@ -1,0 +1,114 @@
+"""Bad input gets an error that names the culprit and what would be valid, before training starts."""
+
+import pytest
+
+from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError, RewardFunctionError, TrainersError
+
+
+def sft(model, rows, tmp_path, **overrides):
+    args = SFTConfig(**{"output_dir": str(tmp_path), "max_steps": 1, "disable_tqdm": True, "save_strategy": "no",
+                        "per_device_train_batch_size": 2, **overrides})
+    return SFTTrainer(model=model, args=args, train_dataset=rows)
+
+
+def grpo(model, rows, tmp_path, reward=lambda completions, **kw: [0.0] * len(completions), **overrides):
+    args = GRPOConfig(**{"output_dir": str(tmp_path), "max_steps": 1, "disable_tqdm": True, "save_strategy": "no",
+                         "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 4,
+                         **overrides})
+    return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows)
+
+
+def test_grpo_dataset_without_prompt(tiny_model_dir, tmp_path):
+    with pytest.raises(DatasetFormatError, match=r"columns \['question'\]; GRPO needs a 'prompt' column"):
+        grpo(tiny_model_dir, [{"question": "hi"}], tmp_path)
+
+
+def test_sft_dataset_with_no_known_columns(tiny_model_dir, tmp_path):
+    with pytest.raises(DatasetFormatError, match=r"columns \['body'\], none of the known formats.*'messages'"):
+        sft(tiny_model_dir, [{"body": "hi"}], tmp_path)
+
+
+@pytest.mark.parametrize("trainer", [sft, grpo])
+def test_empty_dataset(trainer, tiny_model_dir, tmp_path):
+    with pytest.raises(DatasetFormatError, match="train_dataset is empty"):
+        trainer(tiny_model_dir, [], tmp_path)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"Model path '.*no/such/model' does not exist"):
+        sft(str(tmp_path / "no/such/model"), [{"text": "hi"}], tmp_path)
+
+
+def test_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        sft(str(tmp_path / "empty"), [{"text": "hi"}], tmp_path)
+
+
+def test_conversational_data_without_a_chat_template(tiny_model_dir, tokenizer, tmp_path):
+    tokenizer = type(tokenizer).from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    with pytest.raises(DatasetFormatError, match="no chat template.*chat_template"):
+        SFTTrainer(model=tiny_model_dir, processing_class=tokenizer, train_dataset=rows,
+                   args=SFTConfig(output_dir=str(tmp_path)))
+    with pytest.raises(DatasetFormatError, match="no chat template.*chat_template"):
+        GRPOTrainer(model=tiny_model_dir, processing_class=tokenizer, reward_funcs=lambda **kw: [], args=GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=8), train_dataset=[{"prompt": rows[0]["messages"][:1]}])
+
+
+def test_a_prompt_longer_than_the_context(tiny_model_dir, tmp_path):
+    # the tiny model has a context of 2048 tokens; one byte per token
+    with pytest.raises(DatasetFormatError, match=r"row 1: the prompt has 2000 tokens; with max_completion_length=100"):
+        grpo(tiny_model_dir, [{"prompt": "short"}, {"prompt": "x" * 2000}], tmp_path, max_completion_length=100)
+    with pytest.raises(ConfigError, match=r"3001 tokens, more than the model's context of 2048. Set max_length <= 2048"):
+        sft(tiny_model_dir, [{"text": "x" * 3000}], tmp_path, max_length=4096)
+
+
+def test_a_raising_reward_is_named_with_the_sample(tiny_model_dir, tmp_path):
+    def judge(completions, **kwargs):
+        raise KeyError("score")
+
+    trainer = grpo(tiny_model_dir, [{"prompt": "abc"}], tmp_path, reward=judge)
+    with pytest.raises(RewardFunctionError, match=r"'judge' raised KeyError: 'score' on sample 0 \(prompt 'abc'\)"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda completions, **kw: [1.0], r"'bad' returned 1 rewards for 4 completions"),
+    (lambda completions, **kw: ["high"] * len(completions), r"'bad' returned 'high' for sample 0"),
+])
+def test_rewards_of_the_wrong_length_or_type(tiny_model_dir, tmp_path, bad, message):
+    bad.__name__ = "bad"
+    trainer = grpo(tiny_model_dir, [{"prompt": "abc"}], tmp_path, reward=bad)
+    with pytest.raises(RewardFunctionError, match=message):
+        trainer.train()
+
+
+def test_an_unknown_reward_name(tiny_model_dir, tmp_path):
+    with pytest.raises(RewardFunctionError, match=r"'acuracy' is neither a built-in \(\['accuracy', 'format', 'overlong'\]\)"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs="acuracy", args=GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=8), train_dataset=[{"prompt": "a"}])
+
+
+@pytest.mark.parametrize("options, culprit", [
+    ({"learning_rate": -1e-5}, "learning_rate"), ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
+    ({"max_completion_length": 0}, "max_completion_length"), ({"loss_type": "ppo"}, "loss_type"),
+    ({"scale_rewards": "sometimes"}, "scale_rewards"), ({"importance_sampling_level": "word"}, "importance_sampling_level"),
+    ({"lr_scheduler_type": "warmup_stable_decay"}, "lr_scheduler_type"), ({"num_generations": 1}, "num_generations"),
+    ({"use_vllm": True}, "use_vllm"), ({"vllm_mode": "server"}, "vllm_mode"), ({"num_generation": 4}, "num_generation"),
+])
+def test_config_errors_name_the_option(options, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        GRPOConfig(**options)
+
+
+def test_every_error_is_one_of_ours():
+    for error in (ConfigError, DatasetFormatError, ModelLoadError, RewardFunctionError):
+        assert issubclass(error, TrainersError)
+
+
+def test_the_accuracy_reward_without_an_answer_column_fails_at_construction(tiny_model_dir, tmp_path):
+    with pytest.raises(RewardFunctionError, match=r"'answer' \(or 'solution'\) column; train_dataset has \['prompt'\]"):
+        grpo(tiny_model_dir, [{"prompt": "abc"}], tmp_path, reward="accuracy")

@@ -1,0 +1,50 @@
+"""Exact resume in one process: N steps straight equal N/2 steps, a new process resuming, and N/2 more."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+JOB = os.path.join(REPO, "tests", "resume_job.py")
+
+
+def run(*args, check=True, timeout=300):
+    result = subprocess.run([sys.executable, JOB, *map(str, args)], capture_output=True, text=True, cwd=REPO,
+                            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if check and result.returncode != 0:
+        raise AssertionError(f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def final_weights(out):
+    return load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs by {(a[key] - b[key]).abs().max().item()}"
+
+
+@pytest.mark.parametrize("method", ["sft", "grpo"])
+def test_resume_in_a_new_process_continues_exactly(method, tiny_model_dir, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(method, tiny_model_dir, straight, 6)
+    run(method, tiny_model_dir, split, 6, 3)  # preempted after 3 steps (mid-round for GRPO)
+    assert os.path.isdir(split / "checkpoint-3")
+    if method == "grpo":
+        assert os.path.isfile(split / "checkpoint-3" / "rollout-0.pt"), "the buffered round is saved"
+    run(method, tiny_model_dir, split, 6, "--resume")
+    assert_identical(final_weights(straight), final_weights(split))
+    assert metrics_without_time(straight) == metrics_without_time(split)
+
+
+def metrics_without_time(out):
+    with open(out / "metrics.jsonl") as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "step_time"} for line in f]

@@ -1,0 +1,74 @@
+"""A short SFT or GRPO run for the exact-resume and kill tests; run as a script (1 process or launched).
+
+    python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N]
+
+TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends this process early with a
+checkpoint, as a preemption would. The final weights go to OUT/final. GRPO uses 2 optimizer steps per
+generation round, so a checkpoint can fall in the middle of a round.
+"""
+
+import argparse
+import os
+
+import torch
+
+from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers.tiny import as_sft_rows, reverse_digits_rows
+
+
+def digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def build(method, model, out, total, save_steps, extra):
+    common = dict(output_dir=out, max_steps=total, learning_rate=3e-3 if method == "sft" else 1e-2,
+                  lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=save_steps,
+                  disable_tqdm=True, seed=0, bf16=False, **extra)
+    if method == "sft":
+        return SFTTrainer(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
+                          args=SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
+    rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
+    return GRPOTrainer(model=model, reward_funcs=digits, train_dataset=rows,
+                       args=GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                                       steps_per_generation=2, **common))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("method", choices=["sft", "grpo"])
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("total", type=int)
+    parser.add_argument("stop_after", type=int, nargs="?")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--save_steps", type=int, default=1000)
+    parser.add_argument("--step_sleep", type=float, default=0.0, help="Slow each step down (kill tests).")
+    parser.add_argument("--nan_at", type=int, nargs="*", default=[], help="Steps whose loss is made NaN.")
+    parser.add_argument("--max_nonfinite", type=int, default=10)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    trainer = build(cli.method, cli.model, cli.out, cli.total, cli.save_steps,
+                    {"max_consecutive_nonfinite_steps": cli.max_nonfinite})
+    if cli.step_sleep or cli.nan_at:
+        compute_loss = trainer.compute_loss
+
+        def slowed_or_poisoned(model, batch, counts):
+            import time
+
+            time.sleep(cli.step_sleep)
+            loss, stats = compute_loss(model, batch, counts)
+            if trainer.state.global_step + 1 in cli.nan_at:
+                loss = loss * float("nan")
+            return loss, stats
+
+        trainer.compute_loss = slowed_or_poisoned
+    if cli.stop_after is not None:
+        trainer.max_steps = cli.stop_after  # the schedule still spans `total` steps
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    if cli.stop_after is not None:
+        trainer.save_checkpoint()
+    trainer.save_model(os.path.join(cli.out, "final"))
+
+
+if __name__ == "__main__":
+    main()

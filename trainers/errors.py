@@ -1,0 +1,34 @@
+"""The project's errors. Each message names the culprit (option, column, function or path) and what would be
+valid; all derive from ``TrainersError`` (a ``ValueError``), so "one of our clear errors" is one except clause."""
+
+
+class TrainersError(ValueError):
+    """Base class of every error this project raises about its input."""
+
+
+class ConfigError(TrainersError):
+    """An option has an invalid value, or does not exist."""
+
+
+class DatasetFormatError(TrainersError):
+    """A dataset lacks the columns or values a trainer needs."""
+
+
+class ModelLoadError(TrainersError):
+    """A model or tokenizer could not be loaded."""
+
+
+class RewardFunctionError(TrainersError):
+    """A reward function is invalid, raised, or returned something unusable."""
+
+
+class CheckpointError(TrainersError):
+    """A checkpoint is missing, incomplete or unreadable."""
+
+
+class NonFiniteError(TrainersError):
+    """Training stopped after too many consecutive non-finite optimizer steps."""
+
+
+class DistributedError(TrainersError):
+    """Another process failed; raised on every process so none waits forever in a collective."""
