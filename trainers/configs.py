@@ -253,6 +253,7 @@ class SFTConfig(TrainingConfig):
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+GENERATION_ENGINES = ("auto", "lean", "hf")
 
 
 @_reject_unknown_options
@@ -296,6 +297,11 @@ class GRPOConfig(TrainingConfig):
         False, "Drop groups whose rewards are all equal (zero advantage) from the loss, and log how many."
     )
     disable_dropout: bool = opt(False, "Set every dropout probability in the policy to 0.")
+    generation_engine: str = opt(
+        "auto", f"How completions are sampled: one of {GENERATION_ENGINES}. 'lean' is this project's engine for "
+        "Llama/Mistral/Qwen2/Qwen3 models (static KV cache, shared prompt prefill); 'hf' is transformers' generate; "
+        "'auto' uses 'lean' where it applies."
+    )
     ds3_gather_for_generation: bool = opt(
         True, "Under ZeRO-3, gather the full weights once for generation (fast); False generates layer by layer "
         "(slow, but never holds the whole model)."
@@ -328,6 +334,8 @@ class GRPOConfig(TrainingConfig):
                f"valid: {SCALE_REWARDS}")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, name, "importance_sampling_level",
                self.importance_sampling_level, f"valid: {IMPORTANCE_SAMPLING_LEVELS}")
+        _check(self.generation_engine in GENERATION_ENGINES, name, "generation_engine", self.generation_engine,
+               f"valid: {GENERATION_ENGINES}")
         _check(not self.use_vllm, name, "use_vllm", self.use_vllm,
                "vLLM generation is not supported yet; completions come from the policy itself")
         for f in ("generation_batch_size", "steps_per_generation", "num_completions_to_print"):

@@ -254,8 +254,10 @@ class Collator:
     """Turns a list of samples into model inputs.
 
     Padded mode: ``input_ids``, ``attention_mask``, ``target_ids`` of shape [B, T] (right padding).
+    Packed rows (samples carrying ``position_ids``): [B, T] with position ids restarting per document and no
+    attention mask; the model's mask then keeps each document to itself.
     Padding-free mode: the samples are concatenated into one row [1, sum T] with ``position_ids`` restarting per
-    sample and no attention mask; the model's mask then keeps each sample to itself.
+    sample and no attention mask.
     """
 
     pad_token_id: int
@@ -267,6 +269,8 @@ class Collator:
         return n if not m else -(-n // m) * m
 
     def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        if any("position_ids" in s for s in samples):
+            return self._packed_rows(samples)
         if self.padding_free:
             return self._padding_free(samples)
         width = self._round_up(max(len(s["input_ids"]) for s in samples))
@@ -281,6 +285,28 @@ class Collator:
             attention_mask[row, :length] = 1
         return {"input_ids": input_ids, "target_ids": target_ids, "attention_mask": attention_mask,
                 "position_ids": None, "num_input_tokens": attention_mask.sum()}
+
+    def _packed_rows(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """Packed rows stay rows: [B, T] with position ids restarting per document, no attention mask.
+
+        Flattening the rows into one would make attention cost (B x T)^2 instead of B x T^2 (the mask would
+        hide, not skip, the cross-row pairs), which is what makes padding-free packing slow without
+        FlashAttention. Trailing padding restarts its own positions, so it forms a block of its own."""
+        width = self._round_up(max(len(s["input_ids"]) for s in samples))
+        n = len(samples)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)  # [B, T]
+        target_ids = torch.full((n, width), IGNORE, dtype=torch.long)
+        position_ids = torch.zeros((n, width), dtype=torch.long)
+        real = 0
+        for row, s in enumerate(samples):
+            length = len(s["input_ids"])
+            input_ids[row, :length] = torch.tensor(s["input_ids"])
+            target_ids[row, :length] = torch.tensor(s["target_ids"])
+            position_ids[row, :length] = torch.tensor(s["position_ids"])
+            position_ids[row, length:] = torch.arange(width - length)
+            real += length
+        return {"input_ids": input_ids, "target_ids": target_ids, "position_ids": position_ids,
+                "attention_mask": None, "num_input_tokens": torch.tensor(real)}
 
     def _padding_free(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
         input_ids, target_ids, position_ids = [], [], []

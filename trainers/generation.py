@@ -64,10 +64,10 @@ def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_
     kwargs = dict(
         max_new_tokens=params.max_new_tokens, do_sample=params.do_sample, pad_token_id=pad_id,
         eos_token_id=sorted(eos_ids), use_cache=True, synced_gpus=synced_gpus,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.do_sample:
-        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                      repetition_penalty=params.repetition_penalty)
+        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         if params.min_p is not None:
             kwargs["min_p"] = params.min_p
     else:
@@ -76,3 +76,18 @@ def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
     completions = out[:, input_ids.shape[1]:].tolist()  # [N, <= max_new_tokens]
     return [cut_at_eos(c, eos_ids, pad_id) for c in completions]
+
+
+def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
+             engine: str = "auto", synced_gpus: bool = False) -> list[list[int]]:
+    """Completions from ``model``: the lean engine (trainers/engine.py) where it supports the model and the
+    options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf"."""
+    from trainers import engine as lean
+
+    usable = not synced_gpus and lean.supports(model, params.extra)
+    if engine == "lean" and not usable:
+        raise ValueError("generation_engine='lean' supports Llama/Mistral/Qwen2/Qwen3 models, generation_kwargs "
+                         f"{sorted(lean.SUPPORTED_EXTRA)}, and ZeRO-3 only with ds3_gather_for_generation=True.")
+    if engine != "hf" and usable:
+        return lean.generate(model, prompt_ids, params, pad_id, eos_ids)
+    return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)

@@ -22,7 +22,7 @@ from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
 from trainers.errors import RewardFunctionError
-from trainers.generation import SamplingParams, hf_generate, left_pad, right_pad
+from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
@@ -238,9 +238,10 @@ class GRPOTrainer(BaseTrainer):
         model.eval()
         gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
         synced = dist.zero_stage(acc) == 3 and not gather
-        with dist.gathered_parameters(acc, self.model, enabled=gather):
-            completions = hf_generate(model, prompt_ids, params or self.sampling, self.processing_class.pad_token_id,
-                                      self.eos_ids, synced_gpus=synced)
+        # autocast as in the training forward (bf16 mixed precision samples from the bf16 policy it trains)
+        with dist.gathered_parameters(acc, self.model, enabled=gather), acc.autocast():
+            completions = generate(model, prompt_ids, params or self.sampling, self.processing_class.pad_token_id,
+                                   self.eos_ids, engine=args.generation_engine, synced_gpus=synced)
         model.train(was_training)
         return completions
 

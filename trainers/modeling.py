@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from trainers.errors import ModelLoadError
-from trainers.losses import entropy_from_logits, selective_log_softmax
+from trainers.losses import logps_and_entropy, selective_log_softmax
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,10 +116,11 @@ def token_logprobs(
         logits = logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    out = {"logps": selective_log_softmax(logits, target_ids)}
     if with_entropy:
-        with torch.no_grad():
-            out["entropy"] = entropy_from_logits(logits.detach())
+        logps, entropy = logps_and_entropy(logits, target_ids)
+        out = {"logps": logps, "entropy": entropy}
+    else:
+        out = {"logps": selective_log_softmax(logits, target_ids)}
     if with_accuracy:
         with torch.no_grad():
             out["correct"] = logits.detach().argmax(-1) == target_ids

@@ -60,7 +60,7 @@ class SFTTrainer(BaseTrainer):
             raise DatasetFormatError("SFTTrainer needs a train_dataset.")
         self.train_rows = self._tokenize(train_dataset, "train_dataset")
         self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        self.collator = Collator(tokenizer.pad_token_id, padding_free=args.packing or args.padding_free,
+        self.collator = Collator(tokenizer.pad_token_id, padding_free=args.padding_free,
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
                         * args.gradient_accumulation_steps)

@@ -56,9 +56,9 @@ def build_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num
     return Qwen2ForCausalLM(config)
 
 
-def save_tiny_model(path: str, **model_kwargs) -> str:
-    """Build a tokenizer and a tiny model and save both to ``path``; returns ``path``."""
-    tokenizer = build_tokenizer()
+def save_tiny_model(path: str, tokenizer=None, **model_kwargs) -> str:
+    """Build a tiny model (and a byte-level tokenizer unless one is given) and save both to ``path``."""
+    tokenizer = tokenizer or build_tokenizer()
     model = build_model(vocab_size=len(tokenizer), **model_kwargs)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -93,3 +93,27 @@ def reverse_digits_rows(n: int, length: int = 5, seed: int = 0) -> list[dict]:
 def as_sft_rows(rows: list[dict]) -> list[dict]:
     """Prompt/answer rows -> SFT prompt/completion rows (the completion is the answer; EOS is appended)."""
     return [{"prompt": r["prompt"], "completion": r["answer"]} for r in rows]
+
+
+def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0):
+    """A byte-level BPE of ``vocab_size`` tokens trained offline on synthetic words (benchmarks: logits then cost
+    what they would with a real vocabulary), with ChatML's specials and chat template."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(4000)]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer

@@ -570,13 +570,17 @@ def test_collator_padding_free_pad_to_multiple_of():
     assert batch["num_input_tokens"].item() == 5  # padding is not counted
 
 
-def test_collator_padding_free_uses_packed_position_ids():
+def test_collator_keeps_packed_rows_as_rows():
+    """Packed rows are not flattened into one (that would make attention (B x T)^2); trailing padding
+    restarts its own positions."""
     rows = pack_samples(_samples([3, 2, 4]), 5)  # bins [[2], [0, 1]]
-    batch = Collator(pad_token_id=0, padding_free=True)(rows)
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
-    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 1, 2, 3, 4, 5]]
-    assert batch["target_ids"].tolist() == [[7, 8, 9, -100, 2, 3, -100, 5, -100]]
-    assert batch["num_input_tokens"].item() == 9
+    for padding_free in (False, True):
+        batch = Collator(pad_token_id=0, padding_free=padding_free)(rows)
+        assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+        assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
+        assert batch["target_ids"].tolist() == [[7, 8, 9, -100, -100], [2, 3, -100, 5, -100]]
+        assert batch["attention_mask"] is None
+        assert batch["num_input_tokens"].item() == 9
 
 
 def test_end_to_end_sft_pipeline(tokenizer):

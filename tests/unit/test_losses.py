@@ -7,7 +7,7 @@ import torch
 
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, entropy_from_logits, group_advantages,
-    importance_log_weights, k3_kl, nanstd, selective_log_softmax,
+    importance_log_weights, k3_kl, logps_and_entropy, nanstd, selective_log_softmax,
 )
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
@@ -158,3 +158,16 @@ def test_selective_log_softmax_and_entropy_match_the_dense_computation():
     # bf16 logits are upcast before the softmax
     low = selective_log_softmax(logits.bfloat16(), index)
     assert low.dtype == torch.float32
+
+
+def test_the_fused_pass_equals_the_separate_ones_in_value_and_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 11, requires_grad=True)
+    index = torch.randint(0, 11, (5, 7))
+    logps, entropy = logps_and_entropy(logits, index, chunk_rows=2)
+    torch.testing.assert_close(logps, selective_log_softmax(logits, index))
+    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach()))
+    assert not entropy.requires_grad
+    (grad_fused,) = torch.autograd.grad(logps.sum(), logits)
+    (grad_plain,) = torch.autograd.grad(selective_log_softmax(logits, index).sum(), logits)
+    torch.testing.assert_close(grad_fused, grad_plain)

@@ -1,0 +1,165 @@
+"""This project against TRL 1.16 on identical models, data and configs, side by side in one invocation.
+
+    pip install -e ".[bench]"                    # TRL 1.16 (a benchmark-only dependency) and psutil
+    python benchmarks/compare_trl.py             # the full table (about an hour on 2 CPU cores)
+    python benchmarks/compare_trl.py --quick     # one repeat of the tiny-model rows
+    python benchmarks/compare_trl.py --only grpo-tiny-64 sft-tiny-unpacked --repeats 3
+
+Each run is its own process (so peak memory is the process's own peak RSS, VmHWM); runs of the two
+frameworks alternate (TRL, ours, ours, TRL, ...) so drift on the machine hits both alike. Reported per row:
+GRPO seconds per optimizer step, SFT trained (non-padding) tokens per second, peak RSS, and the ratio
+ours/TRL (time) or ours/TRL (throughput) with min/median/max over repeats. Both frameworks use the same
+offline-built Qwen2 models (tiny: width 256, 4 layers; small: width 768, 12 layers, ~85M parameters) with an
+8k-token BPE, gradient checkpointing off, fp32, one process. GRPO completions are forced to their full length
+(min_new_tokens) so both generate exactly the same number of tokens.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = os.path.join(REPO, "benchmarks", "run_one.py")
+
+MODELS = {
+    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024),
+    "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
+}
+
+# name -> (model, method, options, steps, warmup)
+ROWS = {
+    "grpo-tiny-64": ("tiny", "grpo", {"completion_length": 64}, 8, 2),
+    "grpo-tiny-256": ("tiny", "grpo", {"completion_length": 256}, 5, 1),
+    "grpo-small-64": ("small", "grpo", {"completion_length": 64}, 5, 1),
+    "grpo-small-256": ("small", "grpo", {"completion_length": 256}, 4, 1),
+    "sft-tiny-unpacked": ("tiny", "sft", {"packing": False}, 12, 2),
+    "sft-tiny-packed": ("tiny", "sft", {"packing": True}, 12, 2),
+    "sft-small-unpacked": ("small", "sft", {"packing": False}, 6, 1),
+    "sft-small-packed": ("small", "sft", {"packing": True}, 6, 1),
+}
+SCALING = {
+    "grpo-tiny-64-g16": ("tiny", "grpo", {"completion_length": 64, "num_generations": 16, "batch": 32}, 6, 1),
+    "grpo-tiny-128": ("tiny", "grpo", {"completion_length": 128}, 6, 1),
+    "sft-tiny-unpacked-512": ("tiny", "sft", {"packing": False, "max_length": 512}, 8, 2),
+    "sft-tiny-unpacked-1024": ("tiny", "sft", {"packing": False, "max_length": 1024}, 6, 1),
+}
+
+
+def build_models(workdir: str) -> dict[str, str]:
+    sys.path.insert(0, REPO)
+    from trainers.tiny import build_bpe_tokenizer, save_tiny_model
+
+    paths = {}
+    for name, shape in MODELS.items():
+        path = os.path.join(workdir, f"model-{name}")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            save_tiny_model(path, tokenizer=build_bpe_tokenizer(), max_position_embeddings=4096, **shape)
+        paths[name] = path
+    return paths
+
+
+def run(framework: str, model: str, method: str, options: dict, steps: int, workdir: str) -> dict:
+    out = tempfile.mkdtemp(dir=workdir)
+    command = [sys.executable, RUNNER, framework, method, "--model", model, "--out", out, "--steps", str(steps)]
+    for key, value in options.items():
+        if key in ("packing", "bf16"):
+            command += [f"--{key}"] if value else []
+        else:
+            command += [f"--{key}", str(value)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true"}
+    started = time.time()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{framework} {method} {options} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    line = next(l for l in stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    result["wall"] = time.time() - started
+    return result
+
+
+def summarize(name: str, method: str, results: dict, warmup: int, steps: int) -> dict:
+    row = {"name": name}
+    per_framework = {}
+    for framework, runs in results.items():
+        step_times = [statistics.median(r["step_times"][warmup:]) for r in runs]
+        tokens_per_step = [r["num_tokens"] / steps for r in runs]
+        per_framework[framework] = {
+            "s_per_step": step_times,
+            "tokens_per_s": [t / s for t, s in zip(tokens_per_step, step_times)],
+            "peak_mb": [r["peak_mb"] for r in runs], "loss": [r["loss"] for r in runs]}
+    row.update(per_framework)
+    ours, trl = per_framework["ours"], per_framework["trl"]
+    if method == "grpo":
+        row["ratio"] = [o / t for o, t in zip(ours["s_per_step"], trl["s_per_step"])]  # time: lower is better
+    else:
+        row["ratio"] = [o / t for o, t in zip(ours["tokens_per_s"], trl["tokens_per_s"])]  # throughput
+    row["memory_ratio"] = [o / t for o, t in zip(ours["peak_mb"], trl["peak_mb"])]
+    return row
+
+
+def fmt(values: list[float], digits: int = 2) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
+
+
+def print_table(rows: list[dict], methods: dict) -> None:
+    print("\n| row | TRL | ours | ours/TRL (min / median / max) | TRL peak MB | ours peak MB | memory ours/TRL | loss TRL / ours |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        key = "s_per_step" if methods[row["name"]] == "grpo" else "tokens_per_s"
+        unit = "s/step" if key == "s_per_step" else "tok/s"
+        digits = 3 if key == "s_per_step" else 0
+        print(f"| {row['name']} | {statistics.median(row['trl'][key]):.{digits}f} {unit} | "
+              f"{statistics.median(row['ours'][key]):.{digits}f} {unit} | {fmt(row['ratio'])} | "
+              f"{statistics.median(row['trl']['peak_mb']):.0f} | {statistics.median(row['ours']['peak_mb']):.0f} | "
+              f"{fmt(row['memory_ratio'])} | {statistics.median(row['trl']['loss']):.3f} / "
+              f"{statistics.median(row['ours']['loss']):.3f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", help=f"Rows to run: {sorted(ROWS) + sorted(SCALING)}")
+    parser.add_argument("--scaling", action="store_true", help="Also run the scaling rows.")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="Tiny-model rows, one repeat.")
+    parser.add_argument("--bf16", action="store_true", help="Every row in bf16 mixed precision (both frameworks).")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "trainers-bench"))
+    parser.add_argument("--json", help="Write every run's numbers here.")
+    cli = parser.parse_args()
+    os.makedirs(cli.workdir, exist_ok=True)
+    catalogue = {**ROWS, **SCALING}
+    names = cli.only or (list(ROWS) + (list(SCALING) if cli.scaling else []))
+    if cli.quick:
+        names, cli.repeats = [n for n in names if "tiny" in n], 1
+    models = build_models(cli.workdir)
+    rows, methods = [], {}
+    for name in names:
+        model, method, options, steps, warmup = catalogue[name]
+        options = {**options, "bf16": cli.bf16}
+        name = name + ("-bf16" if cli.bf16 else "")
+        methods[name] = method
+        results = {"ours": [], "trl": []}
+        for repeat in range(cli.repeats):
+            order = ("trl", "ours") if repeat % 2 == 0 else ("ours", "trl")
+            for framework in order:
+                results[framework].append(run(framework, models[model], method, options, steps, cli.workdir))
+        rows.append(summarize(name, method, results, warmup, steps))
+        print_table(rows[-1:], methods)
+        sys.stdout.flush()
+    print("\nAll rows:")
+    print_table(rows, methods)
+    if cli.json:
+        with open(cli.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT or GRPO.
+
+Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
+non-padding tokens, and the final loss. Peak memory is measured by the caller from the process's rusage.
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+WORDS = ["alpha", "beta", "gamma", "delta", "tensor", "matrix", "reward", "policy", "token", "gradient", "the",
+         "a", "of", "and", "model", "learns", "fast", "slow", "cat", "sat", "on", "mat", "step", "batch"]
+
+
+def sentences(n: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+
+
+def sft_rows(max_length: int, n: int = 512) -> list[dict]:
+    """Texts of varied length (from ~max_length/8 to ~max_length tokens), so padding matters."""
+    return [{"text": t} for t in sentences(n, max(2, max_length // 32), max(4, max_length // 5), seed=1)]
+
+
+def grpo_rows(n: int = 64) -> list[dict]:
+    return [{"prompt": t} for t in sentences(n, 4, 10, seed=2)]
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) / 100 for c in completions]
+
+
+class StepClock:
+    """Wall time of each optimizer step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._last = None
+
+    def tick(self):
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def run_ours(cli, rows):
+    from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+    common = dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0, **cli.extra)
+    if cli.method == "sft":
+        trainer = SFTTrainer(model=cli.model, train_dataset=rows, args=SFTConfig(
+            per_device_train_batch_size=cli.batch, max_length=cli.max_length, packing=cli.packing,
+            learning_rate=1e-4, **common))
+    else:
+        trainer = GRPOTrainer(model=cli.model, reward_funcs=reward_len, train_dataset=rows, args=GRPOConfig(
+            per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
+            max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
+            generation_kwargs={"min_new_tokens": cli.completion_length}, **common))
+    clock = StepClock()
+    original = trainer.step_metrics
+    trainer.step_metrics = lambda: (clock.tick(), original())[1]
+    clock.tick()
+    trainer.train()
+    history = trainer.state.log_history
+    return clock.times, history[-1]["num_tokens"], history[-1]["loss"]
+
+
+def run_trl(cli, rows):
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+    clock = StepClock()
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            clock.tick()
+
+        def on_step_end(self, *args, **kwargs):
+            clock.tick()
+
+    common = dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0, use_cpu=True, **cli.extra)
+    if cli.method == "sft":
+        trainer = SFTTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                             args=SFTConfig(per_device_train_batch_size=cli.batch, max_length=cli.max_length,
+                                            packing=cli.packing, learning_rate=1e-4, **common))
+    else:
+        trainer = GRPOTrainer(model=cli.model, reward_funcs=reward_len, train_dataset=Dataset.from_list(rows),
+                              callbacks=[Clock()], args=GRPOConfig(
+                                  per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
+                                  max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
+                                  generation_kwargs={"min_new_tokens": cli.completion_length}, **common))
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    return clock.times, logs[-1].get("num_tokens", float("nan")), logs[-1]["loss"]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("framework", choices=["ours", "trl"])
+    parser.add_argument("method", choices=["sft", "grpo"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max_length", type=int, default=256)
+    parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--completion_length", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for both frameworks.")
+    parser.add_argument("--extra", type=json.loads, default={}, help="Extra config fields (JSON), for both.")
+    cli = parser.parse_args()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    rows = sft_rows(cli.max_length) if cli.method == "sft" else grpo_rows()
+    times, tokens, loss = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
+    from trainers.memory import peak_rss_bytes
+
+    print("RESULT " + json.dumps({"step_times": times, "num_tokens": tokens, "loss": loss,
+                                  "peak_mb": peak_rss_bytes() / 2**20}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
