@@ -20,7 +20,7 @@ import os
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.argparsing import add_config_arguments, config_overrides
 from trainers.data import load_dataset_file
-from trainers.tiny import reverse_digits_rows, save_tiny_model
+from trainers.tiny import embedded_default, embedded_rows
 
 
 def main(argv=None):
@@ -38,11 +38,8 @@ def main(argv=None):
     overrides = config_overrides(cli)
 
     if cli.model is None:  # the embedded default: a random tiny model, so expect a low (but working) reward
-        overrides = {"output_dir": "outputs/grpo-tiny", "per_device_train_batch_size": 16, "num_generations": 8,
-                     "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
-                     "save_strategy": "no", **overrides}
-        cli.model = save_tiny_model(os.path.join(overrides["output_dir"], "tiny-model"), hidden_size=64, num_layers=2)
-    train = load_dataset_file(cli.dataset) if cli.dataset else reverse_digits_rows(256, seed=1)
+        cli.model, overrides = embedded_default("grpo", overrides)
+    train = load_dataset_file(cli.dataset) if cli.dataset else embedded_rows("grpo")
     evaluation = load_dataset_file(cli.eval_dataset_file, "--eval_dataset_file") if cli.eval_dataset_file else None
 
     peft_config = None

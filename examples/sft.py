@@ -19,7 +19,7 @@ import os
 from trainers import SFTConfig, SFTTrainer
 from trainers.argparsing import add_config_arguments, config_overrides
 from trainers.data import load_dataset_file
-from trainers.tiny import as_sft_rows, reverse_digits_rows, save_tiny_model
+from trainers.tiny import embedded_default, embedded_rows
 
 
 def main(argv=None):
@@ -34,13 +34,9 @@ def main(argv=None):
     cli = parser.parse_args(argv)
     overrides = config_overrides(cli)
 
-    if cli.model is None:  # the embedded default
-        overrides = {"output_dir": "outputs/sft-tiny", "per_device_train_batch_size": 32, "learning_rate": 3e-3,
-                     "max_steps": 150, "logging_steps": 25, "save_strategy": "no", "lr_scheduler_type": "cosine",
-                     "warmup_steps": 10, **overrides}
-        cli.model = save_tiny_model(os.path.join(overrides["output_dir"], "tiny-model"), hidden_size=128,
-                                    num_layers=4)
-    train = load_dataset_file(cli.dataset) if cli.dataset else as_sft_rows(reverse_digits_rows(2000, seed=1))
+    if cli.model is None:  # the embedded default: a tiny model built offline learns to reverse digits
+        cli.model, overrides = embedded_default("sft", overrides)
+    train = load_dataset_file(cli.dataset) if cli.dataset else embedded_rows("sft")
     evaluation = load_dataset_file(cli.eval_dataset_file, "--eval_dataset_file") if cli.eval_dataset_file else None
 
     peft_config = None

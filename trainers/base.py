@@ -23,10 +23,12 @@ from trainers.checkpoint import (
 from trainers.configs import ConfigError, TrainingConfig
 from trainers.errors import NonFiniteError
 from trainers.interrupts import StopOnSignal
+from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
 from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer
 from trainers.schedules import build_scheduler
+from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
 
 class TrainOutput(NamedTuple):
@@ -54,12 +56,10 @@ class BaseTrainer:
         self.args = args
         if isinstance(model, str):
             check_model_path(model)  # before anything slow, and before the tokenizer is looked up there
-        reports = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to)
-        if any(r != "none" for r in reports):
-            raise ConfigError(f"report_to={args.report_to!r}: trackers are not wired up yet; metrics always go to "
-                              f"output_dir/metrics.jsonl. Use report_to='none'.")
+        self.trackers = resolve_report_to(args.report_to)  # before anything slow: a missing package is an error
         self.accelerator = dist.build_accelerator(args.gradient_accumulation_steps, self._mixed_precision(),
-                                                  args.use_cpu)
+                                                  args.use_cpu, log_with=self.trackers, project_dir=args.output_dir)
+        self.health = HealthMonitor()
         set_seed(args.seed)
         self.processing_class = load_tokenizer(processing_class, model, getattr(args, "pad_token", None),
                                                getattr(args, "chat_template_path", None))
@@ -118,6 +118,12 @@ class BaseTrainer:
 
     def on_log(self, record: dict) -> None:
         """Called on every process after a metrics record is written."""
+
+    def run_info(self) -> dict:
+        """What ``training_args.json`` records about this run (``trainers report`` shows it)."""
+        return {"trainer": type(self).__name__, "model": getattr(self.unwrapped_model.config, "_name_or_path", None),
+                "num_processes": self.accelerator.num_processes, "effective_batch_size": self.effective_batch_size,
+                "max_steps": self.max_steps, "config": self.args.to_dict()}
 
     def step_metrics(self) -> dict:
         """Metrics a subclass measured outside ``compute_loss`` during the last step (already global)."""
@@ -187,6 +193,11 @@ class BaseTrainer:
                 f"{self.max_steps} optimizer steps ({self.steps_per_epoch} per epoch)")
         run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)
         run_log.start(self.state.log_history, self.state.global_step)
+        info = self.run_info()
+        run_log.write_run_info(info)
+        if self.trackers:
+            project = args.run_name or os.path.basename(os.path.normpath(args.output_dir))
+            acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
         window: list[dict] = []
         self.model.train()
         with StopOnSignal() as stop:
@@ -199,19 +210,29 @@ class BaseTrainer:
                 step_stats["step_time"] = time.perf_counter() - started
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / self.steps_per_epoch
-                self.state.num_tokens += int(step_stats.pop("num_input_tokens"))
+                tokens = int(step_stats.pop("num_input_tokens"))  # all processes
+                self.state.num_tokens += tokens
+                step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
                 stop_requested = step_stats.pop("stop_requested") > 0
                 window.append(step_stats)
-                run_log.advance({"loss": step_stats["loss"]})
+                run_log.advance(self._progress(step_stats))
                 self._log_eval_save(window, run_log, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
                 if stop_requested:
                     run_log.close()
                     self._stop_on_signal(stop.received)
         run_log.close()
+        if self.trackers:
+            acc.end_training()
         losses = [r["loss"] for r in self.state.log_history if "loss" in r]
         return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), dict(self.state.log_history[-1])
                            if self.state.log_history else {})
+
+    def _progress(self, step_stats: dict) -> dict:
+        """What the progress bar shows beside step and time left: loss, reward (GRPO), tokens/s."""
+        shown = {k: step_stats[k] for k in ("loss", "reward") if k in step_stats}
+        shown["tok/s"] = round(step_stats["tokens_per_second"])
+        return shown
 
     def _checkpoint_now(self) -> str:
         """The checkpoint of the current step: the one just written, or a new one."""
@@ -325,6 +346,11 @@ class BaseTrainer:
             record["num_tokens"] = state.num_tokens
             run_log.record(state.log_history, record)
             window.clear()
+            if self.trackers:
+                self.accelerator.log(numeric_metrics(record), step=step)
+            for warning in self.health.check(state.log_history):
+                if self.accelerator.is_main_process:
+                    logger.warning(f"health: {warning}")
             self.on_log(record)
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0) or (
             args.eval_strategy == "epoch" and epoch_end)

@@ -1,6 +1,6 @@
 """Training configurations: dataclasses with TRL's field names, validated at construction.
 
-Every field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and ``docs/config.md`` are
+Every field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and ``docs/config-reference.md`` are
 generated from it. Errors name the field and what would be valid.
 """
 

@@ -34,7 +34,8 @@ def _world_size_from_env() -> int:
 
 
 def build_accelerator(
-    gradient_accumulation_steps: int, mixed_precision: str | None = None, use_cpu: bool = False
+    gradient_accumulation_steps: int, mixed_precision: str | None = None, use_cpu: bool = False,
+    log_with: list[str] | None = None, project_dir: str | None = None,
 ) -> Accelerator:
     """Build the Accelerator for however this process was launched.
 
@@ -44,6 +45,8 @@ def build_accelerator(
         leaves the type at NO, and the processes silently train different models.
     """
     kwargs: dict[str, Any] = {"gradient_accumulation_steps": gradient_accumulation_steps}
+    if log_with:
+        kwargs.update(log_with=log_with, project_dir=project_dir)
     if mixed_precision is not None:
         kwargs["mixed_precision"] = mixed_precision
     has_gpu = torch.cuda.is_available() and not use_cpu

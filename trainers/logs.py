@@ -17,6 +17,10 @@ if not logger.handlers:
     logger.propagate = False
 
 METRICS_FILE = "metrics.jsonl"
+RUN_INFO_FILE = "training_args.json"
+# The console line shows these (when present); metrics.jsonl and trackers get every metric.
+CONSOLE_KEYS = ("step", "epoch", "loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
+                "grad_norm", "learning_rate", "tokens_per_second", "nonfinite_steps")
 
 
 def _round(value):
@@ -50,6 +54,12 @@ class RunLog:
 
             self.bar = tqdm(total=self.total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
+    def write_run_info(self, info: dict) -> None:
+        """``output_dir/training_args.json``: the trainer, model and every config field of this run."""
+        if self.is_main:
+            with open(os.path.join(os.path.dirname(self.path), RUN_INFO_FILE), "w") as f:
+                json.dump(info, f, indent=1, default=str)
+
     def advance(self, postfix: dict | None = None) -> None:
         if self.bar is not None:
             self.bar.update(1)
@@ -63,7 +73,7 @@ class RunLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        line = " ".join(f"{k}={v}" for k, v in record.items())
+        line = " ".join(f"{k}={v}" for k, v in record.items() if k in CONSOLE_KEYS or k.startswith("eval_"))
         if self.bar is not None:
             self.bar.write(line)
         else:

@@ -252,7 +252,13 @@ def call_reward(reward: Reward, prompts: list, completions: list, completion_ids
 
 
 # TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.
-think_format_reward = format_reward
+THINK_PATTERN = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: list, **kwargs) -> list[float]:
+    """TRL's ``think_format_reward``: 1.0 when the completion opens with one ``<think>...</think>`` block
+    (whatever follows), else 0.0. Looser than :func:`format_reward`, which also wants ``<answer>...</answer>``."""
+    return [1.0 if THINK_PATTERN.match(completion_text(c)) else 0.0 for c in completions]
 
 
 def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:

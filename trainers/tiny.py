@@ -117,3 +117,32 @@ def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0):
                                         additional_special_tokens=["<|im_start|>"])
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The embedded default run: what `examples/*.py` and `trainers sft|grpo` do when no model is given.
+# ----------------------------------------------------------------------------------------------------------------
+
+EMBEDDED_DEFAULTS = {
+    "sft": {"output_dir": "outputs/sft-tiny", "per_device_train_batch_size": 32, "learning_rate": 3e-3,
+            "max_steps": 150, "logging_steps": 25, "save_strategy": "no", "lr_scheduler_type": "cosine",
+            "warmup_steps": 10},
+    # a random tiny model: expect a low (but working) reward
+    "grpo": {"output_dir": "outputs/grpo-tiny", "per_device_train_batch_size": 16, "num_generations": 8,
+             "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
+             "save_strategy": "no"},
+}
+EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2}}
+
+
+def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
+    """A tiny model built offline under the run's output_dir, and the config fields of the embedded default
+    (``overrides`` win). Returns (model path, config fields)."""
+    fields = {**EMBEDDED_DEFAULTS[method], **overrides}
+    model = save_tiny_model(os.path.join(fields["output_dir"], "tiny-model"), **EMBEDDED_MODELS[method])
+    return model, fields
+
+
+def embedded_rows(method: str) -> list[dict]:
+    """The embedded default's training rows: digit reversal (SFT pairs or GRPO prompts with answers)."""
+    return as_sft_rows(reverse_digits_rows(2000, seed=1)) if method == "sft" else reverse_digits_rows(256, seed=1)

@@ -108,6 +108,38 @@ def test_packed_documents_see_only_themselves(tiny_model_dir, tokenizer):
     assert not torch.allclose(crossing[starts[1]:], packed[starts[1]:], atol=1e-3)
 
 
+def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, tokenizer):
+    """The packed-rows fast path ([rows, T], positions restarting per document, trailing padding as a block of
+    its own) computes the padded batch's loss and gradients within float tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from trainers.data import IGNORE
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    texts = ["12345=54321", "hello world, a longer document here", "7=7", "another one", "x", "the sat cat mat"]
+    samples = [shift_targets({"input_ids": tokenizer(t)["input_ids"], "labels": tokenizer(t)["input_ids"]})
+               for t in texts]
+    collate = Collator(tokenizer.pad_token_id)
+    padded, packed = collate(samples), collate(pack_samples(samples, max_length=40))
+    assert packed["input_ids"].shape[0] >= 2 and packed["attention_mask"] is None
+    assert (packed["target_ids"] != IGNORE).sum() == (padded["target_ids"] != IGNORE).sum()
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits  # [B, T, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["target_ids"].flatten(),
+                                                 ignore_index=IGNORE)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_padded, grads_padded = loss_and_grads(padded)
+    loss_packed, grads_packed = loss_and_grads(packed)
+    torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-6)
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_packed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_packing_trains_to_the_same_place_as_padding(tiny_model_dir, tmp_path):
     """Packing changes batching, not the objective: one step on the same rows gives the same loss."""
     rows = as_sft_rows(reverse_digits_rows(8))
@@ -156,7 +188,7 @@ def test_checkpoints_rotate_and_resume(tiny_model_dir, tmp_path):
     rows = as_sft_rows(reverse_digits_rows(64))
     args = config(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=2)
     SFTTrainer(model=tiny_model_dir, args=args, train_dataset=rows).train()
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-4", "checkpoint-6", "metrics.jsonl", "training_args.json"]
     resumed = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=8, save_strategy="no"),
                          train_dataset=rows)
     resumed.train(resume_from_checkpoint=True)

@@ -116,3 +116,12 @@ def test_group_slots_layout_across_processes():
     assert group_slots(prompts, 4, 1, 0) == shares[0] + shares[1]
     with pytest.raises(ValueError, match="evenly"):
         group_slots(prompts, 3, 2, 0)
+
+
+def test_think_format_reward_is_trls():
+    from trainers.rewards import think_format_reward
+
+    completions = [[{"content": "<think>\nThis is my reasoning.\n</think>\nThis is my answer."}],
+                   [{"content": "<think>\nThis is my reasoning.\nThis is my answer."}],
+                   [{"content": "<think>a</think><think>b</think>"}], "<think>x</think> plain text"]
+    assert think_format_reward(completions) == [1.0, 0.0, 0.0, 1.0]

@@ -1,0 +1,130 @@
+"""The configuration reference (docs/config-reference.md), generated from the config dataclasses.
+
+Each class's docstring and each field's ``metadata["help"]`` are the single source; regenerate the page with
+
+    python -m trainers.config_reference > docs/config-reference.md
+
+``tests/unit/test_config_reference.py`` fails when the committed page differs from ``render()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.configs import GRPOConfig, SFTConfig, TrainingConfig
+
+REGENERATE = "python -m trainers.config_reference > docs/config-reference.md"
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig)
+_BASE = TrainingConfig
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell: pipes escaped, newlines flattened."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _code(value: str) -> str:
+    return f"`{value}`"
+
+
+def _fields(cls) -> list[dataclasses.Field]:
+    """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or overrides."""
+    fields = dataclasses.fields(cls)
+    if cls is _BASE:
+        return list(fields)
+    base = {f.name: f for f in dataclasses.fields(_BASE)}
+    out = []
+    for f in fields:
+        inherited = base.get(f.name)
+        if (inherited is None or _default(f) != _default(inherited) or str(f.type) != str(inherited.type)
+                or f.metadata.get("help") != inherited.metadata.get("help")):
+            out.append(f)
+    return out
+
+
+def _table(fields: list[dataclasses.Field], overridden: dict[str, dataclasses.Field]) -> list[str]:
+    lines = ["| Field | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    for f in fields:
+        help_text = f.metadata.get("help", "")
+        if f.name in overridden and _default(f) != _default(overridden[f.name]):
+            help_text = f"{help_text} (Overrides {_BASE.__name__}'s default {_code(repr(_default(overridden[f.name])))}.)"
+        lines.append(f"| {_cell(_code(f.name))} | {_cell(_code(str(f.type)))} | {_cell(_code(repr(_default(f))))} "
+                     f"| {_cell(help_text)} |")
+    return lines
+
+
+def undocumented_fields(cls) -> list[str]:
+    """Names of ``cls``'s fields without a help text (``opt(default, help)`` in trainers/configs.py)."""
+    return [f.name for f in dataclasses.fields(cls) if not str(f.metadata.get("help", "")).strip()]
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces as hyphens."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return "#" + kept.replace(" ", "-")
+
+
+def render() -> str:
+    """The whole Markdown page."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the config dataclasses' docstrings and help texts (trainers/configs.py,",
+        "trainers/_trl_options.py); do not edit it by hand. Regenerate it with",
+        "",
+        "```bash",
+        REGENERATE,
+        "```",
+        "",
+        "Every config rejects an option it does not know with a `ConfigError` that names it (and suggests close",
+        "names); a TRL option this project does not implement is accepted only at TRL's default",
+        f"([see below]({_anchor('TRL options accepted only at their default')})). The same fields are the",
+        "`trainers sft` / `trainers grpo` command-line flags and YAML keys.",
+        "",
+    ]
+    base_fields = {f.name: f for f in dataclasses.fields(_BASE)}
+    for cls in CONFIG_CLASSES:
+        lines += [f"## {cls.__name__}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+        fields = _fields(cls)
+        if cls is _BASE:
+            lines += [f"`from trainers import {cls.__name__}`. Every field below is shared by "
+                      + ", ".join(_code(c.__name__) for c in CONFIG_CLASSES if c is not _BASE) + ".", ""]
+            overridden: dict[str, dataclasses.Field] = {}
+        else:
+            lines += [(f"`from trainers import {cls.__name__}`. It also takes every field of "
+                       f"[{_BASE.__name__}]({_anchor(_BASE.__name__)}); the table lists only the fields it adds "
+                       f"or whose default it overrides."), ""]
+            overridden = {f.name: base_fields[f.name] for f in fields if f.name in base_fields}
+        lines += _table(fields, overridden) + [""]
+
+    lines += [
+        "## TRL options accepted only at their default",
+        "",
+        "TRL 1.16's `SFTConfig`, `GRPOConfig` and `transformers.TrainingArguments` have these options and this",
+        "project does not implement them. Passing one at the TRL default shown is accepted and changes nothing;",
+        "any other value raises `ConfigError` when the config is built.",
+        "",
+        "| Option | Only accepted value |",
+        "| --- | --- |",
+    ]
+    for name in sorted(TRL_ONLY_OPTIONS):
+        lines.append(f"| {_cell(_code(name))} | {_cell(_code(repr(TRL_ONLY_OPTIONS[name])))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    print(render(), end="")
+
+
+if __name__ == "__main__":
+    main()
