@@ -49,7 +49,10 @@ def supports(model, extra: dict | None = None) -> bool:
     return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
-_PACK_MIN_WEIGHT = 256 * 1024  # smaller matrices gain nothing from a packed layout
+# Smallest weight worth a packed layout, measured at 16 rows on CPU: in fp32 a 256 x 256 weight breaks even
+# (19 vs 21 us) and a 768 x 256 one is 2.6x faster packed (30 vs 78 us); in bf16 packing also saves the
+# per-call weight cast, so every weight gains (128 x 256: 16 vs 32 us).
+_PACK_MIN_WEIGHT = {torch.float32: 64 * 1024, torch.bfloat16: 0}
 
 
 def _can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -133,7 +136,7 @@ class _Decoder:
             return
         linears = [self.lm.lm_head] + [m for layer in self.layers for m in layer.modules()]
         for module in linears:
-            if type(module) is torch.nn.Linear and module.weight.numel() >= _PACK_MIN_WEIGHT:
+            if type(module) is torch.nn.Linear and module.weight.numel() >= _PACK_MIN_WEIGHT[self.dtype]:
                 w = module.weight.detach().to(self.dtype)
                 bias = None if module.bias is None else module.bias.detach().to(self.dtype)
                 self.packed[id(module)] = (torch.ops.mkldnn._reorder_linear_weight(w, batch), bias)
@@ -188,8 +191,11 @@ class _Decoder:
             q = self._rope(q.transpose(1, 2).to(self.cache_dtype), cos, sin)
             k_cache[:, :, start:end] = self._rope(k.transpose(1, 2), cos, sin)
             v_cache[:, :, start:end] = v
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=attn_mask,
-                                                 scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
+            # Outside autocast: it would cast the whole cache slice to bf16 at every step and run the slower
+            # bf16 kernel (under bf16 autocast this halves the decode attention time).
+            with torch.autocast(ids.device.type, enabled=False):
+                out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=attn_mask,
+                                                     scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
             x = x + self.linear(attn.o_proj, out.transpose(1, 2).reshape(a, t, self.n_heads * self.head_dim))
             # (under autocast the residual stream stays in the weights' dtype, as in HF's forward)
             x = x + self.mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
