@@ -190,6 +190,9 @@ class TrainingConfig:
         _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
                self.save_total_limit, "it must be a positive integer or None")
         _check(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
+        # None meant "all" in transformers 4 and means "none" elsewhere: refused rather than guessed
+        _check(isinstance(self.report_to, (str, list, tuple)), name, "report_to", self.report_to,
+               "give 'none', 'all', a tracker name or a list of names")
         reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         _check(all(isinstance(r, str) for r in reports), name, "report_to", self.report_to,
                "give a tracker name or a list of names")

@@ -66,6 +66,7 @@ INVALID = [
     (TrainingConfig, {"eval_steps": 0}, "eval_steps"),
     (TrainingConfig, {"save_total_limit": 0}, "save_total_limit"),
     (TrainingConfig, {"report_to": ["wandb", 3]}, "report_to"),
+    (TrainingConfig, {"report_to": None}, "report_to"),
     (SFTConfig, {"max_length": -4}, "max_length"),
     (SFTConfig, {"max_length": 12.5}, "max_length"),
     (SFTConfig, {"packing": True, "max_length": None}, "max_length"),
