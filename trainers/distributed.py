@@ -111,13 +111,17 @@ def warn_on_stale_build_locks() -> list[str]:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch picks it
     now = time.time()
-    stale = [path for path in sorted(glob.glob(os.path.join(root, "*", "*", "lock")))
-             if now - os.path.getmtime(path) > STALE_LOCK_SECONDS]
-    for path in stale:
-        minutes = (now - os.path.getmtime(path)) / 60
-        warnings.warn(f"{path} is {minutes:.0f} minutes old, probably left by an interrupted compile; DeepSpeed will "
-                      "wait for it to disappear before building or loading that op, forever if nothing removes it. "
-                      "If no other process is compiling it, delete the file.", stacklevel=3)
+    stale = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(path)
+        except FileNotFoundError:  # another process finished its compile since the glob: nothing to report
+            continue
+        if age > STALE_LOCK_SECONDS:
+            warnings.warn(f"{path} is {age / 60:.0f} minutes old, probably left by an interrupted compile; DeepSpeed "
+                          "will wait for it to disappear before building or loading that op, forever if nothing "
+                          "removes it. If no other process is compiling it, delete the file.", stacklevel=3)
+            stale.append(path)
     return stale
 
 

@@ -29,3 +29,14 @@ def test_an_old_lock_is_named_and_a_fresh_one_is_not(tmp_path, monkeypatch):
 def test_no_extension_folder_means_nothing_to_report(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "absent"))
     assert warn_on_stale_build_locks() == []
+
+
+def test_a_lock_removed_while_scanning_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    make_lock(tmp_path, "cpu_adam", STALE_LOCK_SECONDS + 600)
+
+    def vanished(path):  # the compiling rank removed its lock between the glob and the age check
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(os.path, "getmtime", vanished)
+    assert warn_on_stale_build_locks() == []
