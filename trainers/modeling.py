@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from trainers.attention import float32_attention_on_cpu
 from trainers.errors import ModelLoadError
 from trainers.losses import logps_and_entropy, selective_log_softmax
 
@@ -111,7 +112,8 @@ def token_logprobs(
     if logits_to_keep is not None:
         # The last position predicts beyond the sequence; keep one more and drop it so K positions remain.
         kwargs["logits_to_keep"] = logits_to_keep + 1
-    logits = model(**kwargs).logits  # [B, K(+1), V]
+    with float32_attention_on_cpu(model, input_ids.device):  # bf16 attention is the slower one on CPU
+        logits = model(**kwargs).logits  # [B, K(+1), V]
     if logits_to_keep is not None:
         logits = logits[:, :-1]
     if temperature != 1.0:
