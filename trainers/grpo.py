@@ -10,6 +10,7 @@ docs/grpo.md has the formulas.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from trainers import distributed as dist
+from trainers import engine
 from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
@@ -28,7 +30,7 @@ from trainers.losses import (
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
     k3_kl, nanstd,
 )
-from trainers.modeling import load_causal_lm, token_logprobs
+from trainers.modeling import load_causal_lm, shared_prompt_logprobs, token_logprobs
 from trainers.rewards import Reward, accuracy_reward, call_reward, completion_text, resolve_reward
 from trainers.samplers import GlobalBatchSampler, group_slots
 from trainers.sft import as_dataset
@@ -328,7 +330,21 @@ class GRPOTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ loss
 
+    @functools.cached_property
+    def shares_prompt_forward(self) -> bool:
+        """Whether a micro-batch's completions of one prompt share its forward (``shared_prompt_logprobs``):
+        for the model families the lean engine knows, without gradient checkpointing (which drops the KV
+        cache) and without ZeRO-3, where a second forward per micro-batch costs a second all-gather of every
+        layer's weights (it computes correctly there too: checked on CPU, not enabled)."""
+        return (engine.supports(self.unwrapped_model) and not self.args.gradient_checkpointing
+                and dist.zero_stage(self.accelerator) != 3)
+
     def _policy_forward(self, model, batch: dict, with_entropy: bool = False) -> dict:
+        if self.shares_prompt_forward:
+            out = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                         batch["completion_attention"], self.args.temperature, with_entropy)
+            if out is not None:  # None: no two rows of this micro-batch share a prompt
+                return out
         input_ids, attention_mask, position_ids = policy_inputs(batch)
         return token_logprobs(model, input_ids, batch["completion_ids"], attention_mask, position_ids,
                               temperature=self.args.temperature, logits_to_keep=batch["completion_ids"].shape[1],

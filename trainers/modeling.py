@@ -116,6 +116,12 @@ def token_logprobs(
         logits = model(**kwargs).logits  # [B, K(+1), V]
     if logits_to_keep is not None:
         logits = logits[:, :-1]
+    return _scores(logits, target_ids, temperature, with_entropy, with_accuracy)
+
+
+def _scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool,
+            with_accuracy: bool = False) -> dict[str, torch.Tensor]:
+    """logits [B, K, V], target_ids [B, K] -> {"logps", "entropy"?, "correct"?}, each [B, K]."""
     if temperature != 1.0:
         logits = logits / temperature
     if with_entropy:
@@ -127,3 +133,52 @@ def token_logprobs(
         with torch.no_grad():
             out["correct"] = logits.detach().argmax(-1) == target_ids
     return out
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_attention: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> dict[str, torch.Tensor] | None:
+    """Per-token log-probs (and entropy) of completions, running each distinct prompt once.
+
+    A GRPO micro-batch holds up to ``num_generations`` completions of the same prompt. Instead of one forward
+    over prompt + completion per row, the distinct prompts run once (with a KV cache and the logits of their
+    last position, which predict the first completion token), the cache is indexed out to every row, and the
+    completions run on top of it. Gradients flow back through the indexing and add up per prompt, so loss and
+    gradients equal the one-forward path (tests/unit/test_shared_prompts.py); the forward and backward skip
+    (rows - distinct prompts) × prompt length tokens. Needs a model that takes ``past_key_values`` and a
+    tensor ``logits_to_keep`` (HF decoder-only models) and no gradient checkpointing (it drops the cache);
+    under ZeRO-3 the second forward would all-gather the weights again. The caller decides.
+
+    prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
+    Returns tensors of shape [B, C], or None when no two rows share a prompt (use ``token_logprobs``).
+    """
+    B, P = prompt_ids.shape
+    C = completion_ids.shape[1]
+    # Pad ids zeroed so that equal prompts compare equal whatever sits under their padding (it is masked out).
+    mask = prompt_mask.to(prompt_ids.dtype)
+    rows = torch.cat([prompt_ids * mask, mask], dim=1)  # [B, 2P]
+    distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]: row -> its prompt
+    if distinct.shape[0] == B:
+        return None
+    ids_u, mask_u = distinct[:, :P], distinct[:, P:]  # [U, P] each
+    with float32_attention_on_cpu(model, prompt_ids.device):
+        prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=(mask_u.cumsum(-1) - 1).clamp(min=0),
+                           use_cache=True, logits_to_keep=1)  # logits [U, 1, V]
+        cache = prompt_out.past_key_values
+        cache.batch_select_indices(row_prompt)  # every layer's keys/values: [U, KV, P, D] -> [B, KV, P, D]
+        parts = [_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy)]
+        if C > 1:
+            attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [B, C], as in the one-forward path
+            # Positions 0 .. C-2 predict completion tokens 1 .. C-1; the last position predicts beyond.
+            logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True,
+                           logits_to_keep=torch.arange(C - 1, device=completion_ids.device)).logits  # [B, C-1, V]
+            parts.append(_scores(logits, completion_ids[:, 1:], temperature, with_entropy))
+    return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}

@@ -26,6 +26,8 @@ def main():
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05)
+    if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
+        GRPOTrainer.shares_prompt_forward = False
     trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=args, train_dataset=rows)
     acc = trainer.accelerator
 
@@ -46,6 +48,7 @@ def main():
     with gathered_parameters(acc, trainer.model):
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
+              "shares_prompt_forward": trainer.shares_prompt_forward,
               "round": round_report, "checksum": checksum, "history": trainer.state.log_history}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)

@@ -13,16 +13,22 @@ from trainers.losses import group_advantages
 JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
 
 
+def run_job(name: str, model_dir: str, folder, **env) -> list[dict]:
+    launch(name, JOB, model_dir, str(folder), extra_env=env)
+    reports = []
+    for path in sorted(glob.glob(str(folder / "report-*.json"))):
+        with open(path) as f:
+            reports.append(json.load(f))
+    return reports
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["multi_gpu", "zero2", "zero3"])
 def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
-    launch(name, JOB, tiny_model_dir, str(tmp_path))
-    reports = []
-    for path in sorted(glob.glob(str(tmp_path / "report-*.json"))):
-        with open(path) as f:
-            reports.append(json.load(f))
+    reports = run_job(name, tiny_model_dir, tmp_path / "run")
     assert [r["rank"] for r in reports] == [0, 1] and all(r["num_processes"] == 2 for r in reports)
     assert reports[0]["zero_stage"] == {"multi_gpu": 0, "zero2": 2, "zero3": 3}[name]
+    assert reports[0]["shares_prompt_forward"] == (name != "zero3")  # ZeRO-3: one forward per micro-batch
 
     # Every process sampled the same prompt for round 0, and its group of 4 is split 2 + 2.
     slots = [r["round"]["slots"] for r in reports]
@@ -42,3 +48,18 @@ def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
     assert len(history) == 3 and local(history) == local(reports[1]["history"])
     assert all("reward" in r and "kl" in r for r in history)
     assert history[-1]["kl"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["multi_gpu", "zero2"])
+def test_shared_prompt_forward_matches_one_forward_per_row(name, tiny_model_dir, tmp_path):
+    """Each process's 2 completions share their prompt's forward (two model calls per micro-batch, under DDP
+    or ZeRO-2); the first step's loss, gradient norm and KL equal those of one forward per row."""
+    shared = run_job(name, tiny_model_dir, tmp_path / "shared")
+    plain = run_job(name, tiny_model_dir, tmp_path / "plain", GRPO_JOB_ONE_FORWARD_PER_ROW="1")
+    assert [r["shares_prompt_forward"] for r in shared] == [True, True]
+    assert [r["shares_prompt_forward"] for r in plain] == [False, False]
+    first, reference = shared[0]["history"][0], plain[0]["history"][0]
+    for key in ("loss", "grad_norm", "kl", "entropy"):
+        assert first[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
+    assert first["grad_norm"] > 0
