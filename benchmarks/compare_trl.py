@@ -4,6 +4,7 @@
     python benchmarks/compare_trl.py             # the full table (about an hour on 2 CPU cores)
     python benchmarks/compare_trl.py --quick     # one repeat of the tiny-model rows
     python benchmarks/compare_trl.py --only grpo-tiny-64 sft-tiny-unpacked --repeats 3
+    python benchmarks/compare_trl.py --gpu --repeats 1   # on a GPU: a Qwen2.5-0.5B-shaped model, bf16
 
 Each run is its own process (so peak memory is the process's own peak RSS, VmHWM); runs of the two
 frameworks alternate (TRL, ours, ours, TRL, ...) so drift on the machine hits both alike. Reported per row:
@@ -11,11 +12,14 @@ GRPO seconds per optimizer step, SFT trained (non-padding) tokens per second, pe
 ours/TRL (time) or ours/TRL (throughput) with min/median/max over repeats. Both frameworks use the same
 offline-built Qwen2 models (tiny: width 256, 4 layers; small: width 768, 12 layers, ~85M parameters) with an
 8k-token BPE, gradient checkpointing off, fp32, one process. GRPO completions are forced to their full length
-(min_new_tokens) so both generate exactly the same number of tokens.
+(min_new_tokens) so both generate exactly the same number of tokens. ``--gpu`` runs its own rows on a model of
+Qwen2.5-0.5B's shape in bf16 and reports peak GPU memory, SFT model FLOPs utilization and GRPO completion
+tokens per second (docs/benchmarks.md, "GPU").
 """
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -29,6 +33,9 @@ RUNNER = os.path.join(REPO, "benchmarks", "run_one.py")
 MODELS = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024),
     "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
+    # Qwen2.5-0.5B's shape (494M parameters, its 151,936-entry vocabulary), random weights: the GPU rows.
+    "qwen05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                   vocab_size=151936, rope_theta=1e6),
 }
 
 # name -> (model, method, options, steps, warmup). The small model warms up over its first ~3 optimizer steps in
@@ -44,6 +51,15 @@ ROWS = {
     "sft-small-unpacked": ("small", "sft", {"packing": False}, 6, 1),
     "sft-small-packed": ("small", "sft", {"packing": True}, 6, 1),
 }
+# On a GPU (--gpu), in bf16: bigger batches and sequences, as a GPU run would use them.
+GPU_ROWS = {
+    "grpo-qwen05-256": ("qwen05", "grpo", {"completion_length": 256}, 6, 2),
+    "grpo-qwen05-256-b64": ("qwen05", "grpo", {"completion_length": 256, "batch": 64}, 5, 2),
+    "sft-qwen05-unpacked": ("qwen05", "sft", {"packing": False, "max_length": 1024}, 12, 3),
+    "sft-qwen05-packed": ("qwen05", "sft", {"packing": True, "max_length": 1024}, 12, 3),
+}
+# Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, the vendor's figure without sparsity).
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1}
 SCALING = {
     "grpo-tiny-64-g16": ("tiny", "grpo", {"completion_length": 64, "num_generations": 16, "batch": 32}, 6, 1),
     "grpo-tiny-128": ("tiny", "grpo", {"completion_length": 128}, 6, 1),
@@ -52,17 +68,35 @@ SCALING = {
 }
 
 
-def build_models(workdir: str) -> dict[str, str]:
+def build_models(workdir: str, names=("tiny", "small")) -> dict[str, str]:
     sys.path.insert(0, REPO)
     from trainers.tiny import build_bpe_tokenizer, save_tiny_model
 
     paths = {}
-    for name, shape in MODELS.items():
+    for name in names:
         path = os.path.join(workdir, f"model-{name}")
         if not os.path.exists(os.path.join(path, "config.json")):
-            save_tiny_model(path, tokenizer=build_bpe_tokenizer(), max_position_embeddings=4096, **shape)
+            save_tiny_model(path, tokenizer=build_bpe_tokenizer(), max_position_embeddings=4096, **MODELS[name])
         paths[name] = path
     return paths
+
+
+def matmul_parameters(model_dir: str) -> int:
+    """Weights used in matrix products per token: all of them, the embedding table counted once (tied to the
+    output head, it is the head's weight; the lookup itself costs no FLOPs)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def peak_tflops(device: str, override: float | None) -> float | None:
+    if override:
+        return override
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
 
 
 def run(framework: str, model: str, method: str, options: dict, steps: int, workdir: str) -> dict:
@@ -95,7 +129,8 @@ def summarize(name: str, method: str, results: dict, warmup: int, steps: int) ->
         per_framework[framework] = {
             "s_per_step": step_times,
             "tokens_per_s": [t / s for t, s in zip(tokens_per_step, step_times)],
-            "peak_mb": [r["peak_mb"] for r in runs], "loss": [r["loss"] for r in runs]}
+            "peak_mb": [r["peak_mb"] for r in runs], "loss": [r["loss"] for r in runs],
+            "peak_gpu_mb": [r.get("peak_gpu_mb") for r in runs], "device": runs[0].get("device", "cpu")}
     row.update(per_framework)
     ours, trl = per_framework["ours"], per_framework["trl"]
     if method == "grpo":
@@ -103,6 +138,8 @@ def summarize(name: str, method: str, results: dict, warmup: int, steps: int) ->
     else:
         row["ratio"] = [o / t for o, t in zip(ours["tokens_per_s"], trl["tokens_per_s"])]  # throughput
     row["memory_ratio"] = [o / t for o, t in zip(ours["peak_mb"], trl["peak_mb"])]
+    if None not in ours["peak_gpu_mb"] + trl["peak_gpu_mb"]:
+        row["gpu_memory_ratio"] = [o / t for o, t in zip(ours["peak_gpu_mb"], trl["peak_gpu_mb"])]
     return row
 
 
@@ -126,10 +163,43 @@ def print_table(rows: list[dict], methods: dict) -> None:
               f"{statistics.median(row['ours']['loss']):.3f} |")
 
 
+def print_gpu_table(rows: list[dict], methods: dict, extras: dict) -> None:
+    """GPU rows: peak GPU memory (PyTorch's allocated peak) instead of host RSS, and a column per method:
+    GRPO completion tokens per second of whole step, SFT model FLOPs utilization (``extras``: row -> text)."""
+    print("\n| row | device | TRL | ours | ours/TRL (min / median / max) | TRL / ours | TRL peak GPU MB | "
+          "ours peak GPU MB | memory ours/TRL | loss TRL / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        key = "s_per_step" if methods[row["name"]] == "grpo" else "tokens_per_s"
+        unit, digits = ("s/step", 3) if key == "s_per_step" else ("tok/s", 0)
+        trl, ours = row["trl"], row["ours"]
+        print(f"| {row['name']} | {ours['device']} | {statistics.median(trl[key]):.{digits}f} {unit} | "
+              f"{statistics.median(ours[key]):.{digits}f} {unit} | {fmt(row['ratio'])} | {extras[row['name']]} | "
+              f"{statistics.median(trl['peak_gpu_mb']):.0f} | {statistics.median(ours['peak_gpu_mb']):.0f} | "
+              f"{fmt(row['gpu_memory_ratio'])} | {statistics.median(trl['loss']):.3f} / "
+              f"{statistics.median(ours['loss']):.3f} |")
+
+
+def gpu_extra(row: dict, method: str, options: dict, parameters: int, peak: float | None) -> str:
+    """GRPO: completions x length per second of step. SFT: MFU = 6 x matmul parameters x trained tokens/s over
+    the GPU's dense bf16 peak (attention FLOPs left out, so a lower bound)."""
+    if method == "grpo":
+        generated = options.get("batch", 16) * options["completion_length"]  # forced to full length
+        return " / ".join(f"{generated / statistics.median(row[f]['s_per_step']):.0f}" for f in ("trl", "ours")) + \
+            " completion tok/s"
+    if peak is None:
+        return "MFU: GPU peak unknown (pass --peak-tflops)"
+    return " / ".join(f"{100 * 6 * parameters * statistics.median(row[f]['tokens_per_s']) / (peak * 1e12):.1f}%"
+                      for f in ("trl", "ours")) + " MFU"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", help=f"Rows to run: {sorted(ROWS) + sorted(SCALING)}")
+    parser.add_argument("--only", nargs="+", help=f"Rows to run: {sorted(ROWS) + sorted(SCALING) + sorted(GPU_ROWS)}")
     parser.add_argument("--scaling", action="store_true", help="Also run the scaling rows.")
+    parser.add_argument("--gpu", action="store_true",
+                        help=f"The GPU rows ({', '.join(GPU_ROWS)}), in bf16, with GPU memory, MFU and completion tokens/s.")
+    parser.add_argument("--peak-tflops", type=float, help="The GPU's dense bf16 peak, for MFU (default: known GPUs).")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="Tiny-model rows, one repeat.")
     parser.add_argument("--bf16", action="store_true", help="Every row in bf16 mixed precision (both frameworks).")
@@ -137,16 +207,25 @@ def main():
     parser.add_argument("--json", help="Write every run's numbers here.")
     cli = parser.parse_args()
     os.makedirs(cli.workdir, exist_ok=True)
-    catalogue = {**ROWS, **SCALING}
-    names = cli.only or (list(ROWS) + (list(SCALING) if cli.scaling else []))
+    catalogue = {**ROWS, **SCALING, **GPU_ROWS}
+    if cli.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--gpu: no CUDA device is visible to PyTorch")
+        cli.bf16 = True
+    names = cli.only or (list(GPU_ROWS) if cli.gpu else list(ROWS) + (list(SCALING) if cli.scaling else []))
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        parser.error(f"--only: unknown rows {unknown}; known: {sorted(catalogue)}")
     if cli.quick:
         names, cli.repeats = [n for n in names if "tiny" in n], 1
-    models = build_models(cli.workdir)
-    rows, methods = [], {}
+    models = build_models(cli.workdir, sorted({catalogue[n][0] for n in names}))
+    rows, methods, extras = [], {}, {}
     for name in names:
         model, method, options, steps, warmup = catalogue[name]
         options = {**options, "bf16": cli.bf16}
-        name = name + ("-bf16" if cli.bf16 else "")
+        name = name + ("-bf16" if cli.bf16 and not cli.gpu else "")
         methods[name] = method
         results = {"ours": [], "trl": []}
         for repeat in range(cli.repeats):
@@ -154,10 +233,18 @@ def main():
             for framework in order:
                 results[framework].append(run(framework, models[model], method, options, steps, cli.workdir))
         rows.append(summarize(name, method, results, warmup, steps))
-        print_table(rows[-1:], methods)
+        if cli.gpu:
+            peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)
+            extras[name] = gpu_extra(rows[-1], method, options, matmul_parameters(models[model]), peak)
+            print_gpu_table(rows[-1:], methods, extras)
+        else:
+            print_table(rows[-1:], methods)
         sys.stdout.flush()
     print("\nAll rows:")
-    print_table(rows, methods)
+    if cli.gpu:
+        print_gpu_table(rows, methods, extras)
+    else:
+        print_table(rows, methods)
     if cli.json:
         with open(cli.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,7 +1,10 @@
 """Generation alone: the lean engine against HF ``generate`` (and the engine without oneDNN packed weights), on
 the benchmark models, for one GRPO round (2 prompts x 8 completions of 64 tokens, forced to full length).
 
-    python benchmarks/generation.py [--tokens 64] [--repeats 3] [--bf16]
+    python benchmarks/generation.py [--tokens 64] [--repeats 3] [--bf16] [--models tiny small]
+    python benchmarks/generation.py --models qwen05 --bf16 --tokens 256   # on a GPU
+
+On a GPU (used when PyTorch sees one) the packed-weights column is left out: packing is a CPU layout.
 """
 
 import argparse
@@ -35,15 +38,18 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="Under bf16 autocast, as bf16 mixed precision samples.")
+    parser.add_argument("--models", nargs="+", default=["tiny", "small"], choices=sorted(MODELS))
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "trainers-bench"))
     cli = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(cli.workdir, exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print("| model | HF generate s | lean s | lean without packed weights s | HF / lean |")
-    print("|---|---|---|---|---|")
-    for name, path in build_models(cli.workdir).items():
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    print("| model | device | HF generate s | lean s | lean without packed weights s | HF / lean | "
+          "lean completion tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, path in build_models(cli.workdir, cli.models).items():
+        model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = [tokenizer("alpha beta gamma delta the model learns")["input_ids"]] * 8 + \
                   [tokenizer("a cat sat on the mat")["input_ids"]] * 8
@@ -52,17 +58,20 @@ def main():
 
         def run(kind):
             torch.manual_seed(0)
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cli.bf16):
+            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=cli.bf16):
                 generate(model, prompts, params, tokenizer.pad_token_id, eos, engine=kind)
 
         hf = timed(lambda: run("hf"), cli.repeats)
         lean = timed(lambda: run("lean"), cli.repeats)
-        can_pack = engine._can_pack
-        engine._can_pack = lambda *a: False
-        unpacked = timed(lambda: run("lean"), cli.repeats)
-        engine._can_pack = can_pack
-        print(f"| {name} ({MODELS[name]['hidden_size']} x {MODELS[name]['num_layers']}) | {hf:.2f} | {lean:.2f} | "
-              f"{unpacked:.2f} | {hf / lean:.1f}x |", flush=True)
+        unpacked = "-"
+        if device == "cpu":
+            can_pack = engine._can_pack
+            engine._can_pack = lambda *a: False
+            unpacked = f"{timed(lambda: run('lean'), cli.repeats):.2f}"
+            engine._can_pack = can_pack
+        where = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+        print(f"| {name} ({MODELS[name]['hidden_size']} x {MODELS[name]['num_layers']}) | {where} | {hf:.2f} | "
+              f"{lean:.2f} | {unpacked} | {hf / lean:.1f}x | {len(prompts) * cli.tokens / lean:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

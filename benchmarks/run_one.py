@@ -1,7 +1,8 @@
 """One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT or GRPO.
 
 Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
-non-padding tokens, and the final loss. Peak memory is measured by the caller from the process's rusage.
+non-padding tokens, the final loss, the process's peak RSS and, on a GPU, its name and PyTorch's peak
+allocated GPU memory. Both frameworks use the GPU when one is visible.
 """
 
 import argparse
@@ -86,7 +87,8 @@ def run_trl(cli, rows):
             clock.tick()
 
     common = dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0, use_cpu=True, **cli.extra)
+                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0,
+                  use_cpu=not torch.cuda.is_available(), **cli.extra)
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                              args=SFTConfig(per_device_train_batch_size=cli.batch, max_length=cli.max_length,
@@ -124,8 +126,10 @@ def main():
     times, tokens, loss = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
     from trainers.memory import peak_rss_bytes
 
-    print("RESULT " + json.dumps({"step_times": times, "num_tokens": tokens, "loss": loss,
-                                  "peak_mb": peak_rss_bytes() / 2**20}))
+    result = {"step_times": times, "num_tokens": tokens, "loss": loss, "peak_mb": peak_rss_bytes() / 2**20}
+    if torch.cuda.is_available():
+        result.update(device=torch.cuda.get_device_name(0), peak_gpu_mb=torch.cuda.max_memory_allocated() / 2**20)
+    print("RESULT " + json.dumps(result))
     sys.stdout.flush()
 
 

@@ -56,10 +56,15 @@ def build_model(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num
     return Qwen2ForCausalLM(config)
 
 
-def save_tiny_model(path: str, tokenizer=None, **model_kwargs) -> str:
-    """Build a tiny model (and a byte-level tokenizer unless one is given) and save both to ``path``."""
+def save_tiny_model(path: str, tokenizer=None, vocab_size: int | None = None, **model_kwargs) -> str:
+    """Build a tiny model (and a byte-level tokenizer unless one is given) and save both to ``path``.
+
+    ``vocab_size`` defaults to the tokenizer's; a larger one gives a real model's embedding and output-head
+    shape (ids the tokenizer lacks decode to nothing)."""
     tokenizer = tokenizer or build_tokenizer()
-    model = build_model(vocab_size=len(tokenizer), **model_kwargs)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    model = build_model(vocab_size=vocab_size or len(tokenizer), **model_kwargs)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.bos_token_id = None

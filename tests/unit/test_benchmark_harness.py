@@ -1,0 +1,49 @@
+"""The benchmark harness's arithmetic (benchmarks/compare_trl.py), without running a benchmark: the GPU model's
+shape, the parameter count MFU uses, MFU and completion tokens/s, GPU memory ratios."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from benchmarks.compare_trl import MODELS, gpu_extra, matmul_parameters, peak_tflops, summarize
+from trainers.tiny import save_tiny_model
+
+
+def test_gpu_model_has_qwen2_5_0_5b_shape():
+    shape = MODELS["qwen05"]
+    config = Qwen2Config(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_heads"],
+                         num_key_value_heads=shape["num_kv_heads"], intermediate_size=shape["intermediate_size"],
+                         tie_word_embeddings=True)
+    with torch.device("meta"):
+        assert Qwen2ForCausalLM(config).num_parameters() == 494_032_768  # Qwen/Qwen2.5-0.5B's count
+
+
+def test_vocab_larger_than_the_tokenizer_and_matmul_parameters(tmp_path):
+    path = save_tiny_model(str(tmp_path / "m"), vocab_size=512, hidden_size=32, num_layers=1)
+    model = Qwen2ForCausalLM.from_pretrained(path)
+    assert model.config.vocab_size == 512
+    assert matmul_parameters(path) == model.num_parameters()  # the tied head counted once
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        save_tiny_model(str(tmp_path / "n"), vocab_size=100)
+
+
+def runs(s_per_step, tokens_per_step, gpu_mb=None):
+    return [{"step_times": [9.0, s_per_step, s_per_step], "num_tokens": 3 * tokens_per_step, "loss": 1.0,
+             "peak_mb": 1000.0, **({"peak_gpu_mb": gpu_mb, "device": "NVIDIA H100 80GB HBM3"} if gpu_mb else {})}]
+
+
+def test_mfu_and_completion_tokens_per_second():
+    sft = summarize("sft-qwen05-packed", "sft", {"trl": runs(2.0, 10_000, 4000.0), "ours": runs(1.0, 10_000, 3000.0)},
+                    warmup=1, steps=3)
+    assert sft["ratio"] == [2.0] and sft["gpu_memory_ratio"] == [0.75]
+    peak = peak_tflops(sft["ours"]["device"], None)
+    assert peak == 989.4 and peak_tflops("some other GPU", None) is None and peak_tflops("x", 500.0) == 500.0
+    # 6 x 494M x 5,000 (TRL) and 10,000 (ours) tokens/s over 989.4 TFLOP/s
+    assert gpu_extra(sft, "sft", {}, 494_032_768, peak) == "1.5% / 3.0% MFU"
+    assert "--peak-tflops" in gpu_extra(sft, "sft", {}, 494_032_768, None)
+
+    grpo = summarize("grpo-qwen05-256-b64", "grpo", {"trl": runs(4.0, 1), "ours": runs(2.0, 1)}, warmup=1, steps=3)
+    assert grpo["ratio"] == [0.5] and "gpu_memory_ratio" not in grpo  # host-only runs carry no GPU numbers
+    assert gpu_extra(grpo, "grpo", {"completion_length": 256, "batch": 64}, 0, None) == \
+        "4096 / 8192 completion tok/s"
