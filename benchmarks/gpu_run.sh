@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a benchmark command on the GPU device machine: install the carried wheels (benchmarks/gpu_wheels.sh)
 # into /tmp/site, print the versions that matter, then run "$@" with its output also saved under $OUT.
-#   bash benchmarks/gpu_run.sh python benchmarks/compare_trl.py --gpu --repeats 1
+#   bash benchmarks/gpu_run.sh python3 benchmarks/compare_trl.py --gpu --repeats 1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
