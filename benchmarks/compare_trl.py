@@ -149,35 +149,26 @@ def fmt(values: list[float], digits: int = 2) -> str:
     return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
 
 
-def print_table(rows: list[dict], methods: dict) -> None:
-    print("\n| row | TRL | ours | ours/TRL (min / median / max) | TRL peak MB | ours peak MB | memory ours/TRL | loss TRL / ours |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        key = "s_per_step" if methods[row["name"]] == "grpo" else "tokens_per_s"
-        unit = "s/step" if key == "s_per_step" else "tok/s"
-        digits = 3 if key == "s_per_step" else 0
-        print(f"| {row['name']} | {statistics.median(row['trl'][key]):.{digits}f} {unit} | "
-              f"{statistics.median(row['ours'][key]):.{digits}f} {unit} | {fmt(row['ratio'])} | "
-              f"{statistics.median(row['trl']['peak_mb']):.0f} | {statistics.median(row['ours']['peak_mb']):.0f} | "
-              f"{fmt(row['memory_ratio'])} | {statistics.median(row['trl']['loss']):.3f} / "
-              f"{statistics.median(row['ours']['loss']):.3f} |")
-
-
-def print_gpu_table(rows: list[dict], methods: dict, extras: dict) -> None:
-    """GPU rows: peak GPU memory (PyTorch's allocated peak) instead of host RSS, and a column per method:
-    GRPO completion tokens per second of whole step, SFT model FLOPs utilization (``extras``: row -> text)."""
-    print("\n| row | device | TRL | ours | ours/TRL (min / median / max) | TRL / ours | TRL peak GPU MB | "
-          "ours peak GPU MB | memory ours/TRL | loss TRL / ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def print_table(rows: list[dict], methods: dict, extras: dict | None = None) -> None:
+    """One markdown row per benchmark row. With ``extras`` (GPU rows: row -> MFU or completion tokens/s text),
+    also the device and that column, and peak GPU memory (PyTorch's allocated peak) instead of host RSS."""
+    gpu = extras is not None
+    memory, label = ("peak_gpu_mb", "peak GPU MB") if gpu else ("peak_mb", "peak MB")
+    header = (["row"] + ["device"] * gpu + ["TRL", "ours", "ours/TRL (min / median / max)"] + ["TRL / ours"] * gpu
+              + [f"TRL {label}", f"ours {label}", "memory ours/TRL", "loss TRL / ours"])
+    print("\n| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
     for row in rows:
         key = "s_per_step" if methods[row["name"]] == "grpo" else "tokens_per_s"
         unit, digits = ("s/step", 3) if key == "s_per_step" else ("tok/s", 0)
         trl, ours = row["trl"], row["ours"]
-        print(f"| {row['name']} | {ours['device']} | {statistics.median(trl[key]):.{digits}f} {unit} | "
-              f"{statistics.median(ours[key]):.{digits}f} {unit} | {fmt(row['ratio'])} | {extras[row['name']]} | "
-              f"{statistics.median(trl['peak_gpu_mb']):.0f} | {statistics.median(ours['peak_gpu_mb']):.0f} | "
-              f"{fmt(row['gpu_memory_ratio'])} | {statistics.median(trl['loss']):.3f} / "
-              f"{statistics.median(ours['loss']):.3f} |")
+        cells = ([row["name"]] + [ours["device"]] * gpu
+                 + [f"{statistics.median(trl[key]):.{digits}f} {unit}", f"{statistics.median(ours[key]):.{digits}f} {unit}",
+                    fmt(row["ratio"])] + ([extras[row["name"]]] if gpu else [])
+                 + [f"{statistics.median(trl[memory]):.0f}", f"{statistics.median(ours[memory]):.0f}",
+                    fmt(row["gpu_memory_ratio" if gpu else "memory_ratio"]),
+                    f"{statistics.median(trl['loss']):.3f} / {statistics.median(ours['loss']):.3f}"])
+        print("| " + " | ".join(cells) + " |")
 
 
 def gpu_extra(row: dict, method: str, options: dict, parameters: int, peak: float | None) -> str:
@@ -236,15 +227,10 @@ def main():
         if cli.gpu:
             peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)
             extras[name] = gpu_extra(rows[-1], method, options, matmul_parameters(models[model]), peak)
-            print_gpu_table(rows[-1:], methods, extras)
-        else:
-            print_table(rows[-1:], methods)
+        print_table(rows[-1:], methods, extras if cli.gpu else None)
         sys.stdout.flush()
     print("\nAll rows:")
-    if cli.gpu:
-        print_gpu_table(rows, methods, extras)
-    else:
-        print_table(rows, methods)
+    print_table(rows, methods, extras if cli.gpu else None)
     if cli.json:
         with open(cli.json, "w") as f:
             json.dump(rows, f, indent=1)

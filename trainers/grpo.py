@@ -30,7 +30,7 @@ from trainers.losses import (
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
     k3_kl, nanstd,
 )
-from trainers.modeling import load_causal_lm, shared_prompt_logprobs, token_logprobs
+from trainers.modeling import load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs
 from trainers.rewards import Reward, accuracy_reward, call_reward, completion_text, resolve_reward
 from trainers.samplers import GlobalBatchSampler, group_slots
 from trainers.sft import as_dataset
@@ -71,12 +71,11 @@ class Rollout:
 def policy_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """prompt + completion -> (input_ids, attention_mask, position_ids), each [B, P + C].
 
-    Position ids count real tokens only, so a left-padded prompt gets the same positions as in generation.
+    Position ids count real tokens only (``positions_from_mask``).
     """
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_attention"]], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids
+    return input_ids, attention_mask, positions_from_mask(attention_mask)
 
 
 class GRPOTrainer(BaseTrainer):

@@ -119,6 +119,12 @@ def token_logprobs(
     return _scores(logits, target_ids, temperature, with_entropy, with_accuracy)
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only: [B, T] mask -> [B, T], padding at position 0. A left-padded
+    prompt gets the positions it had in generation."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def _scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool,
             with_accuracy: bool = False) -> dict[str, torch.Tensor]:
     """logits [B, K, V], target_ids [B, K] -> {"logps", "entropy"?, "correct"?}, each [B, K]."""
@@ -168,14 +174,14 @@ def shared_prompt_logprobs(
         return None
     ids_u, mask_u = distinct[:, :P], distinct[:, P:]  # [U, P] each
     with float32_attention_on_cpu(model, prompt_ids.device):
-        prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=(mask_u.cumsum(-1) - 1).clamp(min=0),
+        prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=positions_from_mask(mask_u),
                            use_cache=True, logits_to_keep=1)  # logits [U, 1, V]
         cache = prompt_out.past_key_values
         cache.batch_select_indices(row_prompt)  # every layer's keys/values: [U, KV, P, D] -> [B, KV, P, D]
         parts = [_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy)]
         if C > 1:
             attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
-            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, P:]  # [B, C], as in the one-forward path
+            positions = positions_from_mask(attention_mask)[:, P:]  # [B, C], as in the one-forward path
             # Positions 0 .. C-2 predict completion tokens 1 .. C-1; the last position predicts beyond.
             logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
                            past_key_values=cache, use_cache=True,

@@ -50,11 +50,11 @@ def test_mfu_and_completion_tokens_per_second():
 
 
 def test_gpu_table_prints_every_column(capsys):
-    from benchmarks.compare_trl import print_gpu_table
+    from benchmarks.compare_trl import print_table
 
     row = summarize("sft-qwen05-packed", "sft", {"trl": runs(2.0, 10_000, 4000.0), "ours": runs(1.0, 10_000, 3000.0)},
                     warmup=1, steps=3)
-    print_gpu_table([row], {"sft-qwen05-packed": "sft"}, {"sft-qwen05-packed": "1.5% / 3.0% MFU"})
+    print_table([row], {"sft-qwen05-packed": "sft"}, {"sft-qwen05-packed": "1.5% / 3.0% MFU"})
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == ("| sft-qwen05-packed | NVIDIA H100 80GB HBM3 | 5000 tok/s | 10000 tok/s | 2.00 | 1.5% / 3.0% MFU | "
                     "4000 | 3000 | 0.75 | 1.000 / 1.000 |")
