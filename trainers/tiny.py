@@ -8,6 +8,7 @@ Qwen2 built from a config. Saved with ``save_pretrained``, a tiny model's folder
 from __future__ import annotations
 
 import os
+import tempfile
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -72,9 +73,16 @@ def save_tiny_model(path: str, tokenizer=None, vocab_size: int | None = None, **
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.bos_token_id = None
+    # Every process of a launch builds the embedded default into the same folder, and one may already be reading
+    # it while another writes: write into a private folder, then move each file into place (os.replace is
+    # atomic), so a reader sees a whole file, old or new. The build is deterministic, so old and new are equal.
+    parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".tiny-model-") as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
     return path
 
 
