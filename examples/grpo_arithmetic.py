@@ -1,17 +1,20 @@
 """The embedded demo: a tiny model gets measurably better at addition through RL, on a laptop CPU.
 
-    python examples/grpo_arithmetic.py            # about 3 minutes on 2 CPU cores, no network, no GPU
+    python examples/grpo_arithmetic.py            # about 2 minutes on 2 CPU cores, no network, no GPU
 
 1. Build a tiny Qwen2 (width 128, 4 layers, 0.8M parameters) and a byte-level tokenizer offline.
 2. Generate every two-digit addition "a+b=" (10,000 problems) and split them: 500 held out for the final
    score, 300 for validation, the rest for training. Answers are written least-significant digit first
    ("17+25=" -> "24", i.e. 42 reversed): the model then produces digits in the order carries flow, which a
    4-layer model can learn in a minute (in the usual order it needs a much larger model or far longer).
-3. Warm up with SFT until the model is about half right on the validation split. Training in stages and
-   checking after each keeps the starting point stable: accuracy jumps suddenly during this SFT, at a step
-   that moves with the seed and the machine.
+3. Warm up with SFT until the model is about half right on the validation split. Training in short stages
+   and checking after each keeps the starting point stable: accuracy jumps suddenly during this SFT (from
+   ~2% to 30-70% within 50-100 steps), at a step that moves with the seed and the machine.
 4. Train with GRPO using only an exact-answer reward (the model's own samples, scored 1 or 0), and report
    greedy accuracy on the held-out problems before and after.
+
+How much RL adds depends on where the warm-up lands, which float rounding moves from machine to machine:
+over five seeds (``--seed``) on a 2-core CPU, SFT ended at 51-76% and GRPO at 90-92% (docs/grpo.md).
 """
 
 import argparse
@@ -51,31 +54,34 @@ def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
 
 
 def warm_up(model_path: str, train: list[dict], validation: list[dict], output_dir: str, target: float,
-            stage_steps: int = 100, max_stages: int = 12):
+            seed: int = 0, stage_steps: int = 50, max_stages: int = 40):
     """SFT in stages until greedy validation accuracy reaches ``target``; returns (model, tokenizer)."""
     rows = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train]
     model, tokenizer = model_path, None
     for stage in range(max_stages):
         trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows, args=SFTConfig(
-            output_dir=output_dir, per_device_train_batch_size=64, learning_rate=3e-3, max_steps=stage_steps,
+            # 1e-3: at 3e-3 the jump came later or not at all for some seeds, and RL gained less from there
+            output_dir=output_dir, per_device_train_batch_size=64, learning_rate=1e-3, max_steps=stage_steps,
             lr_scheduler_type="constant", warmup_steps=20 if stage == 0 else 0, save_strategy="no",
-            logging_steps=stage_steps, disable_tqdm=True, seed=stage, bf16=False, report_to="none"))
+            logging_steps=stage_steps, disable_tqdm=True, seed=seed + stage, bf16=False, report_to="none"))
         trainer.train()
         model, tokenizer = trainer.unwrapped_model, trainer.processing_class
         accuracy = greedy_accuracy(model, tokenizer, validation)
         print(f"  SFT {(stage + 1) * stage_steps} steps: validation accuracy {accuracy:.1%}", flush=True)
         if accuracy >= target:
-            break
-    return model, tokenizer
+            return model, tokenizer
+    raise RuntimeError(f"SFT warm-up stopped at {max_stages * stage_steps} steps with validation accuracy "
+                       f"{accuracy:.1%} < --warmup_target {target:.0%}: RL from there gets almost no reward")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/grpo-arithmetic")
     parser.add_argument("--warmup_target", type=float, default=0.45, help="Validation accuracy that ends the SFT warm-up.")
-    parser.add_argument("--grpo_steps", type=int, default=400)
+    parser.add_argument("--grpo_steps", type=int, default=800)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="Seeds the SFT stages and GRPO.")
     cli = parser.parse_args(argv)
 
     started = time.time()
@@ -85,7 +91,8 @@ def main(argv=None):
           f"{len(held_out)} held-out problems", flush=True)
 
     print("2. SFT warm-up", flush=True)
-    model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.warmup_target)
+    model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.warmup_target,
+                               cli.seed)
     before = greedy_accuracy(model, tokenizer, held_out)
     print(f"   held-out accuracy after SFT: {before:.1%}  ({time.time() - started:.0f} s)", flush=True)
 
@@ -94,8 +101,8 @@ def main(argv=None):
                           args=GRPOConfig(
                               output_dir=cli.output_dir, per_device_train_batch_size=64,
                               num_generations=cli.num_generations, max_completion_length=5,
-                              learning_rate=cli.learning_rate, lr_scheduler_type="constant", max_steps=cli.grpo_steps,
-                              logging_steps=50, save_strategy="no", bf16=False, beta=0.0, seed=0, report_to="none"))
+                              learning_rate=cli.learning_rate, lr_scheduler_type="cosine", max_steps=cli.grpo_steps,
+                              logging_steps=100, save_strategy="no", bf16=False, beta=0.0, seed=cli.seed, report_to="none"))
     trainer.train()
     after = greedy_accuracy(trainer.unwrapped_model, tokenizer, held_out)
     trainer.save_model(os.path.join(cli.output_dir, "final"))

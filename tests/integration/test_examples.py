@@ -44,11 +44,21 @@ def test_grpo_example_names_a_missing_dataset(tiny_model_dir, tmp_path):
         load_example("grpo").main(["--model", tiny_model_dir, "--dataset", str(tmp_path / "nope.jsonl")])
 
 
-def test_the_demo_pipeline_runs_end_to_end(tmp_path):
-    before, after = load_example("grpo_arithmetic").main(
-        ["--output_dir", str(tmp_path), "--warmup_target", "0", "--grpo_steps", "2"])
-    assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
+def test_the_demo_learns_what_the_readme_says(tmp_path):
+    # The README's main command, in full (~80 s on 2 cores). Five seeds here ended GRPO at 90-92% from SFT
+    # starts of 51-76% (docs/grpo.md); the bounds leave room for another machine's rounding.
+    before, after = load_example("grpo_arithmetic").main(["--output_dir", str(tmp_path)])
+    assert after >= 0.8, (before, after)
+    assert after - before >= 0.1, (before, after)
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
+def test_a_demo_warm_up_that_never_reaches_its_target_says_so(tiny_model_dir, tmp_path):
+    demo = load_example("grpo_arithmetic")
+    _, validation, train = demo.make_splits()
+    with pytest.raises(RuntimeError, match="--warmup_target"):
+        demo.warm_up(tiny_model_dir, train[:64], validation[:8], str(tmp_path), target=1.01, stage_steps=1,
+                     max_stages=2)
 
 
 def test_a_trl_grpo_script_runs_with_only_the_import_changed(tiny_model_dir, tmp_path):
