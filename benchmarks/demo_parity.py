@@ -26,10 +26,8 @@ EVERY = 100
 
 
 def config_fields(cli, out: str) -> dict:
-    return dict(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_completion_length=5,
-                learning_rate=cli.learning_rate, lr_scheduler_type=cli.lr_scheduler_type, max_steps=cli.steps,
-                logging_steps=EVERY, save_strategy="no", bf16=False, beta=0.0, seed=0, report_to="none",
-                disable_tqdm=True)
+    return {**demo.grpo_settings(out, cli.learning_rate, cli.steps, lr_scheduler_type=cli.lr_scheduler_type),
+            "disable_tqdm": True}
 
 
 def run_ours(cli, start: str, held_out, train, out: str) -> list[float]:
@@ -79,7 +77,7 @@ def main():
 
     held_out, validation, train = demo.make_splits()
     with tempfile.TemporaryDirectory() as work:
-        base = save_tiny_model(os.path.join(work, "base"), hidden_size=128, num_layers=4)
+        base = save_tiny_model(os.path.join(work, "base"), **demo.MODEL_SHAPE)
         model, tokenizer = demo.warm_up(base, train, validation, os.path.join(work, "sft"), 0.45, cli.seed)
         start = os.path.join(work, "start")
         model.save_pretrained(start)
