@@ -23,7 +23,6 @@ from trainers import engine
 from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
-from trainers.errors import RewardFunctionError
 from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
@@ -31,7 +30,9 @@ from trainers.losses import (
     k3_kl, nanstd,
 )
 from trainers.modeling import load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs
-from trainers.rewards import Reward, accuracy_reward, call_reward, completion_text, resolve_reward
+from trainers.rewards import (
+    Reward, accuracy_reward, call_reward, check_accuracy_references, completion_text, resolve_reward,
+)
 from trainers.samplers import GlobalBatchSampler, group_slots
 from trainers.sft import as_dataset
 
@@ -136,9 +137,10 @@ class GRPOTrainer(BaseTrainer):
         self.eval_rows = None
         if eval_dataset is not None:
             self.eval_rows, self.eval_prompt_ids = self._prompts(eval_dataset, "eval_dataset")
-        if any(r.func is accuracy_reward for r in self.rewards) and not {"answer", "solution"} & set(self.train_rows[0]):
-            raise RewardFunctionError(f"The built-in 'accuracy' reward compares completions with an 'answer' (or "
-                                      f"'solution') column; train_dataset has {sorted(self.train_rows[0])}.")
+        if any(r.func is accuracy_reward for r in self.rewards):
+            check_accuracy_references(self.train_rows, "train_dataset")
+            if self.eval_rows is not None:
+                check_accuracy_references(self.eval_rows, "eval_dataset")
         self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.seed,
                                                  args.shuffle_dataset)
         eos = {self.processing_class.eos_token_id}

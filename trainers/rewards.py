@@ -9,9 +9,11 @@ other dataset column arrives as a keyword argument (one value per completion), p
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ def completion_text(completion: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def _as_number(text: str) -> float | None:
@@ -43,14 +46,91 @@ def _as_number(text: str) -> float | None:
         return None
 
 
+def is_latex(reference: Any) -> bool:
+    """A reference written in LaTeX (it has a command such as ``\\frac``): compared with math_verify."""
+    return isinstance(reference, str) and "\\" in reference
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            if depth == 0:
+                return text[begin:index]
+            depth -= 1
+    return None
+
+
+def _answer_spans(text: str) -> list[str]:
+    """Where a completion may state its answer: the whole text, the last ``\\boxed{}``, each ``<answer>`` block."""
+    spans = [text, *_ANSWER_TAG.findall(text)]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        spans.append(boxed)
+    return [span.strip() for span in spans]
+
+
+def math_verify_missing() -> bool:
+    return importlib.util.find_spec("math_verify") is None
+
+
+class _LatexChecker:
+    """TRL's math_verify comparison (boxed answer first, no anchorless extraction), imported on first use.
+
+    A reference without ``$`` or ``\\boxed`` is parsed as if it were boxed: parsed bare, as TRL does,
+    ``2\\sqrt{3}`` reads as 2."""
+
+    def __init__(self):
+        if math_verify_missing():
+            raise RewardFunctionError(
+                "The 'accuracy' reward compares LaTeX answers with math_verify, which is not installed: "
+                "pip install math-verify (or 'trainers[math]').")
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+
+        self.parse, self.verify = parse, verify
+        self.config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                             boxed_match_priority=0, try_extract_without_anchor=False)]
+
+    def __call__(self, completion: str, reference: str) -> float | None:
+        # math_verify times out with signal.alarm, which only works in the main thread
+        main = threading.current_thread() is threading.main_thread()
+        anchored = "$" in reference or "\\boxed" in reference  # the reference marks its own answer
+        timeout = 10 if main else None
+        gold = (self.parse(reference, parsing_timeout=timeout) if anchored  # math_verify's defaults, as in TRL
+                else self.parse(f"\\boxed{{{reference}}}", extraction_config=self.config, parsing_timeout=timeout))
+        if not gold:
+            return None  # an unparseable reference skips the sample, as in TRL
+        answer = self.parse(completion, extraction_config=self.config, extraction_mode="first_match",
+                            parsing_timeout=timeout)
+        return float(self.verify(gold, answer, timeout_seconds=5 if main else None))
+
+
+_latex_checker: _LatexChecker | None = None
+
+
 def accuracy_reward(completions: list, answer: list | None = None, solution: list | None = None,
                     **kwargs) -> list[float | None]:
     """1.0 when the completion's answer equals the reference, else 0.0.
 
-    The reference comes from the ``answer`` (or ``solution``) column. Numeric references are compared as
-    numbers against the last number in the completion (so "The sum is 46." matches 46); other references
-    must equal the completion's stripped text. Rows without a reference get None.
+    The reference comes from the ``answer`` (or ``solution``) column, by kind:
+
+    - a number: compared as a number with the last number in the completion ("The sum is 46." matches 46);
+    - LaTeX (it has a backslash command, e.g. ``\\frac{1}{3}``): compared symbolically with math_verify, as
+      TRL's ``accuracy_reward`` does (``\\boxed{\\frac{2}{6}}`` matches); needs the ``math-verify`` package,
+      and a reference math_verify cannot parse gives None;
+    - any other text: must equal the stripped completion, the content of its last ``\\boxed{}``, or of an
+      ``<answer>...</answer>`` block.
+
+    Rows without a reference get None.
     """
+    global _latex_checker
     references = answer if answer is not None else solution
     if references is None:
         raise RewardFunctionError("The built-in 'accuracy' reward needs an 'answer' (or 'solution') column.")
@@ -64,9 +144,26 @@ def accuracy_reward(completions: list, answer: list | None = None, solution: lis
         if target is not None:
             numbers = _NUMBER.findall(text)
             rewards.append(1.0 if numbers and math.isclose(float(numbers[-1]), target) else 0.0)
+        elif is_latex(reference):
+            _latex_checker = _latex_checker or _LatexChecker()
+            rewards.append(_latex_checker(text, reference))
         else:
-            rewards.append(1.0 if text == str(reference).strip() else 0.0)
+            rewards.append(1.0 if str(reference).strip() in _answer_spans(text) else 0.0)
     return rewards
+
+
+def check_accuracy_references(rows: list[dict], dataset: str) -> None:
+    """Before training: the 'accuracy' reward has a reference column, and math_verify if a reference is LaTeX."""
+    column = "answer" if "answer" in rows[0] else "solution" if "solution" in rows[0] else None
+    if column is None:
+        raise RewardFunctionError(f"The built-in 'accuracy' reward compares completions with an 'answer' (or "
+                                  f"'solution') column; {dataset} has {sorted(rows[0])}.")
+    latex = next((i for i, row in enumerate(rows) if is_latex(row.get(column))), None)
+    if latex is not None and math_verify_missing():
+        raise RewardFunctionError(
+            f"{dataset} column '{column}' holds LaTeX answers (row {latex}: {rows[latex][column]!r}); the 'accuracy' "
+            f"reward compares them with math_verify, which is not installed: pip install math-verify (or "
+            f"'trainers[math]').")
 
 
 FORMAT_PATTERN = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

@@ -112,3 +112,13 @@ def test_every_error_is_one_of_ours():
 def test_the_accuracy_reward_without_an_answer_column_fails_at_construction(tiny_model_dir, tmp_path):
     with pytest.raises(RewardFunctionError, match=r"'answer' \(or 'solution'\) column; train_dataset has \['prompt'\]"):
         grpo(tiny_model_dir, [{"prompt": "abc"}], tmp_path, reward="accuracy")
+
+
+def test_latex_answers_without_math_verify_fail_at_construction(tiny_model_dir, tmp_path, monkeypatch):
+    from trainers import rewards
+
+    monkeypatch.setattr(rewards, "math_verify_missing", lambda: True)
+    rows = [{"prompt": "1+1", "solution": "2"}, {"prompt": "1/3", "solution": r"\frac{1}{3}"}]
+    with pytest.raises(RewardFunctionError, match=r"train_dataset column 'solution' holds LaTeX answers \(row 1: "
+                                                  r"'\\\\frac\{1\}\{3\}'\).*pip install math-verify"):
+        grpo(tiny_model_dir, rows, tmp_path, reward="accuracy")

@@ -65,6 +65,36 @@ def test_accuracy_compares_numbers_and_strings():
         accuracy_reward(["1"])
 
 
+def test_accuracy_finds_text_answers_in_boxed_and_answer_blocks():
+    completions = ["<think>capital</think><answer> Paris </answer>", r"so \boxed{\text{no}} and \boxed{Paris}",
+                   "It is Paris.", r"\boxed{Lyon}"]
+    assert accuracy_reward(completions, answer=["Paris"] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_accuracy_compares_latex_answers_like_trl():
+    pytest.importorskip("math_verify")
+    solutions = [r"\frac{1}{3}", r"\frac{1}{3}"]  # TRL's docstring example
+    completions = [[{"role": "assistant", "content": r"My answer is \boxed{\frac{1}{3}}"}],
+                   [{"role": "assistant", "content": r"My answer is \boxed{\frac{1}{2}}"}]]
+    assert accuracy_reward(completions, solutions) == [1.0, 0.0]
+    # equal values in other forms; the reference is read whole (TRL reads 2\sqrt{3} as 2)
+    assert accuracy_reward([r"\boxed{\frac{2}{6}}", r"thus \boxed{\sqrt{12}}", r"\boxed{2}", "no answer"],
+                           solution=[r"\frac{1}{3}", r"2\sqrt{3}", r"2\sqrt{3}", r"\pi"]) == [1.0, 1.0, 0.0, 0.0]
+    # a reference that marks its own answer ($...$ or \boxed) is parsed as it stands
+    marked = [r"The answer is $\frac{1}{3}$", r"\boxed{0.5}"]
+    assert accuracy_reward([r"\boxed{\frac{1}{3}}"] * 2, solution=marked) == [1.0, 0.0]
+
+
+def test_latex_answers_without_math_verify_are_an_error(monkeypatch):
+    from trainers import rewards
+
+    monkeypatch.setattr(rewards, "math_verify_missing", lambda: True)
+    monkeypatch.setattr(rewards, "_latex_checker", None)
+    assert accuracy_reward(["4"], answer=["4"]) == [1.0]  # numbers and text need no math_verify
+    with pytest.raises(RewardFunctionError, match="math_verify, which is not installed: pip install math-verify"):
+        accuracy_reward([r"\boxed{\frac{1}{3}}"], answer=[r"\frac{1}{3}"])
+
+
 def test_format_reward():
     good = "<think>add them</think>\n<answer>4</answer>"
     assert format_reward([good, "4", "<answer>4</answer>"]) == [1.0, 0.0, 0.0]
