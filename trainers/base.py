@@ -26,7 +26,7 @@ from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
-from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer
+from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer, missing_router_loss
 from trainers.schedules import build_scheduler
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
@@ -76,6 +76,9 @@ class BaseTrainer:
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
             model.config.use_cache = False
         self.is_peft = peft_config is not None
+        router_warning = missing_router_loss(model)
+        if router_warning and self.accelerator.is_main_process:
+            logger.warning(router_warning)
         self.after_load(model)
 
         optimizer = self._build_optimizer(model)
@@ -199,6 +202,7 @@ class BaseTrainer:
             project = args.run_name or os.path.basename(os.path.normpath(args.output_dir))
             acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
         window: list[dict] = []
+        step_losses: list[float] = []  # every step of this call, whatever logging_steps is (TrainOutput's mean)
         self.model.train()
         with StopOnSignal() as stop:
             while self.state.global_step < self.max_steps:
@@ -215,6 +219,7 @@ class BaseTrainer:
                 step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
                 stop_requested = step_stats.pop("stop_requested") > 0
                 window.append(step_stats)
+                step_losses.append(step_stats["loss"])
                 run_log.advance(self._progress(step_stats))
                 self._log_eval_save(window, run_log, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
@@ -224,9 +229,8 @@ class BaseTrainer:
         run_log.close()
         if self.trackers:
             acc.end_training()
-        losses = [r["loss"] for r in self.state.log_history if "loss" in r]
-        return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), dict(self.state.log_history[-1])
-                           if self.state.log_history else {})
+        return TrainOutput(self.state.global_step, sum(step_losses) / max(len(step_losses), 1),
+                           dict(self.state.log_history[-1]) if self.state.log_history else {})
 
     def _progress(self, step_stats: dict) -> dict:
         """What the progress bar shows beside step and time left: loss, reward (GRPO), tokens/s."""

@@ -7,6 +7,7 @@ sample, before packing, so a packed row never asks one document to predict the n
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -64,14 +65,37 @@ def is_conversational(value: Any) -> bool:
 
 
 def check_messages(value: Any, where: str) -> None:
-    """A conversation must be a non-empty list of {'role': str, 'content': str} dicts."""
+    """A conversation must be a non-empty list of {'role': str, 'content': str} dicts (an assistant message
+    that calls tools may carry 'tool_calls' and no content)."""
     if not isinstance(value, list) or not value:
         raise DatasetFormatError(f"{where} must be a non-empty list of {{'role', 'content'}} messages, got {value!r:.80}.")
     for i, message in enumerate(value):
+        calls_tools = isinstance(message, dict) and isinstance(message.get("tool_calls"), list) \
+            and message.get("content") is None
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise DatasetFormatError(f"{where}: message {i} must be a dict with string 'role' and 'content', "
-                                     f"got {message!r:.80}.")
+                and (isinstance(message.get("content"), str) or calls_tools)):
+            raise DatasetFormatError(f"{where}: message {i} must be a dict with string 'role' and 'content' (or "
+                                     f"'tool_calls'), got {message!r:.80}.")
+
+
+def row_chat_kwargs(row: dict) -> dict:
+    """A row's own ``apply_chat_template`` arguments, as in TRL: a 'tools' column (a list, or JSON text) and a
+    'chat_template_kwargs' column (a dict)."""
+    kwargs = {}
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise DatasetFormatError(f"Column 'tools' holds text that is not JSON: {error} ({tools!r:.80}).") from error
+    if tools is not None:
+        kwargs["tools"] = tools
+    extra = row.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise DatasetFormatError(f"Column 'chat_template_kwargs' must hold dicts, got {type(extra).__name__}.")
+        kwargs.update(extra)
+    return kwargs
 
 
 def check_token_ids(ids: Any, where: str, allow_ignore: bool = False) -> list[int]:
@@ -100,14 +124,19 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
                                  f"(first message: {messages[0]!r:.80}).") from error
 
 
-def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
-    """Token ids of ``text`` and, per token, whether it overlaps one of the character ``spans``."""
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]],
+                         special_tokens: bool = False) -> tuple[list[int], list[bool]]:
+    """Token ids of ``text`` and, per token, whether it overlaps one of the character ``spans``.
+
+    ``special_tokens`` adds what the tokenizer adds around plain text (a Llama/Gemma BOS), as TRL does for text
+    rows; a rendered chat already holds its special tokens. Added tokens have empty offsets, so none is trained.
+    """
+    encoded = tokenizer(text, add_special_tokens=special_tokens, return_offsets_mapping=True)
     in_span = [any(start < end_s and end > start_s for start_s, end_s in spans) for start, end in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), in_span
 
 
-def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer, messages: list[dict], text: str, **chat_kwargs) -> list[tuple[int, int]]:
     """Character spans of every assistant turn in the rendered conversation ``text``.
 
     Found by rendering prefixes of the conversation, so any chat template works as long as rendering a longer
@@ -117,14 +146,15 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        through = render_chat(tokenizer, messages[: i + 1])
+        through = render_chat(tokenizer, messages[: i + 1], **chat_kwargs)
         if i:
-            before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)  # ends with the assistant header
+            # ends with the assistant header
+            before = render_chat(tokenizer, messages[:i], add_generation_prompt=True, **chat_kwargs)
             start = len(before)
         else:
             # A conversation cannot be rendered empty, so the header of a leading assistant turn ends where its
             # content starts.
-            before, found = "", through.find(message["content"]) if message["content"] else -1
+            before, found = "", through.find(message["content"]) if message.get("content") else -1
             start = max(found, 0)
         if not (text.startswith(before) and text.startswith(through)):
             raise DatasetFormatError(
@@ -143,18 +173,23 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
         input_ids = check_token_ids(row["input_ids"], "'input_ids'")
         if row.get("labels") is not None:
             labels = check_token_ids(row["labels"], "'labels'", allow_ignore=True)
-        elif row.get("completion_mask") is not None:
-            labels = list(row["completion_mask"])
-            if not all(m in (0, 1) for m in labels):
-                raise DatasetFormatError(f"'completion_mask' must hold 0s and 1s, got {labels!r:.80}.")
-            if len(labels) == len(input_ids):
-                labels = [t if m else IGNORE for t, m in zip(input_ids, labels)]
-        else:
-            labels = list(input_ids)
-        if len(labels) != len(input_ids):
-            raise DatasetFormatError(
-                f"A row's 'labels'/'completion_mask' has {len(labels)} entries but 'input_ids' has {len(input_ids)}."
-            )
+            if len(labels) != len(input_ids):
+                raise DatasetFormatError(f"A row's 'labels' has {len(labels)} entries but 'input_ids' has "
+                                         f"{len(input_ids)}.")
+            return {"input_ids": input_ids, "labels": labels}
+        # As in TRL: 'assistant_masks' always applies, 'completion_mask' unless completion_only_loss=False.
+        masks = ["assistant_masks"] + (["completion_mask"] if completion_only_loss is not False else [])
+        labels = list(input_ids)
+        for column in masks:
+            mask = row.get(column)
+            if mask is None:
+                continue
+            if not all(m in (0, 1) for m in mask):
+                raise DatasetFormatError(f"'{column}' must hold 0s and 1s, got {mask!r:.80}.")
+            if len(mask) != len(input_ids):
+                raise DatasetFormatError(f"A row's '{column}' has {len(mask)} entries but 'input_ids' has "
+                                         f"{len(input_ids)}.")
+            labels = [t if m else IGNORE for t, m in zip(labels, mask)]
         return {"input_ids": input_ids, "labels": labels}
 
     if fmt == "language_modeling":
@@ -163,14 +198,15 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
             raise DatasetFormatError(f"Column '{text_field}' must hold strings; got {type(text).__name__}.")
         if not text.endswith(eos_token):
             text += eos_token
-        ids, _ = _tokenize_with_spans(tokenizer, text, [])
+        ids, _ = _tokenize_with_spans(tokenizer, text, [], special_tokens=True)
         return {"input_ids": ids, "labels": list(ids)}
 
     if fmt == "conversational":
         messages = row["messages"]
         check_messages(messages, "column 'messages'")
-        text = render_chat(tokenizer, messages)
-        spans = _assistant_spans(tokenizer, messages, text) if assistant_only_loss else [(0, len(text))]
+        chat_kwargs = row_chat_kwargs(row)
+        text = render_chat(tokenizer, messages, **chat_kwargs)
+        spans = _assistant_spans(tokenizer, messages, text, **chat_kwargs) if assistant_only_loss else [(0, len(text))]
         ids, trained = _tokenize_with_spans(tokenizer, text, spans)
         return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
 
@@ -182,8 +218,9 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
             check_messages(prompt, "column 'prompt'")
             check_messages(completion, "column 'completion'")
         if is_conversational(prompt):
-            before = render_chat(tokenizer, prompt, add_generation_prompt=True)
-            text = render_chat(tokenizer, prompt + completion)
+            chat_kwargs = row_chat_kwargs(row)
+            before = render_chat(tokenizer, prompt, add_generation_prompt=True, **chat_kwargs)
+            text = render_chat(tokenizer, prompt + completion, **chat_kwargs)
             if not text.startswith(before):
                 raise DatasetFormatError("The chat template renders the prompt differently once a completion follows.")
         elif isinstance(prompt, str) and isinstance(completion, str):
@@ -195,7 +232,7 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
             raise DatasetFormatError("'prompt' and 'completion' must hold strings or lists of messages.")
         only_completion = True if completion_only_loss is None else completion_only_loss
         spans = [(len(before), len(text))] if only_completion else [(0, len(text))]
-        ids, trained = _tokenize_with_spans(tokenizer, text, spans)
+        ids, trained = _tokenize_with_spans(tokenizer, text, spans, special_tokens=not is_conversational(prompt))
         return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
 
     raise ValueError(f"unknown format {fmt!r}")

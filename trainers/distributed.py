@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object
 
 from trainers.errors import DistributedError
 
@@ -48,7 +48,10 @@ def build_accelerator(
       - Plain multi-process on CPU needs ``cpu=True`` (distributed type MULTI_CPU): a gloo process group alone
         leaves the type at NO, and the processes silently train different models.
     """
-    kwargs: dict[str, Any] = {"gradient_accumulation_steps": gradient_accumulation_steps}
+    # Our loop feeds micro-batches itself; without sync_with_dataloader=False a finished transformers Trainer in
+    # the same process leaves Accelerate's shared "end of dataloader" flag set, and every micro-batch would sync.
+    plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False)
+    kwargs: dict[str, Any] = {"gradient_accumulation_plugin": plugin}
     if log_with:
         kwargs.update(log_with=log_with, project_dir=project_dir)
     if mixed_precision is not None:

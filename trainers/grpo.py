@@ -182,6 +182,11 @@ class GRPOTrainer(BaseTrainer):
 
     def after_load(self, model) -> None:
         args = self.args
+        # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
+        # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
+        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+        self.eos_ids |= {i for i in configured if i is not None}
         context = getattr(model.config, "max_position_embeddings", None)
         if context:
             for name, prompt_ids in (("train_dataset", self.train_prompt_ids),
@@ -257,7 +262,9 @@ class GRPOTrainer(BaseTrainer):
 
     def _score(self, rows: list[dict], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
         """[N, F] rewards of this process's completions (NaN where a function returned None)."""
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        # as in TRL, dataset columns named like the call's own arguments are not passed on
+        columns = {key: [row[key] for row in rows] for key in rows[0]
+                   if key not in ("prompt", "completion", "completion_ids")}
         scores = [call_reward(r, prompts, completions, completion_ids, columns, {"trainer_state": self.state})
                   for r in self.rewards]
         return torch.stack(scores, dim=1)

@@ -49,6 +49,18 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
+def missing_router_loss(model) -> str | None:
+    """A warning for Mixture-of-Experts models, whose router load-balancing loss TRL adds and this project does
+    not (yet), or None. TRL's default ``router_aux_loss_coef=None`` takes the architecture's own coefficient."""
+    config = model.config.get_text_config()
+    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if not hasattr(config, "output_router_logits") or coefficient == 0.0:
+        return None
+    return (f"{type(model).__name__} is a Mixture-of-Experts model: TRL adds its router load-balancing loss "
+            f"(router_aux_loss_coef={coefficient} from the model config) to the training loss; this project does "
+            f"not, so expert use is not balanced during this run.")
+
+
 def check_model_path(path: str) -> None:
     """Refuse a local model path that does not exist or is not a saved model (Hub ids pass through)."""
     if os.path.isdir(path):

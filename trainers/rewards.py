@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 import re
 import threading
@@ -341,7 +342,8 @@ def call_reward(reward: Reward, prompts: list, completions: list, completion_ids
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+        # numbers.Real takes numpy scalars (np.float32(1.0)) as well; True/False and NaN are refused as likely bugs
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
             raise RewardFunctionError(f"reward function '{reward.name}' returned {value!r} for sample {index}; "
                                       f"rewards must be numbers or None.")
         out.append(float(value))

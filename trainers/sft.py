@@ -96,6 +96,17 @@ class SFTTrainer(BaseTrainer):
         return samples
 
     def after_load(self, model) -> None:
+        if self.args.eos_token is not None:
+            # The saved model must stop where it was trained to (TRL does the same): the configs get the new EOS;
+            # the generation config keeps its old ones too, since any of them ends generation.
+            eos = self.processing_class.eos_token_id
+            model.config.get_text_config().eos_token_id = eos
+            generation = getattr(model, "generation_config", None)
+            if generation is not None:
+                old = generation.eos_token_id
+                old = [] if old is None else [old] if isinstance(old, int) else list(old)
+                if eos not in old:
+                    generation.eos_token_id = [eos, *old]
         vocab = model.get_input_embeddings().num_embeddings
         for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
             top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)

@@ -10,6 +10,7 @@ from trainers.data import (
     IGNORE,
     Collator,
     DatasetFormatError,
+    check_messages,
     detect_format,
     is_conversational,
     pack_bfd,
@@ -590,3 +591,65 @@ def test_end_to_end_sft_pipeline(tokenizer):
     assert batch["target_ids"][0].tolist() == [-100, -100, -100] + enc(tokenizer, "2") + [EOS_ID] + [-100] * 3
     assert batch["target_ids"][1].tolist() == [-100] * 4 + enc(tokenizer, "15") + [EOS_ID, -100]
     assert batch["num_input_tokens"].item() == 6 + 8
+
+
+# --- TRL parity of tokenization (found by a side-by-side audit against TRL 1.16) ---------------------------
+
+
+def bos_tokenizer():
+    """The tiny tokenizer plus a BOS its post-processor adds to plain text, as Llama's and Gemma's do."""
+    from tokenizers import processors
+
+    from trainers.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                                         special_tokens=[("<s>", bos)])
+    return tok, bos
+
+
+def test_plain_text_gets_the_tokenizers_bos_like_trl():
+    tok, bos = bos_tokenizer()
+    text = tokenize_row({"text": "hello"}, tok, "language_modeling", eos_token=EOS)
+    assert text["input_ids"] == [bos] + enc(tok, "hello" + EOS)  # TRL: [259, 71, 68, 75, 75, 78, 256]
+    pair = tokenize_row({"prompt": "ab", "completion": "cd"}, tok, "prompt_completion", eos_token=EOS)
+    assert pair["input_ids"] == [bos] + enc(tok, "abcd" + EOS)
+    assert pair["labels"] == [IGNORE] * 3 + enc(tok, "cd" + EOS)  # BOS and prompt are not trained
+    chat = tokenize_row({"messages": [{"role": "user", "content": "hi"}]}, tok, "conversational", eos_token=EOS)
+    assert bos not in chat["input_ids"]  # a rendered chat holds its own special tokens
+
+
+def test_tokenized_rows_use_assistant_masks_and_completion_mask_like_trl(tokenizer):
+    row = {"input_ids": [10, 11, 12, 13, 256], "completion_mask": [0, 0, 1, 1, 1]}
+    assert tokenize_row(row, tokenizer, "tokenized", eos_token=EOS)["labels"] == [IGNORE, IGNORE, 12, 13, 256]
+    off = tokenize_row(row, tokenizer, "tokenized", eos_token=EOS, completion_only_loss=False)
+    assert off["labels"] == [10, 11, 12, 13, 256]  # completion_only_loss=False trains every token
+    masked = {"input_ids": [10, 11, 12, 13, 256], "assistant_masks": [0, 0, 1, 1, 1]}
+    assert tokenize_row(masked, tokenizer, "tokenized", eos_token=EOS, completion_only_loss=False)["labels"] == \
+        [IGNORE, IGNORE, 12, 13, 256]  # assistant_masks always applies
+    with pytest.raises(DatasetFormatError, match="'assistant_masks' has 2 entries but 'input_ids' has 5"):
+        tokenize_row({"input_ids": [10, 11, 12, 13, 256], "assistant_masks": [0, 1]}, tokenizer, "tokenized",
+                     eos_token=EOS)
+
+
+def test_tools_and_chat_template_kwargs_columns_reach_the_template():
+    import json
+
+    from trainers.tiny import CHATML_TEMPLATE, build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = ("{% if tools %}{{ 'TOOLS:' ~ (tools|length) ~ '\\n' }}{% endif %}"
+                         "{% if thinking is defined and not thinking %}{{ 'NOTHINK\\n' }}{% endif %}" + CHATML_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    for value in (tools, json.dumps(tools)):  # a list, or JSON text as datasets often store it
+        row = {"messages": messages, "tools": value, "chat_template_kwargs": {"thinking": False}}
+        out = tokenize_row(row, tok, "conversational", eos_token=EOS, assistant_only_loss=True)
+        assert tok.decode(out["input_ids"]).startswith("TOOLS:1\nNOTHINK\n<|im_start|>user")
+        assert trained_segments(tok, out) == ["yo<|im_end|>\n"]
+    calling = messages[:1] + [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]
+    check_messages(calling, "column 'messages'")  # a tool-calling turn may have no content (the template renders it)
+    with pytest.raises(DatasetFormatError, match="Column 'tools' holds text that is not JSON"):
+        tokenize_row({"messages": messages, "tools": "[{"}, tok, "conversational", eos_token=EOS)
