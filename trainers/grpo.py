@@ -95,7 +95,7 @@ class GRPOTrainer(BaseTrainer):
         self._model_source = model
         self._rollout: Rollout | None = None
         self._rollout_round = -1
-        self._round_metrics: dict = {}
+        self._round_metrics: list[dict] = []  # one per round generated since the last step_metrics()
         self._samples: list[dict] = []
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config)
 
@@ -230,8 +230,11 @@ class GRPOTrainer(BaseTrainer):
         return self._rollout.micro_batch(j * size, (j + 1) * size)
 
     def step_metrics(self) -> dict:
-        metrics, self._round_metrics = self._round_metrics, {}
-        return metrics
+        """The mean over the rounds generated during this step, per metric (as TRL averages what it appended);
+        empty when the step trained on a round generated earlier."""
+        rounds, self._round_metrics = self._round_metrics, []
+        names = dict.fromkeys(name for metrics in rounds for name in metrics)
+        return {name: sum(m[name] for m in rounds if name in m) / sum(name in m for m in rounds) for name in names}
 
     def _local_slots(self, round_index: int) -> list[int]:
         """Dataset rows of this process's completions in a round (see samplers.group_slots)."""
@@ -315,7 +318,7 @@ class GRPOTrainer(BaseTrainer):
             metrics[f"rewards/{reward.name}/std"] = float(nanstd(rewards_per_func[:, i]))
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
-        self._round_metrics = metrics
+        self._round_metrics.append(metrics)
         if args.log_completions:
             self._keep_samples(prompts, completions, rewards[start:start + n], local_advantages)
         return rollout

@@ -94,3 +94,19 @@ def test_a_moe_model_is_told_that_the_router_loss_is_not_added():
                                              head_dim=16))
     assert "router_aux_loss_coef=0.001" in missing_router_loss(moe)
     assert missing_router_loss(Qwen2ForCausalLM(Qwen2Config(**shape))) is None
+
+
+def test_grpo_metrics_cover_every_round_of_a_step(tiny_model_dir, tmp_path):
+    """Two generation rounds per optimizer step; round k scores every completion k: the step logs 0.5 (TRL too)."""
+    calls = []
+
+    def round_index(completions, **kwargs):
+        calls.append(1)
+        return [float(len(calls) - 1)] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=round_index, train_dataset=[{"prompt": "ab"}] * 8,
+                          args=grpo_args(tmp_path, gradient_accumulation_steps=2, generation_batch_size=4))
+    trainer.train()
+    assert len(calls) == 2
+    assert trainer.state.log_history[0]["reward"] == 0.5
+    assert trainer.state.log_history[0]["rewards/round_index/mean"] == 0.5
