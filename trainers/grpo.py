@@ -313,9 +313,10 @@ class GRPOTrainer(BaseTrainer):
                    "frac_reward_zero_std": float(zero_std.float().mean()),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
-        for i, reward in enumerate(self.rewards):
-            metrics[f"rewards/{reward.name}/mean"] = float(torch.nanmean(rewards_per_func[:, i]))
-            metrics[f"rewards/{reward.name}/std"] = float(nanstd(rewards_per_func[:, i]))
+        for name in dict.fromkeys(r.name for r in self.rewards):  # functions of one name: their mean, as in TRL
+            columns = [rewards_per_func[:, i] for i, r in enumerate(self.rewards) if r.name == name]
+            metrics[f"rewards/{name}/mean"] = sum(float(torch.nanmean(c)) for c in columns) / len(columns)
+            metrics[f"rewards/{name}/std"] = sum(float(nanstd(c)) for c in columns) / len(columns)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
         self._round_metrics.append(metrics)
@@ -413,7 +414,11 @@ class GRPOTrainer(BaseTrainer):
             sums += torch.nan_to_num(values).sum(0)
             counts += (~torch.isnan(values)).sum(0)
         names = ["reward"] + [f"rewards/{r.name}/mean" for r in self.rewards]
-        return {name: (sums[i], counts[i]) for i, name in enumerate(names)}
+        pooled: dict = {}  # functions of one name pool their values
+        for i, name in enumerate(names):
+            total, count = pooled.get(name, (0.0, 0))
+            pooled[name] = (total + sums[i], count + counts[i])
+        return pooled
 
     def _keep_samples(self, prompts, completions, rewards, advantages) -> None:
         samples = [{"prompt": p, "completion": completion_text(c), "reward": float(r), "advantage": float(a)}

@@ -8,6 +8,7 @@ other dataset column arrives as a keyword argument (one value per completion), p
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -298,7 +299,10 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
             f"nor a reward-model folder."
         )
     if callable(spec):
-        return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
+        inner = spec
+        while isinstance(inner, functools.partial):  # named after the wrapped function, as in TRL
+            inner = inner.func
+        return Reward(getattr(inner, "__name__", type(inner).__name__), spec)
     raise RewardFunctionError(f"reward_funcs entries must be callables, names or models; got {type(spec).__name__}.")
 
 

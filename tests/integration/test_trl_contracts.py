@@ -110,3 +110,18 @@ def test_grpo_metrics_cover_every_round_of_a_step(tiny_model_dir, tmp_path):
     assert len(calls) == 2
     assert trainer.state.log_history[0]["reward"] == 0.5
     assert trainer.state.log_history[0]["rewards/round_index/mean"] == 0.5
+
+
+def test_reward_functions_of_one_name_log_their_mean(tiny_model_dir, tmp_path):
+    import functools
+
+    def constant(completions, value, **kwargs):
+        return [value] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, train_dataset=[{"prompt": "ab"}] * 4, args=grpo_args(tmp_path),
+                          eval_dataset=[{"prompt": "cd"}] * 2,
+                          reward_funcs=[functools.partial(constant, value=1.0), functools.partial(constant, value=3.0)])
+    assert trainer.evaluate()["eval_rewards/constant/mean"] == 2.0
+    trainer.train()
+    assert trainer.state.log_history[0]["rewards/constant/mean"] == 2.0  # TRL: the mean of both functions' means
+    assert trainer.state.log_history[0]["reward"] == 4.0  # the weighted sum is unchanged

@@ -155,3 +155,12 @@ def test_think_format_reward_is_trls():
                    [{"content": "<think>\nThis is my reasoning.\nThis is my answer."}],
                    [{"content": "<think>a</think><think>b</think>"}], "<think>x</think> plain text"]
     assert think_format_reward(completions) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_partial_is_named_after_its_function_as_in_trl():
+    import functools
+
+    def scaled(completions, scale, **kwargs):
+        return [scale] * len(completions)
+
+    assert resolve_reward(functools.partial(functools.partial(scaled, scale=2.0)), 8).name == "scaled"
