@@ -225,9 +225,12 @@ class GRPOTrainer(BaseTrainer):
         if self._rollout_round != round_index:
             self._rollout = self._generate_round(round_index)
             self._rollout_round = round_index
-        j = within % self.steps_per_generation
+        iteration, j = divmod(within, self.steps_per_generation)
         size = args.per_device_train_batch_size
-        return self._rollout.micro_batch(j * size, (j + 1) * size)
+        batch = self._rollout.micro_batch(j * size, (j + 1) * size)
+        if iteration:  # a rollout trained on again (num_iterations > 1): its tokens were counted once, as in TRL
+            batch["num_input_tokens"] = batch["num_input_tokens"] * 0
+        return batch
 
     def step_metrics(self) -> dict:
         """The mean over the rounds generated during this step, per metric (as TRL averages what it appended);

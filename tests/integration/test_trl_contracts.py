@@ -125,3 +125,16 @@ def test_reward_functions_of_one_name_log_their_mean(tiny_model_dir, tmp_path):
     trainer.train()
     assert trainer.state.log_history[0]["rewards/constant/mean"] == 2.0  # TRL: the mean of both functions' means
     assert trainer.state.log_history[0]["reward"] == 4.0  # the weighted sum is unchanged
+
+
+def test_num_tokens_counts_a_rollout_once_whatever_num_iterations(tiny_model_dir, tmp_path):
+    totals = {}
+    for iterations in (1, 2):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                              train_dataset=[{"prompt": "ab"}] * 8,
+                              args=grpo_args(tmp_path / str(iterations), max_steps=2, num_iterations=iterations,
+                                             generation_kwargs={"min_new_tokens": 6}))
+        trainer.train()
+        totals[iterations] = trainer.state.num_tokens
+    # two steps: two rounds with one iteration; one round trained twice with two (TRL counts it once)
+    assert totals[2] * 2 == totals[1] > 0
