@@ -29,7 +29,9 @@ from trainers.losses import (
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
     k3_kl, nanstd,
 )
-from trainers.modeling import load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs
+from trainers.modeling import (
+    generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
+)
 from trainers.rewards import (
     Reward, accuracy_reward, call_reward, check_accuracy_references, completion_text, resolve_reward,
 )
@@ -184,9 +186,7 @@ class GRPOTrainer(BaseTrainer):
         args = self.args
         # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
         # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
-        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-        self.eos_ids |= {i for i in configured if i is not None}
+        self.eos_ids |= set(generation_eos_ids(model))
         context = getattr(model.config, "max_position_embeddings", None)
         if context:
             for name, prompt_ids in (("train_dataset", self.train_prompt_ids),

@@ -49,6 +49,13 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
+def generation_eos_ids(model) -> list[int]:
+    """The end ids of the model's generation config as a list (it holds None, one id, or several)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return [i for i in ids if i is not None]
+
+
 def missing_router_loss(model) -> str | None:
     """A warning for Mixture-of-Experts models, whose router load-balancing loss TRL adds and this project does
     not (yet), or None. TRL's default ``router_aux_loss_coef=None`` takes the architecture's own coefficient."""

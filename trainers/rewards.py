@@ -78,6 +78,9 @@ def _answer_spans(text: str) -> list[str]:
     return [span.strip() for span in spans]
 
 
+_MATH_VERIFY_MISSING = "math_verify, which is not installed: pip install math-verify (or 'trainers[math]')."
+
+
 def math_verify_missing() -> bool:
     return importlib.util.find_spec("math_verify") is None
 
@@ -90,9 +93,7 @@ class _LatexChecker:
 
     def __init__(self):
         if math_verify_missing():
-            raise RewardFunctionError(
-                "The 'accuracy' reward compares LaTeX answers with math_verify, which is not installed: "
-                "pip install math-verify (or 'trainers[math]').")
+            raise RewardFunctionError(f"The 'accuracy' reward compares LaTeX answers with {_MATH_VERIFY_MISSING}")
         from latex2sympy2_extended import NormalizationConfig
         from math_verify import LatexExtractionConfig, parse, verify
 
@@ -164,8 +165,7 @@ def check_accuracy_references(rows: list[dict], dataset: str) -> None:
     if latex is not None and math_verify_missing():
         raise RewardFunctionError(
             f"{dataset} column '{column}' holds LaTeX answers (row {latex}: {rows[latex][column]!r}); the 'accuracy' "
-            f"reward compares them with math_verify, which is not installed: pip install math-verify (or "
-            f"'trainers[math]').")
+            f"reward compares them with {_MATH_VERIFY_MISSING}")
 
 
 FORMAT_PATTERN = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

@@ -11,7 +11,7 @@ from trainers.data import (
 )
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import token_logprobs
+from trainers.modeling import generation_eos_ids, token_logprobs
 from trainers.samplers import GlobalBatchSampler, local_slice
 
 
@@ -101,12 +101,9 @@ class SFTTrainer(BaseTrainer):
             # the generation config keeps its old ones too, since any of them ends generation.
             eos = self.processing_class.eos_token_id
             model.config.get_text_config().eos_token_id = eos
-            generation = getattr(model, "generation_config", None)
-            if generation is not None:
-                old = generation.eos_token_id
-                old = [] if old is None else [old] if isinstance(old, int) else list(old)
-                if eos not in old:
-                    generation.eos_token_id = [eos, *old]
+            old = generation_eos_ids(model)
+            if getattr(model, "generation_config", None) is not None and eos not in old:
+                model.generation_config.eos_token_id = [eos, *old]
         vocab = model.get_input_embeddings().num_embeddings
         for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
             top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
