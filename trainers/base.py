@@ -26,7 +26,7 @@ from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
-from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer, missing_router_loss
+from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer, router_aux_loss_coef
 from trainers.schedules import build_scheduler
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
@@ -76,9 +76,8 @@ class BaseTrainer:
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
             model.config.use_cache = False
         self.is_peft = peft_config is not None
-        router_warning = missing_router_loss(model)
-        if router_warning and self.accelerator.is_main_process:
-            logger.warning(router_warning)
+        # A Mixture-of-Experts model's router load-balancing loss joins the training loss (as in TRL)
+        self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
         self.after_load(model)
 
         optimizer = self._build_optimizer(model)
@@ -131,6 +130,16 @@ class BaseTrainer:
     def step_metrics(self) -> dict:
         """Metrics a subclass measured outside ``compute_loss`` during the last step (already global)."""
         return {}
+
+    def add_router_loss(self, loss: torch.Tensor, out: dict, counts: BatchCounts, stats: Stats) -> torch.Tensor:
+        """``loss`` plus the MoE router load-balancing loss of this micro-batch (``out["aux_loss"]``, from a
+        forward with ``with_router_loss``) weighted by router_aux_loss_coef and averaged over the step's
+        micro-batches, as TRL adds it; logged as ``aux_loss``. Unchanged for models without a router."""
+        if not self.router_aux_loss_coef:
+            return loss
+        aux = out["aux_loss"].float()  # a mean over this micro-batch's tokens
+        stats["aux_loss"] = (aux.detach(), 1.0)
+        return loss + self.router_aux_loss_coef * aux / counts.micro_batches
 
     def save_extra_state(self, folder: str) -> None:
         """Per-process state a subclass needs to resume exactly (called on every process)."""

@@ -144,6 +144,10 @@ class TrainingConfig:
         None, "Keyword arguments for from_pretrained when `model` is a path (e.g. {'dtype': 'bfloat16'}); dtype defaults to float32."
     )
     trust_remote_code: bool = opt(False, "Allow custom modelling code from the model folder.")
+    router_aux_loss_coef: float | None = opt(
+        None, "Weight of a Mixture-of-Experts model's router load-balancing loss, added to the training loss. None "
+        "takes the model config's; 0 turns it off. An error with a model that has no router."
+    )
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
     use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
@@ -190,6 +194,9 @@ class TrainingConfig:
         _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
                self.save_total_limit, "it must be a positive integer or None")
         _check(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
+        _check(self.router_aux_loss_coef is None or (self.router_aux_loss_coef >= 0
+                                                     and math.isfinite(self.router_aux_loss_coef)),
+               name, "router_aux_loss_coef", self.router_aux_loss_coef, "it must be a number >= 0, or None")
         # None meant "all" in transformers 4 and means "none" elsewhere: refused rather than guessed
         _check(isinstance(self.report_to, (str, list, tuple)), name, "report_to", self.report_to,
                "give 'none', 'all', a tracker name or a list of names")

@@ -33,7 +33,7 @@ from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
 )
 from trainers.rewards import (
-    Reward, accuracy_reward, call_reward, check_accuracy_references, completion_text, resolve_reward,
+    Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, completion_text, resolve_reward,
 )
 from trainers.samplers import GlobalBatchSampler, group_slots
 from trainers.sft import as_dataset
@@ -125,7 +125,7 @@ class GRPOTrainer(BaseTrainer):
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
         self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
 
-        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok)
+        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs)
                                       for spec, tok in zip(self._reward_specs, self._reward_tokenizers)]
         weights = args.reward_weights or [1.0] * len(self.rewards)
         if len(weights) != len(self.rewards):
@@ -266,14 +266,21 @@ class GRPOTrainer(BaseTrainer):
                        for p, t in zip(prompts, texts)]
         return prompts, completions
 
-    def _score(self, rows: list[dict], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+    def _score(self, rows: list[dict], prompts: list, completions: list, completion_ids: list,
+               logs: RewardLogs | None = None) -> torch.Tensor:
         """[N, F] rewards of this process's completions (NaN where a function returned None)."""
         # as in TRL, dataset columns named like the call's own arguments are not passed on
         columns = {key: [row[key] for row in rows] for key in rows[0]
                    if key not in ("prompt", "completion", "completion_ids")}
-        scores = [call_reward(r, prompts, completions, completion_ids, columns, {"trainer_state": self.state})
-                  for r in self.rewards]
-        return torch.stack(scores, dim=1)
+        return call_rewards(self.rewards, prompts, completions, completion_ids, columns,
+                            {"trainer_state": self.state}, logs)
+
+    def _logged_metrics(self, logs: RewardLogs | None) -> dict:
+        """(sum, count) per name of what reward functions passed to log_metric, summed over processes (every
+        process takes part, whether or not it logged a name)."""
+        local = {name: (sum(values), len(values)) for name, values in (logs.metrics if logs else {}).items()}
+        names = sorted({name for part in dist.gather_objects(self.accelerator, [list(local)]) for name in part})
+        return {name: local.get(name, (0.0, 0)) for name in names}
 
     @torch.no_grad()
     def _generate_round(self, round_index: int) -> Rollout:
@@ -283,8 +290,9 @@ class GRPOTrainer(BaseTrainer):
         completion_ids = self.generate([self.train_prompt_ids[i] for i in slots])
         prompts, completions = self._decode(rows, completion_ids)
 
+        logs = RewardLogs()
         try:  # user code: a failure on one process must stop all of them (see dist.raise_together)
-            local_rewards, error = self._score(rows, prompts, completions, completion_ids), None  # [n, F]
+            local_rewards, error = self._score(rows, prompts, completions, completion_ids, logs), None  # [n, F]
         except Exception as caught:
             local_rewards, error = None, caught
         dist.raise_together(acc, error)
@@ -312,8 +320,11 @@ class GRPOTrainer(BaseTrainer):
 
         lengths = acc.gather(torch.tensor([len(c) for c in completion_ids], device=acc.device)).float().cpu()
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
+        # as TRL: over the std the advantages are scaled by (the batch's under scale_rewards="batch"), where a NaN
+        # std (a group with fewer than two scored completions) is not zero
+        std = nanstd(rewards) if args.scale_rewards == "batch" else nanstd(rewards.view(-1, args.num_generations), dim=1)
         metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
-                   "frac_reward_zero_std": float(zero_std.float().mean()),
+                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
         for name in dict.fromkeys(r.name for r in self.rewards):  # functions of one name: their mean, as in TRL
@@ -322,9 +333,15 @@ class GRPOTrainer(BaseTrainer):
             metrics[f"rewards/{name}/std"] = sum(float(nanstd(c)) for c in columns) / len(columns)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+        logged = self._logged_metrics(logs)  # what reward functions passed to log_metric, by name
+        if logged:
+            totals = dist.all_reduce_sum(acc, torch.tensor(list(logged.values()), device=acc.device))  # [names, 2]
+            for name, (total, count) in zip(logged, totals.tolist()):
+                metrics[name] = total / count
         self._round_metrics.append(metrics)
         if args.log_completions:
-            self._keep_samples(prompts, completions, rewards[start:start + n], local_advantages)
+            self._keep_samples(prompts, completions, rewards_per_func[start:start + n], rewards[start:start + n],
+                               local_advantages, logs.extra)
         return rollout
 
     def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
@@ -352,9 +369,10 @@ class GRPOTrainer(BaseTrainer):
         cache) and without ZeRO-3, where a second forward per micro-batch costs a second all-gather of every
         layer's weights (it computes correctly there too: checked on CPU, not enabled)."""
         return (engine.supports(self.unwrapped_model) and not self.args.gradient_checkpointing
-                and dist.zero_stage(self.accelerator) != 3)
+                and dist.zero_stage(self.accelerator) != 3
+                and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
 
-    def _policy_forward(self, model, batch: dict, with_entropy: bool = False) -> dict:
+    def _policy_forward(self, model, batch: dict, with_entropy: bool = False, with_router_loss: bool = False) -> dict:
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                          batch["completion_attention"], self.args.temperature, with_entropy)
@@ -363,11 +381,11 @@ class GRPOTrainer(BaseTrainer):
         input_ids, attention_mask, position_ids = policy_inputs(batch)
         return token_logprobs(model, input_ids, batch["completion_ids"], attention_mask, position_ids,
                               temperature=self.args.temperature, logits_to_keep=batch["completion_ids"].shape[1],
-                              with_entropy=with_entropy)
+                              with_entropy=with_entropy, with_router_loss=with_router_loss)
 
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args = self.args
-        out = self._policy_forward(model, batch, with_entropy=True)
+        out = self._policy_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef))
         logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)
@@ -379,11 +397,14 @@ class GRPOTrainer(BaseTrainer):
             kl = k3_kl(logps, batch["ref_logps"]) * torch.exp(log_weights)
             per_token = per_token + args.beta * kl
             stats["kl"] = ((kl.detach() * mask).sum(), mask.sum())
-        loss = AGGREGATIONS[args.loss_type](per_token, mask, counts)
-        low, high = low.expand_as(mask).float(), high.expand_as(mask).float()
-        stats["clip_ratio/low_mean"] = ((low * mask).sum(), mask.sum())
-        stats["clip_ratio/high_mean"] = ((high * mask).sum(), mask.sum())
-        stats["clip_ratio/region_mean"] = (((low + high) * mask).sum(), mask.sum())
+        loss = self.add_router_loss(AGGREGATIONS[args.loss_type](per_token, mask, counts), out, counts, stats)
+        # the share of clipped tokens; at importance_sampling_level="sequence", of clipped completions (as TRL)
+        per_completion = args.importance_sampling_level == "sequence"  # low, high: [B, 1]; else [B, T]
+        weight = torch.ones_like(low, dtype=mask.dtype) if per_completion else mask
+        low, high = low.float(), high.float()
+        stats["clip_ratio/low_mean"] = ((low * weight).sum(), weight.sum())
+        stats["clip_ratio/high_mean"] = ((high * weight).sum(), weight.sum())
+        stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
         return loss, stats
 
     # ------------------------------------------------------------------ evaluation and logging
@@ -398,17 +419,20 @@ class GRPOTrainer(BaseTrainer):
         sums = torch.zeros(len(self.rewards) + 1, device=device)
         counts = torch.zeros(len(self.rewards) + 1, device=device)
         size = max(1, args.per_device_eval_batch_size // args.num_generations)
+        logged = RewardLogs()  # log_metric calls of every chunk
         for start in range(0, per_process, size):
             chunk = mine[start:start + size]
             indices = [i for i in (chunk or [0]) for _ in range(args.num_generations)]
             rows = [self.eval_rows[i] for i in indices]
             completion_ids = self.generate([self.eval_prompt_ids[i] for i in indices])
-            per_func, error = None, None
+            per_func, error, logs = None, None, RewardLogs()
             if chunk:  # a process without rows left only kept the others company in the collectives
                 try:
-                    per_func = self._score(rows, *self._decode(rows, completion_ids), completion_ids).to(device)
+                    per_func = self._score(rows, *self._decode(rows, completion_ids), completion_ids, logs).to(device)
                 except Exception as caught:
                     error = caught
+            for name, values in logs.metrics.items():
+                logged.metrics[name].extend(values)
             dist.raise_together(acc, error)
             if per_func is None:
                 continue
@@ -421,11 +445,21 @@ class GRPOTrainer(BaseTrainer):
         for i, name in enumerate(names):
             total, count = pooled.get(name, (0.0, 0))
             pooled[name] = (total + sums[i], count + counts[i])
+        for name, (total, count) in self._logged_metrics(logged).items():  # summed over processes by the caller
+            pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
         return pooled
 
-    def _keep_samples(self, prompts, completions, rewards, advantages) -> None:
-        samples = [{"prompt": p, "completion": completion_text(c), "reward": float(r), "advantage": float(a)}
-                   for p, c, r, a in zip(prompts, completions, rewards, advantages)]
+    def _keep_samples(self, prompts, completions, rewards_per_func, rewards, advantages, extra: dict) -> None:
+        """This round's samples from every process, for ``log_completions`` (as in TRL, the last round of a step
+        is what gets logged): the total and each function's reward (None where it returned None), the
+        advantage, and the columns reward functions added with log_extra."""
+        names = [r.name for r in self.rewards]
+        samples = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            per_func = {name: None if math.isnan(v) else v for name, v in zip(names, rewards_per_func[i].tolist())}
+            samples.append({"prompt": p, "completion": completion_text(c), "reward": float(rewards[i]),
+                            "rewards": per_func, "advantage": float(advantages[i]),
+                            **{column: values[i] for column, values in extra.items()}})
         self._samples = dist.gather_objects(self.accelerator, samples)
 
     def on_log(self, record: dict) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from trainers.attention import float32_attention_on_cpu
-from trainers.errors import ModelLoadError
+from trainers.errors import ConfigError, ModelLoadError
 from trainers.losses import logps_and_entropy, selective_log_softmax
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,16 +56,17 @@ def generation_eos_ids(model) -> list[int]:
     return [i for i in ids if i is not None]
 
 
-def missing_router_loss(model) -> str | None:
-    """A warning for Mixture-of-Experts models, whose router load-balancing loss TRL adds and this project does
-    not (yet), or None. TRL's default ``router_aux_loss_coef=None`` takes the architecture's own coefficient."""
+def router_aux_loss_coef(model, requested: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's router load-balancing loss, as TRL decides it: the model
+    config's when ``requested`` is None, 0.0 for a model without a router (an error if one was requested)."""
     config = model.config.get_text_config()
-    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-    if not hasattr(config, "output_router_logits") or coefficient == 0.0:
-        return None
-    return (f"{type(model).__name__} is a Mixture-of-Experts model: TRL adds its router load-balancing loss "
-            f"(router_aux_loss_coef={coefficient} from the model config) to the training loss; this project does "
-            f"not, so expert use is not balanced during this run.")
+    has_router = hasattr(config, "output_router_logits")  # MoE configs (Mixtral, Qwen2/3-MoE, ...) declare it
+    if requested and not has_router:
+        raise ConfigError(f"router_aux_loss_coef={requested}, but {type(model).__name__} is not a Mixture-of-Experts "
+                          f"model with a router: there is no load-balancing loss to weight. Leave it at None.")
+    if not has_router:
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if requested is None else float(requested)
 
 
 def check_model_path(path: str) -> None:
@@ -121,21 +122,29 @@ def token_logprobs(
     logits_to_keep: int | None = None,
     with_entropy: bool = False,
     with_accuracy: bool = False,
+    with_router_loss: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit).
 
     input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
-    are don't-care (their values are meaningless; mask them). Returns tensors of shape [B, K].
+    are don't-care (their values are meaningless; mask them). Returns tensors of shape [B, K], and with
+    ``with_router_loss`` the MoE model's router load-balancing loss as "aux_loss" (a scalar, unweighted).
     """
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+    if with_router_loss:
+        kwargs["output_router_logits"] = True  # the model then returns its load-balancing loss as outputs.aux_loss
     if logits_to_keep is not None:
         # The last position predicts beyond the sequence; keep one more and drop it so K positions remain.
         kwargs["logits_to_keep"] = logits_to_keep + 1
     with float32_attention_on_cpu(model, input_ids.device):  # bf16 attention is the slower one on CPU
-        logits = model(**kwargs).logits  # [B, K(+1), V]
+        outputs = model(**kwargs)
+    logits = outputs.logits  # [B, K(+1), V]
     if logits_to_keep is not None:
         logits = logits[:, :-1]
-    return _scores(logits, target_ids, temperature, with_entropy, with_accuracy)
+    scores = _scores(logits, target_ids, temperature, with_entropy, with_accuracy)
+    if with_router_loss:
+        scores["aux_loss"] = outputs.aux_loss
+    return scores
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

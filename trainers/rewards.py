@@ -2,21 +2,26 @@
 
 The contract (TRL's): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, one value
 per completion. ``prompts``/``completions`` are strings, or lists of messages for conversational data; every
-other dataset column arrives as a keyword argument (one value per completion), plus ``trainer_state``.
-``None`` means "not applicable to this sample": it is left out of the weighted sum.
+other dataset column arrives as a keyword argument (one value per completion), plus ``trainer_state`` and
+TRL's two logging hooks, ``log_metric(name, value)`` and ``log_extra(column, values)``. ``None`` means "not
+applicable to this sample": it is left out of the weighted sum. A function may be ``async``: the async ones
+of a call run concurrently.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
 import re
 import threading
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -214,11 +219,13 @@ BUILTIN_REWARDS = {"accuracy", "format", "overlong"}
 class RewardModel:
     """A sequence-classification model used as a reward function: the score is logit 0 of prompt+completion.
 
-    Conversational samples are rendered with the reward tokenizer's chat template.
+    Conversational samples are rendered with the reward tokenizer's chat template (and the trainer's
+    ``chat_template_kwargs``, as in TRL).
     """
 
-    def __init__(self, model, tokenizer, name: str):
+    def __init__(self, model, tokenizer, name: str, chat_template_kwargs: dict | None = None):
         self.model, self.tokenizer, self.__name__ = model, tokenizer, name
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if getattr(self.model.config, "pad_token_id", None) is None:
@@ -229,7 +236,8 @@ class RewardModel:
         texts = []
         for prompt, completion in zip(prompts, completions):
             if isinstance(prompt, list):
-                texts.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False))
+                texts.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False,
+                                                                **self.chat_template_kwargs))
             else:
                 texts.append(prompt + completion)
         device = next(self.model.parameters()).device
@@ -238,7 +246,7 @@ class RewardModel:
         return self.model(**inputs).logits[:, 0].float().tolist()
 
 
-def load_reward_model(path_or_model: Any, tokenizer=None) -> RewardModel:
+def load_reward_model(path_or_model: Any, tokenizer=None, chat_template_kwargs: dict | None = None) -> RewardModel:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if isinstance(path_or_model, str):
@@ -254,7 +262,7 @@ def load_reward_model(path_or_model: Any, tokenizer=None) -> RewardModel:
             tokenizer = AutoTokenizer.from_pretrained(source)
         name = os.path.basename(source.rstrip("/")) or type(model).__name__
     model.eval().requires_grad_(False)
-    return RewardModel(model, tokenizer, name)
+    return RewardModel(model, tokenizer, name, chat_template_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,12 +278,13 @@ class Reward:
     func: Callable
 
 
-def resolve_reward(spec: Any, max_completion_length: int, processing_class=None) -> Reward:
+def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
+                   chat_template_kwargs: dict | None = None) -> Reward:
     """A callable, a built-in name, ``module:function``, a reward-model folder, or a model instance -> Reward."""
     from transformers import PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
-        model = load_reward_model(spec, processing_class)
+        model = load_reward_model(spec, processing_class, chat_template_kwargs)
         return Reward(model.__name__, model)
     if isinstance(spec, str):
         if spec == "accuracy":
@@ -285,7 +294,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
         if spec == "overlong":
             return Reward("overlong", soft_overlong_penalty(max_completion_length))
         if os.path.isdir(spec):
-            model = load_reward_model(spec, processing_class)
+            model = load_reward_model(spec, processing_class, chat_template_kwargs)
             return Reward(model.__name__, model)
         if ":" in spec:
             module_name, _, attr = spec.partition(":")
@@ -306,39 +315,87 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None)
     raise RewardFunctionError(f"reward_funcs entries must be callables, names or models; got {type(spec).__name__}.")
 
 
+@dataclass
+class RewardLogs:
+    """What reward functions logged through TRL's ``log_metric`` and ``log_extra`` hooks during one scoring call."""
+
+    metrics: dict = field(default_factory=lambda: defaultdict(list))  # name -> [float], one per log_metric call
+    extra: dict = field(default_factory=lambda: defaultdict(list))  # column -> one value per completion
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log a scalar (averaged over every call in a logging step, on every process), as in TRL."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"log_metric({name!r}, {value!r}): give a metric name (str) and a number.")
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Add a column to the logged completions (``log_completions``): one value per completion."""
+        if not isinstance(column, str) or not hasattr(values, "__len__"):
+            raise RewardFunctionError(f"log_extra({column!r}, ...): give a column name (str) and a list of values.")
+        self.extra[column].extend(values)
+
+    def check(self, n: int) -> None:
+        for column, values in self.extra.items():
+            if len(values) != n:
+                raise RewardFunctionError(f"log_extra column {column!r} got {len(values)} values for {n} "
+                                          f"completions; log one value per completion.")
+
+
+class _EventLoop:
+    """A private event loop on a daemon thread that runs async reward functions, as TRL does. It outlives each
+    call (so clients an async function keeps open stay usable) and works when the calling thread already runs a
+    loop (Jupyter), where ``asyncio.run`` refuses."""
+
+    def __init__(self):
+        self.loop = None
+        self.lock = threading.Lock()
+
+    def run(self, awaitables: list) -> list:
+        """Await all concurrently; returns their results or the exceptions they raised, in order."""
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="reward-functions", daemon=True).start()
+
+        async def together():
+            return await asyncio.gather(*awaitables, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(together(), self.loop).result()
+
+
+_event_loop = _EventLoop()
+
+
+def _finish(value: Any) -> Any:
+    """A function's output, awaited if it is async."""
+    if inspect.isawaitable(value):
+        (value,) = _event_loop.run([value])
+        if isinstance(value, BaseException):
+            raise value
+    return value
+
+
 def _first_failing_sample(call, n: int) -> int | None:
     """Index of the first sample on which ``call`` raises when called one sample at a time (None if none does)."""
     for index in range(n):
         try:
-            call(slice(index, index + 1))
+            _finish(call(slice(index, index + 1)))
         except Exception:
             return index
     return None
 
 
-def call_reward(reward: Reward, prompts: list, completions: list, completion_ids: list, columns: dict,
-                extra: dict | None = None) -> torch.Tensor:
-    """Call one reward function and check its answer; returns [N] float32 with NaN for None."""
-    def call(rows: slice):
-        return reward.func(prompts=prompts[rows], completions=completions[rows], completion_ids=completion_ids[rows],
-                           **{k: v[rows] for k, v in columns.items()}, **(extra or {}))
-
-    try:
-        values = call(slice(None))
-    except Exception as error:
-        index = _first_failing_sample(call, len(completions))
-        where = f"on sample {index} (prompt {str(prompts[index])[:80]!r})" if index is not None else \
-            f"on a batch of {len(completions)} completions"
-        raise RewardFunctionError(
-            f"reward function '{reward.name}' raised {type(error).__name__}: {error} {where}"
-        ) from error
+def _check_values(reward: Reward, values: Any, n: int) -> torch.Tensor:
+    """One function's output as [n] float32, NaN for None; anything but numbers and None is an error."""
     if values is None or not hasattr(values, "__len__"):
         raise RewardFunctionError(f"reward function '{reward.name}' returned {type(values).__name__}, "
-                                  f"expected a list of {len(completions)} floats (or None).")
+                                  f"expected a list of {n} floats (or None).")
     values = list(values)
-    if len(values) != len(completions):
+    if len(values) != n:
         raise RewardFunctionError(f"reward function '{reward.name}' returned {len(values)} rewards for "
-                                  f"{len(completions)} completions; it must return one per completion.")
+                                  f"{n} completions; it must return one per completion.")
     out = []
     for index, value in enumerate(values):
         if value is None:
@@ -346,12 +403,52 @@ def call_reward(reward: Reward, prompts: list, completions: list, completion_ids
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        # numbers.Real takes numpy scalars (np.float32(1.0)) as well; True/False and NaN are refused as likely bugs
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
+        # numbers.Real takes numpy scalars and bools (True = 1.0, as in TRL). NaN is refused: it is what a reward
+        # computation gone wrong looks like, and None already says "not applicable".
+        if not isinstance(value, numbers.Real) or math.isnan(float(value)):
             raise RewardFunctionError(f"reward function '{reward.name}' returned {value!r} for sample {index}; "
-                                      f"rewards must be numbers or None.")
+                                      f"rewards must be numbers, or None where a sample is not applicable.")
         out.append(float(value))
     return torch.tensor(out, dtype=torch.float32)
+
+
+def call_rewards(rewards: list[Reward], prompts: list, completions: list, completion_ids: list, columns: dict,
+                 extra: dict | None = None, logs: RewardLogs | None = None) -> torch.Tensor:
+    """Call every reward function on N completions and check their answers; returns [N, F] float32, NaN for
+    None. The async functions run concurrently once the others are done; what any of them logs goes to ``logs``."""
+    logs = logs if logs is not None else RewardLogs()
+    hooks = {"log_metric": logs.log_metric, "log_extra": logs.log_extra, **(extra or {})}
+    n = len(completions)
+
+    def caller(reward: Reward):
+        def call(rows: slice):
+            return reward.func(prompts=prompts[rows], completions=completions[rows],
+                               completion_ids=completion_ids[rows], **{k: v[rows] for k, v in columns.items()},
+                               **hooks)
+        return call
+
+    def failure(reward: Reward, error: BaseException) -> RewardFunctionError:
+        if isinstance(error, RewardFunctionError):  # a misused log hook: its message already says what is wrong
+            return error
+        index = _first_failing_sample(caller(reward), n)
+        where = f"on sample {index} (prompt {str(prompts[index])[:80]!r})" if index is not None else \
+            f"on a batch of {n} completions"
+        return RewardFunctionError(f"reward function '{reward.name}' raised {type(error).__name__}: {error} {where}")
+
+    outputs: list = []
+    for reward in rewards:
+        try:
+            outputs.append(caller(reward)(slice(None)))  # an async function returns its coroutine here
+        except Exception as error:
+            raise failure(reward, error) from error
+    pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
+    results = _event_loop.run([outputs[i] for i in pending]) if pending else []
+    for i, result in zip(pending, results):
+        if isinstance(result, BaseException):
+            raise failure(rewards[i], result) from result
+        outputs[i] = result
+    logs.check(n)
+    return torch.stack([_check_values(r, out, n) for r, out in zip(rewards, outputs)], dim=1)
 
 
 # TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.

@@ -136,16 +136,17 @@ class SFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ loss
 
-    def _forward(self, model, batch: dict) -> dict:
+    def _forward(self, model, batch: dict, with_router_loss: bool = False) -> dict:
         return token_logprobs(model, batch["input_ids"], batch["target_ids"], attention_mask=batch["attention_mask"],
-                              position_ids=batch["position_ids"], with_accuracy=True)
+                              position_ids=batch["position_ids"], with_accuracy=True, with_router_loss=with_router_loss)
 
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
-        out = self._forward(model, batch)
+        out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
         mask = batch["loss_mask"]  # [B, T]
         loss = AGGREGATIONS["nll"](-out["logps"], mask, counts)
         correct = (out["correct"] & mask.bool()).sum()
-        return loss, {"mean_token_accuracy": (correct, mask.sum())}
+        stats: Stats = {"mean_token_accuracy": (correct, mask.sum())}
+        return self.add_router_loss(loss, out, counts, stats), stats
 
     def evaluation_stats(self) -> Stats:
         """Token-level NLL and accuracy over eval_dataset. Every process runs the same number of forward passes

@@ -20,6 +20,16 @@ def digits(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + (sum(map(ord, c)) % 7) / 100 for c in completions]
 
 
+def logs_per_rank(completions, log_metric, **kwargs):
+    """Scores 0 and logs what only its own process knows: 'rank' (0 or 1), and on rank 1 alone 'only_rank_1' = 7
+    (a name one process never logs must not leave the other waiting)."""
+    rank = int(os.environ.get("RANK", "0"))
+    log_metric("rank", float(rank))
+    if rank == 1:
+        log_metric("only_rank_1", 7.0)
+    return [0.0] * len(completions)
+
+
 def main():
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12"]]
@@ -28,7 +38,7 @@ def main():
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05)
     if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
         GRPOTrainer.shares_prompt_forward = False
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=args, train_dataset=rows)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows)
     acc = trainer.accelerator
 
     # One round by hand, to record what each process holds.

@@ -47,6 +47,7 @@ def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
     local = lambda h: [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_second")} for r in h]  # noqa: E731  timing is per process
     assert len(history) == 3 and local(history) == local(reports[1]["history"])
     assert all("reward" in r and "kl" in r for r in history)
+    assert all(r["rank"] == 0.5 and r["only_rank_1"] == 7.0 for r in history)  # log_metric: over both processes
     assert history[-1]["kl"] > 0
 
 

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
@@ -83,17 +84,55 @@ def test_reward_functions_may_return_numpy_numbers_and_never_see_completion_colu
     assert "answer" in seen and "completion" not in seen  # completion_ids arrived as the generated ids
 
 
-def test_a_moe_model_is_told_that_the_router_loss_is_not_added():
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def tiny_moe(tokenizer, **config):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trainers.modeling import missing_router_loss
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config))
 
-    shape = dict(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=32)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                                             head_dim=16))
-    assert "router_aux_loss_coef=0.001" in missing_router_loss(moe)
-    assert missing_router_loss(Qwen2ForCausalLM(Qwen2Config(**shape))) is None
+
+def test_router_aux_loss_coef_is_chosen_as_in_trl(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainers.errors import ConfigError
+    from trainers.modeling import router_aux_loss_coef
+
+    moe = tiny_moe(tokenizer)
+    assert router_aux_loss_coef(moe, None) == 0.001  # the model config's
+    assert router_aux_loss_coef(moe, 0.5) == 0.5 and router_aux_loss_coef(moe, 0.0) == 0.0
+    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32))
+    assert router_aux_loss_coef(dense, None) == 0.0
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.5.*not a Mixture-of-Experts"):
+        router_aux_loss_coef(dense, 0.5)
+
+
+@pytest.mark.parametrize("trainer_class", ["sft", "grpo"])
+def test_a_moe_models_router_loss_joins_the_training_loss(tokenizer, tmp_path, trainer_class):
+    """The first step's loss (before any update) with the router loss minus the one without is coef x aux_loss,
+    and the router's weights get a gradient from it."""
+    first = {}
+    for coef in (0.0, 2.0):
+        model = tiny_moe(tokenizer)
+        if trainer_class == "sft":
+            trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=ROWS,
+                                 args=sft_args(tmp_path / str(coef), max_steps=1, router_aux_loss_coef=coef))
+        else:  # equal rewards: advantages 0, so the policy loss is 0 and only the router loss is left
+            trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=[{"prompt": "ab"}] * 4,
+                                  reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+                                  args=grpo_args(tmp_path / str(coef), router_aux_loss_coef=coef))
+        gate = next(p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+        before = gate.detach().clone()
+        trainer.train()
+        first[coef] = trainer.state.log_history[0]
+        first[coef]["gate_moved"] = not torch.equal(before, gate.detach())
+    assert "aux_loss" not in first[0.0] and first[2.0]["aux_loss"] > 0
+    assert first[2.0]["loss"] - first[0.0]["loss"] == pytest.approx(2.0 * first[2.0]["aux_loss"], rel=1e-4)
+    if trainer_class == "grpo":
+        assert first[0.0]["loss"] == 0.0 and not first[0.0]["gate_moved"] and first[2.0]["gate_moved"]
 
 
 def test_grpo_metrics_cover_every_round_of_a_step(tiny_model_dir, tmp_path):
@@ -138,3 +177,74 @@ def test_num_tokens_counts_a_rollout_once_whatever_num_iterations(tiny_model_dir
         totals[iterations] = trainer.state.num_tokens
     # two steps: two rounds with one iteration; one round trained twice with two (TRL counts it once)
     assert totals[2] * 2 == totals[1] > 0
+
+
+def test_reward_functions_log_metrics_and_completion_columns(tiny_model_dir, tmp_path):
+    """TRL's log_metric / log_extra hooks: a metric is the mean of every call (train and eval); an extra column
+    joins the logged completions, next to each function's reward."""
+    def judged(completions, log_metric, log_extra, **kwargs):
+        log_metric("judge/calls", 1.0)
+        log_metric("judge/calls", 3.0)
+        log_extra("verdict", [f"v{i}" for i in range(len(completions))])
+        return [0.5] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[judged, lambda completions, **kw: [None] * len(completions)],
+                          train_dataset=[{"prompt": "ab"}] * 4, eval_dataset=[{"prompt": "cd"}] * 2,
+                          args=grpo_args(tmp_path, log_completions=True))
+    assert trainer.evaluate()["eval_judge/calls"] == 2.0
+    trainer.train()
+    assert trainer.state.log_history[0]["judge/calls"] == 2.0
+    samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [s["verdict"] for s in samples] == ["v0", "v1", "v2", "v3"]
+    assert all(s["rewards"] == {"judged": 0.5, "<lambda>": None} and s["reward"] == 0.5 for s in samples)
+
+
+def test_async_and_boolean_reward_functions_train(tiny_model_dir, tmp_path):
+    import asyncio
+
+    async def judge(completions, **kwargs):  # e.g. an LLM judge behind an HTTP client
+        await asyncio.sleep(0)
+        return [2.0] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, train_dataset=[{"prompt": "ab"}] * 4, args=grpo_args(tmp_path),
+                          reward_funcs=[judge, lambda completions, **kw: [True] * len(completions)])
+    trainer.train()
+    assert trainer.state.log_history[0]["rewards/judge/mean"] == 2.0
+    assert trainer.state.log_history[0]["reward"] == 3.0  # True counts 1.0, as in TRL
+
+
+@pytest.mark.parametrize("second_group, scale_rewards, expected", [
+    (1.0, "group", 0.5),  # one group of equal rewards out of two
+    (1.0, "batch", 0.0),  # TRL: over the std in use, the batch's, which is not zero
+    (None, "group", 0.0),  # an unscored group has a NaN std, which TRL does not count as zero
+])
+def test_frac_reward_zero_std_is_over_the_std_in_use(tiny_model_dir, tmp_path, second_group, scale_rewards, expected):
+    def reward(prompts, completions, **kwargs):  # prompt "ab": 0, 1, 2, 3; prompt "cd": second_group
+        return [float(i) if p == "ab" else second_group for i, p in enumerate(prompts)]
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, train_dataset=[{"prompt": "ab"}, {"prompt": "cd"}],
+                          args=grpo_args(tmp_path, per_device_train_batch_size=8, scale_rewards=scale_rewards,
+                                         shuffle_dataset=False))
+    trainer.train()
+    assert trainer.state.log_history[0]["frac_reward_zero_std"] == expected
+
+
+def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
+    """At importance_sampling_level="sequence" TRL's clip_ratio is the share of clipped completions, every row
+    counted, not of tokens."""
+    from trainers.losses import BatchCounts
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=[{"prompt": "ab"}] * 4,
+                          args=grpo_args(tmp_path, importance_sampling_level="sequence", num_iterations=2,
+                                         generation_kwargs={"min_new_tokens": 6}))
+    batch = dict(trainer.micro_batch(0, 0))
+    logps = trainer._policy_forward(trainer.model, batch)["logps"].detach()  # [4, 6]
+    batch["old_logps"] = logps - torch.tensor([1.0, 0.0, 0.0, 0.0]).unsqueeze(1)  # row 0: ratio e > 1 + ε
+    batch["advantages"] = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    batch["loss_mask"] = batch["loss_mask"].clone()
+    batch["loss_mask"][1] = 0.0  # a masked (e.g. truncated) row still counts as one unclipped completion
+    counts = BatchCounts(tokens=float(batch["loss_mask"].sum()), sequences=4.0, micro_batches=1)
+    _, stats = trainer.compute_loss(trainer.model, batch, counts)
+    high, rows = stats["clip_ratio/high_mean"]
+    assert (float(high), float(rows)) == (1.0, 4.0)  # by tokens it would be 6 / 18

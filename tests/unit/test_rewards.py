@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainers.rewards import (
-    Reward, RewardFunctionError, accuracy_reward, call_reward, format_reward, resolve_reward, soft_overlong_penalty,
+    Reward, RewardFunctionError, RewardLogs, accuracy_reward, call_rewards, format_reward, resolve_reward, soft_overlong_penalty,
 )
 from trainers.samplers import group_slots
 
@@ -16,7 +16,7 @@ IDS = [[50], [1, 2, 3], [55, 56]]
 
 
 def call(func, columns=None, name="f"):
-    return call_reward(Reward(name, func), PROMPTS, COMPLETIONS, IDS, columns or {})
+    return call_rewards([Reward(name, func)], PROMPTS, COMPLETIONS, IDS, columns or {})[:, 0]
 
 
 def test_columns_arrive_as_keyword_arguments_and_none_becomes_nan():
@@ -26,8 +26,8 @@ def test_columns_arrive_as_keyword_arguments_and_none_becomes_nan():
         seen.update(answer=answer, ids=completion_ids, state=kwargs.get("trainer_state"))
         return [1.0, None, 0.5]
 
-    values = call_reward(Reward("r", reward), PROMPTS, COMPLETIONS, IDS, {"answer": ["2", "4", "6"]},
-                         {"trainer_state": "STATE"})
+    values = call_rewards([Reward("r", reward)], PROMPTS, COMPLETIONS, IDS, {"answer": ["2", "4", "6"]},
+                          {"trainer_state": "STATE"})[:, 0]
     assert seen == {"answer": ["2", "4", "6"], "ids": IDS, "state": "STATE"}
     assert values[0].item() == 1.0 and math.isnan(values[1].item()) and values[2].item() == 0.5
 
@@ -37,7 +37,7 @@ def test_wrong_length_is_named():
         call(lambda **kw: [1.0, 2.0], name="short")
 
 
-@pytest.mark.parametrize("bad", ["1.0", [1.0], float("nan"), True])
+@pytest.mark.parametrize("bad", ["1.0", [1.0], float("nan")])
 def test_non_numbers_are_named_with_the_sample(bad):
     with pytest.raises(RewardFunctionError, match=r"'odd' returned .* for sample 1"):
         call(lambda **kw: [0.0, bad, 0.0], name="odd")
@@ -52,8 +52,69 @@ def test_a_raising_function_is_named_with_the_failing_sample():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
-def test_tensor_scalars_are_accepted():
+def test_tensor_scalars_and_bools_are_accepted():
     assert call(lambda **kw: [torch.tensor(1.0), 2, 3.5]).tolist() == [1.0, 2.0, 3.5]
+    assert call(lambda completions, **kw: [c == "2" for c in completions]).tolist() == [1.0, 0.0, 0.0]  # as TRL
+
+
+def test_log_metric_and_log_extra_reach_the_logs():
+    def judged(completions, log_metric, log_extra, **kwargs):
+        log_metric("judge/calls", 3)
+        log_metric("judge/calls", torch.tensor(5.0))
+        log_extra("verdict", ["ok" if c == "2" else "no" for c in completions])
+        return [1.0, 0.0, 0.0]
+
+    logs = RewardLogs()
+    call_rewards([Reward("judged", judged)], PROMPTS, COMPLETIONS, IDS, {}, logs=logs)
+    assert logs.metrics == {"judge/calls": [3.0, 5.0]} and logs.extra == {"verdict": ["ok", "no", "no"]}
+
+
+@pytest.mark.parametrize("misuse, message", [
+    (lambda log_metric, log_extra: log_metric("x", "high"), r"log_metric\('x', 'high'\)"),
+    (lambda log_metric, log_extra: log_extra("why", ["a"]), r"log_extra column 'why' got 1 values for 3"),
+])
+def test_misused_log_hooks_are_named(misuse, message):
+    def reward(log_metric, log_extra, **kwargs):
+        misuse(log_metric, log_extra)
+        return [0.0, 0.0, 0.0]
+
+    with pytest.raises(RewardFunctionError, match=message):
+        call(reward)
+
+
+def test_async_functions_run_concurrently_beside_sync_ones():
+    import asyncio
+
+    seen = {}
+
+    async def waits(completions, **kwargs):  # finishes only once `signals` has run: they must run together
+        seen["event"] = event = seen.get("event") or asyncio.Event()
+        await asyncio.wait_for(event.wait(), timeout=10)
+        return [1.0] * len(completions)
+
+    async def signals(completions, **kwargs):
+        await asyncio.sleep(0.01)
+        seen["event"].set()
+        return [2.0] * len(completions)
+
+    rewards = [Reward("waits", waits), Reward("sync", lambda completions, **kw: [3.0] * len(completions)),
+               Reward("signals", signals)]
+    values = call_rewards(rewards, PROMPTS, COMPLETIONS, IDS, {})  # [3, 3]
+    assert values.tolist() == [[1.0, 3.0, 2.0]] * 3
+
+    async def inside_a_running_loop():  # as in Jupyter, where asyncio.run would refuse
+        return call_rewards([Reward("signals", signals)], PROMPTS, COMPLETIONS, IDS, {})
+
+    seen["event"] = asyncio.Event()
+    assert asyncio.run(inside_a_running_loop()).tolist() == [[2.0]] * 3
+
+
+def test_a_raising_async_function_is_named_with_the_failing_sample():
+    async def fragile(completions, **kwargs):
+        return [1.0 / (len(c) - 1) for c in completions]
+
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample 0"):
+        call(fragile, name="fragile")
 
 
 def test_accuracy_compares_numbers_and_strings():
@@ -137,6 +198,24 @@ def test_a_reward_model_scores_with_logit_zero(tokenizer):
         expected = model(**tokenizer(["abcd"], return_tensors="pt")).logits[0, 0].item()
     assert scores[0] == pytest.approx(expected, rel=1e-5)
     assert len(scores) == 2
+
+
+def test_a_reward_model_renders_chats_with_the_chat_template_kwargs(tokenizer):
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = "{{ flavour }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForSequenceClassification(config).eval()
+    reward = resolve_reward(model, 8, processing_class=tokenizer, chat_template_kwargs={"flavour": "xy"})
+    score = reward.func(prompts=[[{"role": "user", "content": "ab"}]], completions=[[{"role": "assistant",
+                                                                                       "content": "cd"}]])[0]
+    with torch.no_grad():
+        expected = model(**tokenizer(["xyabcd"], return_tensors="pt")).logits[0, 0].item()
+    assert score == pytest.approx(expected, rel=1e-5)
 
 
 def test_group_slots_layout_across_processes():
