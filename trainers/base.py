@@ -26,7 +26,9 @@ from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
-from trainers.modeling import check_model_path, load_causal_lm, load_tokenizer, router_aux_loss_coef
+from trainers.modeling import (
+    check_model_path, clone_chat_template, load_causal_lm, load_tokenizer, match_vocabulary, router_aux_loss_coef,
+)
 from trainers.schedules import build_scheduler
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
@@ -61,14 +63,36 @@ class BaseTrainer:
                                                   args.use_cpu, log_with=self.trackers, project_dir=args.output_dir)
         self.health = HealthMonitor()
         set_seed(args.seed)
-        self.processing_class = load_tokenizer(processing_class, model, getattr(args, "pad_token", None),
-                                               getattr(args, "chat_template_path", None))
+        template = getattr(args, "chat_template_path", None)
+        self.processing_class = load_tokenizer(processing_class, model, getattr(args, "pad_token", None), template)
+        # a tokenizer folder or Hub id as chat_template_path: its template and the tokens it needs (TRL's
+        # clone_chat_template); the model's embeddings follow once it is loaded
+        cloned = None if template is None or os.path.isfile(template) else \
+            clone_chat_template(self.processing_class, template)
         self.prepare_data(train_dataset, eval_dataset)  # validates and tokenizes before the model loads
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
         self.max_steps = args.max_steps if args.max_steps > 0 else max(
             1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
 
         model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code)
+        if cloned is not None:
+            match_vocabulary(model, self.processing_class)
+            if cloned and peft_config is not None and hasattr(peft_config, "trainable_token_indices"):
+                # as TRL: the added tokens' embedding rows train beside the adapters
+                indices = peft_config.trainable_token_indices
+                if indices is None:
+                    peft_config.trainable_token_indices = {"embed_tokens": cloned}
+                elif isinstance(indices, list):
+                    peft_config.trainable_token_indices = {"embed_tokens": indices + cloned}
+                else:
+                    indices.setdefault("embed_tokens", []).extend(cloned)
+                # an untied output head must train too, or the model cannot learn to emit them (TRL adds it as
+                # well); a tied head shares the token rows above (adding it would break PEFT's token wrapper)
+                tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+                if not tied and "lm_head" not in (peft_config.modules_to_save or []):
+                    logger.warning("chat_template_path added tokens: 'lm_head' joins the PEFT modules_to_save so "
+                                   "the model can learn to generate them (as TRL does).")
+                    peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
         if args.gradient_checkpointing:

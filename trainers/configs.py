@@ -241,7 +241,9 @@ class SFTConfig(TrainingConfig):
     assistant_only_loss: bool = opt(False, "For `messages` data, train on assistant turns only (any chat template).")
     eos_token: str | None = opt(None, "End-of-sequence token appended to samples; defaults to the tokenizer's.")
     pad_token: str | None = opt(None, "Padding token; defaults to the tokenizer's, then to its EOS token.")
-    chat_template_path: str | None = opt(None, "A Jinja chat template file (or a tokenizer folder) to use instead of the tokenizer's.")
+    chat_template_path: str | None = opt(
+        None, "A Jinja chat template file to use instead of the tokenizer's, or a tokenizer folder / Hub id whose "
+        "template is cloned with the tokens it needs, its EOS and resized embeddings (TRL's clone_chat_template).")
     dataset_num_proc: int | None = opt(None, "Processes used to tokenize the dataset.")
     loss_type: str = opt("nll", f"Loss: one of {SFT_LOSS_TYPES} (token-level negative log-likelihood).")
 

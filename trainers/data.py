@@ -19,7 +19,8 @@ IGNORE = -100
 
 FORMATS = {
     "language_modeling": "a text column (dataset_text_field, 'text' by default)",
-    "conversational": "a 'messages' column (a list of {'role', 'content'} dicts)",
+    "conversational": "a 'messages' column (a list of {'role', 'content'} dicts; ShareGPT's 'conversations' of "
+                      "{'from', 'value'} dicts too)",
     "prompt_completion": "'prompt' and 'completion' columns (strings, or lists of messages)",
     "tokenized": "an 'input_ids' column (optionally 'labels' or 'completion_mask')",
 }
@@ -47,7 +48,7 @@ def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
     columns = set(columns)
     if "input_ids" in columns:
         return "tokenized"
-    if "messages" in columns:
+    if "messages" in columns or "conversations" in columns:
         return "conversational"
     if {"prompt", "completion"} <= columns:
         return "prompt_completion"
@@ -62,6 +63,29 @@ def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
 def is_conversational(value: Any) -> bool:
     """True for a list of {'role', 'content'} messages."""
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's role names -> the chat templates' names
+
+
+def from_sharegpt(messages: Any) -> Any:
+    """ShareGPT messages (``{"from": "human", "value": ...}``) as ``{"role": "user", "content": ...}``: TRL's
+    maybe_convert_to_chatml renames the keys; the roles human/gpt are also renamed user/assistant (as Unsloth's
+    standardize_sharegpt does), since chat templates and assistant_only_loss know only those. Other values are
+    returned unchanged."""
+    if not isinstance(messages, list):
+        return messages
+    converted = []
+    for message in messages:
+        if isinstance(message, dict) and ("from" in message or "value" in message):
+            message = dict(message)
+            if "from" in message:
+                role = message.pop("from")
+                message["role"] = SHAREGPT_ROLES.get(role, role)
+            if "value" in message:
+                message["content"] = message.pop("value")
+        converted.append(message)
+    return converted
 
 
 def check_messages(value: Any, where: str) -> None:
@@ -202,8 +226,9 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
         return {"input_ids": ids, "labels": list(ids)}
 
     if fmt == "conversational":
-        messages = row["messages"]
-        check_messages(messages, "column 'messages'")
+        column = "messages" if "messages" in row else "conversations"
+        messages = from_sharegpt(row[column])
+        check_messages(messages, f"column '{column}'")
         chat_kwargs = row_chat_kwargs(row)
         text = render_chat(tokenizer, messages, **chat_kwargs)
         spans = _assistant_spans(tokenizer, messages, text, **chat_kwargs) if assistant_only_loss else [(0, len(text))]
@@ -211,7 +236,7 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
         return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
 
     if fmt == "prompt_completion":
-        prompt, completion = row["prompt"], row["completion"]
+        prompt, completion = from_sharegpt(row["prompt"]), from_sharegpt(row["completion"])
         if isinstance(prompt, list) != isinstance(completion, list):
             raise DatasetFormatError("'prompt' and 'completion' must both be strings or both be lists of messages.")
         if isinstance(prompt, list):

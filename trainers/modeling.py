@@ -81,7 +81,9 @@ def check_model_path(path: str) -> None:
 
 def load_tokenizer(processing_class: Any, model_name_or_path: Any, pad_token: str | None = None,
                    chat_template_path: str | None = None):
-    """The tokenizer to use: the given one, or the model folder's. Ensures a pad token (falls back to EOS)."""
+    """The tokenizer to use: the given one, or the model folder's, with the template file ``chat_template_path``
+    (the caller clones a tokenizer folder's, see ``clone_chat_template``). Ensures a pad token (falls back to
+    EOS)."""
     from transformers import AutoTokenizer
 
     tokenizer = processing_class
@@ -93,14 +95,9 @@ def load_tokenizer(processing_class: Any, model_name_or_path: Any, pad_token: st
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:
             raise ModelLoadError(f"Could not load a tokenizer from '{source}' ({error}); pass `processing_class`.") from error
-    if chat_template_path is not None:
-        if os.path.isdir(chat_template_path):
-            tokenizer.chat_template = AutoTokenizer.from_pretrained(chat_template_path).chat_template
-        elif os.path.isfile(chat_template_path):
-            with open(chat_template_path) as f:
-                tokenizer.chat_template = f.read()
-        else:
-            raise ModelLoadError(f"chat_template_path '{chat_template_path}' does not exist.")
+    if chat_template_path is not None and os.path.isfile(chat_template_path):
+        with open(chat_template_path, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
     if pad_token is not None:
         if pad_token not in tokenizer.get_vocab():
             raise ModelLoadError(f"pad_token {pad_token!r} is not in the tokenizer's vocabulary.")
@@ -110,6 +107,48 @@ def load_tokenizer(processing_class: Any, model_name_or_path: Any, pad_token: st
             raise ModelLoadError("The tokenizer has neither a pad token nor an EOS token; set SFTConfig(pad_token=...).")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+CLONE_VOCAB_MULTIPLE = 64  # TRL rounds the resized vocabulary up to a multiple of 64
+
+
+def clone_chat_template(tokenizer, source: str) -> list[int]:
+    """TRL's ``clone_chat_template``, tokenizer side: take the chat template of the tokenizer at ``source`` (a
+    folder or Hub id) together with the tokens it needs: its added tokens missing here (e.g. ``<|im_start|>``)
+    are added, its EOS becomes this tokenizer's EOS, and dummy tokens ``<extra_id_N>`` round the vocabulary up
+    to a multiple of 64. Returns the added ids; ``match_vocabulary`` resizes the model once it is loaded."""
+    from transformers import AddedToken, AutoTokenizer
+
+    try:
+        donor = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"chat_template_path '{source}' is neither a template file nor a tokenizer folder or "
+                             f"Hub id that loads ({error}).") from error
+    template = donor.chat_template
+    if not template:
+        raise ModelLoadError(f"chat_template_path '{source}': that tokenizer has no chat template.")
+    tokenizer.chat_template = template
+    vocab = tokenizer.get_vocab()
+    added = [token for token in donor.added_tokens_decoder.values() if token.content not in vocab]
+    tokenizer.add_tokens(added)
+    if donor.eos_token is not None:
+        tokenizer.eos_token = donor.eos_token
+    index = 0
+    while len(tokenizer.get_vocab()) % CLONE_VOCAB_MULTIPLE:
+        dummy = AddedToken(f"<extra_id_{index}>")
+        if tokenizer.add_tokens(dummy):
+            added.append(dummy)
+        index += 1
+    return tokenizer.convert_tokens_to_ids([token.content for token in added])
+
+
+def match_vocabulary(model, tokenizer) -> None:
+    """After ``clone_chat_template``: resize the model's embeddings (and tied head) to the tokenizer's
+    vocabulary, and end generation on its EOS, as TRL does."""
+    model.resize_token_embeddings(len(tokenizer.get_vocab()))
+    model.config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
 
 
 def token_logprobs(

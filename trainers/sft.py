@@ -104,7 +104,8 @@ class SFTTrainer(BaseTrainer):
             old = generation_eos_ids(model)
             if getattr(model, "generation_config", None) is not None and eos not in old:
                 model.generation_config.eos_token_id = [eos, *old]
-        vocab = model.get_input_embeddings().num_embeddings
+        # num_embeddings is the full size under ZeRO-3 too; PEFT's trainable-token wrapper hides it
+        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
         for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
             top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
             if top >= vocab:

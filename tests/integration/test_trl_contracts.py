@@ -248,3 +248,74 @@ def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
     _, stats = trainer.compute_loss(trainer.model, batch, counts)
     high, rows = stats["clip_ratio/high_mean"]
     assert (float(high), float(rows)) == (1.0, 4.0)  # by tokens it would be 6 / 18
+
+
+def donor_tokenizer_folder(path) -> str:
+    """A tokenizer whose chat template needs three special tokens the tiny model's tokenizer lacks."""
+    from trainers.tiny import build_tokenizer
+
+    donor = build_tokenizer(chat_template=False)
+    donor.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|bot|>", "<|end|>"]})
+    donor.eos_token = "<|end|>"
+    donor.chat_template = ("{% for m in messages %}{{ '<|user|>' if m['role'] == 'user' else '<|bot|>' }}"
+                           "{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|bot|>{% endif %}")
+    donor.save_pretrained(str(path))
+    return str(path)
+
+
+CHATS = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+         for i in range(4)]
+
+
+def test_chat_template_path_clones_a_tokenizers_template_and_tokens(tiny_model_dir, tmp_path):
+    """TRL's clone_chat_template: the donor's missing tokens are added (single ids, not bytes), its EOS becomes
+    the EOS of the tokenizer, model config and generation config, and the embeddings are resized to the
+    vocabulary rounded up to a multiple of 64."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=CHATS,
+                         args=sft_args(tmp_path, max_steps=2,
+                                       chat_template_path=donor_tokenizer_folder(tmp_path / "donor")))
+    tokenizer = trainer.processing_class
+    user, bot, end = tokenizer.convert_tokens_to_ids(["<|user|>", "<|bot|>", "<|end|>"])
+    assert (user, bot, end) == (259, 260, 261) and len(tokenizer.get_vocab()) == 320  # 259 + 3, then 58 dummies
+    assert trainer.train_rows[0]["input_ids"][0] == user and trainer.train_rows[0]["input_ids"].count(end) == 2
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    assert model.get_input_embeddings().weight.shape[0] == 320 and len(saved.get_vocab()) == 320
+    assert model.config.eos_token_id == end and model.generation_config.eos_token_id == end
+    assert saved.eos_token == "<|end|>" and saved.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chat_template_path_tokens_train_under_peft(tmp_path, tied):
+    """The added tokens' embedding rows train beside the adapters; an untied output head trains whole."""
+    from peft import LoraConfig
+
+    from trainers.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied)
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = SFTTrainer(model=model_dir, train_dataset=CHATS, peft_config=peft_config,
+                         args=sft_args(tmp_path, max_steps=3, learning_rate=1e-2,
+                                       chat_template_path=donor_tokenizer_folder(tmp_path / "donor")))
+    added = list(range(259, 320))  # the donor's 3 tokens and the 58 dummies
+    assert peft_config.trainable_token_indices == {"embed_tokens": added}
+    assert ("lm_head" in (peft_config.modules_to_save or [])) == (not tied)
+    embeddings = lambda: trainer.unwrapped_model.get_input_embeddings()(torch.tensor([[0, 259]]))[0].detach().clone()  # noqa: E731
+    before = embeddings()
+    trainer.train()
+    after = embeddings()
+    assert torch.equal(before[0], after[0]) and not torch.equal(before[1], after[1])  # a byte frozen, <|user|> trained
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+
+
+def test_a_chat_template_path_that_is_neither_file_nor_tokenizer_is_named(tiny_model_dir, tmp_path):
+    from trainers.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"chat_template_path '\./missing/template\.jinja' is neither"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=CHATS,
+                   args=sft_args(tmp_path, chat_template_path="./missing/template.jinja"))

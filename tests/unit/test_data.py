@@ -74,6 +74,7 @@ def test_tokenizer_fixture_ids(tokenizer):
         (["content", "id"], "content", "language_modeling"),
         (["messages"], "text", "conversational"),
         (["messages", "text"], "text", "conversational"),
+        (["conversations"], "text", "conversational"),
         (["prompt", "completion"], "text", "prompt_completion"),
         (["prompt", "completion", "text"], "text", "prompt_completion"),
         (["input_ids"], "text", "tokenized"),
@@ -182,6 +183,20 @@ def test_prompt_completion_multibyte_boundary(tokenizer):
     assert sample["labels"][:2] == [IGNORE, IGNORE]
     assert sample["labels"][2:] == sample["input_ids"][2:]
     assert trained_segments(tokenizer, sample) == ["ü" + EOS]
+
+
+def test_sharegpt_conversations_train_like_messages(tokenizer):
+    """ShareGPT rows ({'from', 'value'}; roles human/gpt) tokenize exactly like the same chat in messages form."""
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"},
+                                  {"from": "gpt", "value": "hello"}]}
+    messages = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "hello"}]}
+    for assistant_only_loss in (False, True):
+        kwargs = dict(eos_token=EOS, assistant_only_loss=assistant_only_loss)
+        assert tokenize_row(sharegpt, tokenizer, "conversational", **kwargs) == \
+            tokenize_row(messages, tokenizer, "conversational", **kwargs)
+    assert trained_segments(tokenizer, tokenize_row(sharegpt, tokenizer, "conversational", eos_token=EOS,
+                                                    assistant_only_loss=True)) == ["hello<|im_end|>\n"]
 
 
 def test_prompt_completion_conversational(tokenizer):
