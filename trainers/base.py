@@ -403,10 +403,29 @@ class BaseTrainer:
     def has_eval_data(self) -> bool:
         return getattr(self, "eval_rows", None) is not None
 
-    def evaluate(self) -> dict:
-        """Evaluation metrics over eval_dataset, prefixed ``eval_``; the model returns to training mode after."""
+    def load_eval_dataset(self, dataset) -> None:
+        """Validate and tokenize ``dataset`` into the evaluation rows (``evaluate(eval_dataset=...)``)."""
+        raise NotImplementedError
+
+    EVAL_STATE = ("eval_rows", "eval_prompt_ids")  # what load_eval_dataset replaces (those a trainer has)
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
+        """Evaluation metrics over eval_dataset, named ``<metric_key_prefix>_<metric>``; the model returns to
+        training mode after. As in transformers, an ``eval_dataset`` given here is evaluated instead of the
+        trainer's, which is kept for later evaluations."""
+        if eval_dataset is not None:
+            kept = {name: getattr(self, name) for name in self.EVAL_STATE if hasattr(self, name)}
+            try:
+                self.load_eval_dataset(eval_dataset)
+                return self.evaluate(metric_key_prefix=metric_key_prefix)
+            finally:
+                for name in self.EVAL_STATE:
+                    if name in kept:
+                        setattr(self, name, kept[name])
+                    elif hasattr(self, name):
+                        delattr(self, name)
         if not self.has_eval_data():
-            raise ConfigError("evaluate() needs an eval_dataset.")
+            raise ConfigError("evaluate() needs an eval_dataset: give one to the trainer or to evaluate().")
         self.model.eval()
         with torch.no_grad():
             stats = self.evaluation_stats()
@@ -415,7 +434,8 @@ class BaseTrainer:
         packed = torch.stack([torch.stack([n.float().sum(), torch.as_tensor(d, device=self.accelerator.device).float().sum()])
                               for n, d in (stats[k] for k in names)])
         packed = dist.all_reduce_sum(self.accelerator, packed).tolist()
-        return {f"eval_{name}": num / den if den else float("nan") for name, (num, den) in zip(names, packed)}
+        return {f"{metric_key_prefix}_{name}": num / den if den else float("nan")
+                for name, (num, den) in zip(names, packed)}
 
     def save_checkpoint(self) -> str:
         path = save_checkpoint(self.accelerator, self.args.output_dir, self.state.global_step, self.state,

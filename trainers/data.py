@@ -43,8 +43,8 @@ def load_dataset_file(path: str, option: str = "--dataset"):
     return load_dataset(DATA_FILE_KINDS[ext], data_files=path)["train"]
 
 
-def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
-    """Which SFT format a dataset is in, judged by its columns."""
+def detect_format(columns: Sequence[str], text_field: str = "text", name: str = "The SFT dataset") -> str:
+    """Which SFT format a dataset (called ``name`` in errors) is in, judged by its columns."""
     columns = set(columns)
     if "input_ids" in columns:
         return "tokenized"
@@ -56,7 +56,7 @@ def detect_format(columns: Sequence[str], text_field: str = "text") -> str:
         return "language_modeling"
     known = "; ".join(f"{k}: {v}" for k, v in FORMATS.items())
     raise DatasetFormatError(
-        f"The SFT dataset has columns {sorted(columns)}, none of the known formats. Expected one of: {known}."
+        f"{name} has columns {sorted(columns)}, none of the known SFT formats. Expected one of: {known}."
     )
 
 

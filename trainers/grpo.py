@@ -187,16 +187,8 @@ class GRPOTrainer(BaseTrainer):
         # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
         # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
         self.eos_ids |= set(generation_eos_ids(model))
-        context = getattr(model.config, "max_position_embeddings", None)
-        if context:
-            for name, prompt_ids in (("train_dataset", self.train_prompt_ids),
-                                     ("eval_dataset", getattr(self, "eval_prompt_ids", []))):
-                for index, ids in enumerate(prompt_ids):
-                    if len(ids) + args.max_completion_length > context:
-                        raise DatasetFormatError(
-                            f"{name} row {index}: the prompt has {len(ids)} tokens; with max_completion_length="
-                            f"{args.max_completion_length} that exceeds the model's context of {context} tokens. "
-                            f"Shorten the prompt or lower max_completion_length.")
+        self._check_context(model, "train_dataset", self.train_prompt_ids)
+        self._check_context(model, "eval_dataset", getattr(self, "eval_prompt_ids", []))
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
@@ -206,6 +198,21 @@ class GRPOTrainer(BaseTrainer):
             source = self._model_source
             self._ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
                                if isinstance(source, str) else copy.deepcopy(model))
+
+    def _check_context(self, model, name: str, prompt_ids: list[list[int]]) -> None:
+        context = getattr(model.config, "max_position_embeddings", None)
+        for index, ids in enumerate(prompt_ids if context else []):
+            if len(ids) + self.args.max_completion_length > context:
+                raise DatasetFormatError(
+                    f"{name} row {index}: the prompt has {len(ids)} tokens; with max_completion_length="
+                    f"{self.args.max_completion_length} that exceeds the model's context of {context} tokens. "
+                    f"Shorten the prompt or lower max_completion_length.")
+
+    def load_eval_dataset(self, dataset) -> None:
+        self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, "eval_dataset")
+        if any(r.func is accuracy_reward for r in self.rewards):
+            check_accuracy_references(self.eval_rows, "eval_dataset")
+        self._check_context(self.unwrapped_model, "eval_dataset", self.eval_prompt_ids)
 
     def after_prepare(self) -> None:
         if self._ref_model is not None:

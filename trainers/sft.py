@@ -73,7 +73,7 @@ class SFTTrainer(BaseTrainer):
     def _tokenize(self, dataset, name: str) -> list[dict]:
         args = self.args
         dataset = as_dataset(dataset, name)
-        fmt = detect_format(dataset.column_names, args.dataset_text_field)
+        fmt = detect_format(dataset.column_names, args.dataset_text_field, name)
         kwargs = dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
                       eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
                       assistant_only_loss=args.assistant_only_loss)
@@ -104,22 +104,27 @@ class SFTTrainer(BaseTrainer):
             old = generation_eos_ids(model)
             if getattr(model, "generation_config", None) is not None and eos not in old:
                 model.generation_config.eos_token_id = [eos, *old]
+        self._check_fit(model, "train_dataset", self.train_rows)
+        self._check_fit(model, "eval_dataset", self.eval_rows or [])
+
+    def _check_fit(self, model, name: str, rows: list[dict]) -> None:
+        """Every token id is in the model's vocabulary and every row fits its context."""
         # num_embeddings is the full size under ZeRO-3 too; PEFT's trainable-token wrapper hides it
         vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
-        for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
-            top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
-            if top >= vocab:
-                raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
+        top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
+        if top >= vocab:
+            raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
         context = getattr(model.config, "max_position_embeddings", None)
-        if not context:
-            return
-        for name, rows in (("train_dataset", self.train_rows), ("eval_dataset", self.eval_rows or [])):
-            longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
-            if longest is not None and len(rows[longest]["input_ids"]) > context:
-                raise ConfigError(
-                    f"{name}: a {'packed row' if self.args.packing else 'sample'} has "
-                    f"{len(rows[longest]['input_ids'])} tokens, more than the model's context of {context}. "
-                    f"Set max_length <= {context} (now {self.args.max_length}).")
+        longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
+        if context and longest is not None and len(rows[longest]["input_ids"]) > context:
+            raise ConfigError(
+                f"{name}: a {'packed row' if self.args.packing else 'sample'} has "
+                f"{len(rows[longest]['input_ids'])} tokens, more than the model's context of {context}. "
+                f"Set max_length <= {context} (now {self.args.max_length}).")
+
+    def load_eval_dataset(self, dataset) -> None:
+        self.eval_rows = self._tokenize(dataset, "eval_dataset")
+        self._check_fit(self.unwrapped_model, "eval_dataset", self.eval_rows)
 
     def optimizer_steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch

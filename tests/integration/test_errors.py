@@ -25,7 +25,7 @@ def test_grpo_dataset_without_prompt(tiny_model_dir, tmp_path):
 
 
 def test_sft_dataset_with_no_known_columns(tiny_model_dir, tmp_path):
-    with pytest.raises(DatasetFormatError, match=r"columns \['body'\], none of the known formats.*'messages'"):
+    with pytest.raises(DatasetFormatError, match=r"train_dataset has columns \['body'\], none of the known SFT formats.*'messages'"):
         sft(tiny_model_dir, [{"body": "hi"}], tmp_path)
 
 

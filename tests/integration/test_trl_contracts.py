@@ -319,3 +319,25 @@ def test_a_chat_template_path_that_is_neither_file_nor_tokenizer_is_named(tiny_m
     with pytest.raises(ModelLoadError, match=r"chat_template_path '\./missing/template\.jinja' is neither"):
         SFTTrainer(model=tiny_model_dir, train_dataset=CHATS,
                    args=sft_args(tmp_path, chat_template_path="./missing/template.jinja"))
+
+
+def test_evaluate_takes_a_dataset_and_a_prefix_as_in_transformers(tiny_model_dir, tmp_path):
+    """evaluate(eval_dataset=...) evaluates that dataset and keeps the trainer's; metric_key_prefix names them."""
+    from trainers.errors import ConfigError, DatasetFormatError
+
+    held_out = [{"text": "zz " * 20}] * 2
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:2], args=sft_args(tmp_path))
+    own = trainer.evaluate()["eval_loss"]
+    other = trainer.evaluate(eval_dataset=held_out, metric_key_prefix="test")
+    assert set(other) == {"test_loss", "test_mean_token_accuracy"} and other["test_loss"] != own
+    assert trainer.evaluate()["eval_loss"] == own  # the trainer's eval_dataset is back
+    with pytest.raises(DatasetFormatError, match="eval_dataset"):
+        trainer.evaluate(eval_dataset=[{"prompt_only": "x"}])
+    assert trainer.evaluate()["eval_loss"] == own
+
+    grpo = GRPOTrainer(model=tiny_model_dir, train_dataset=[{"prompt": "ab"}] * 4, args=grpo_args(tmp_path / "g"),
+                       reward_funcs=lambda prompts, **kw: [float(len(p)) for p in prompts])
+    with pytest.raises(ConfigError, match="needs an eval_dataset"):
+        grpo.evaluate()
+    assert grpo.evaluate(eval_dataset=[{"prompt": "abcde"}])["eval_reward"] == 5.0
+    assert not grpo.has_eval_data()
