@@ -8,12 +8,14 @@ sample, before packing, so a packed row never asks one document to predict the n
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from trainers.errors import DatasetFormatError
+from trainers.logs import logger
 
 IGNORE = -100
 
@@ -247,7 +249,15 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
             before = render_chat(tokenizer, prompt, add_generation_prompt=True, **chat_kwargs)
             text = render_chat(tokenizer, prompt + completion, **chat_kwargs)
             if not text.startswith(before):
-                raise DatasetFormatError("The chat template renders the prompt differently once a completion follows.")
+                # As TRL: the completion starts where the two renderings diverge (DeepSeek-R1 distills end a
+                # generation prompt with "<think>\n" that the rendered conversation drops); the rest of the prompt
+                # rendering is not part of the training sequence.
+                start = len(os.path.commonprefix([before, text]))
+                _warn_once("prompt re-rendered", "The chat template renders the prompt differently once a completion follows: the "
+                           f"completion is trained from where they diverge, and {before[start:]!r} at the end of "
+                           "the prompt is not part of the training sequence (the model trains on a context that "
+                           "differs from the one it sees when generating). This likely applies to every row.")
+                before = before[:start]
         elif isinstance(prompt, str) and isinstance(completion, str):
             before = prompt
             text = prompt + completion
@@ -261,6 +271,16 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
         return {"input_ids": ids, "labels": [t if keep else IGNORE for t, keep in zip(ids, trained)]}
 
     raise ValueError(f"unknown format {fmt!r}")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Log ``message`` the first time ``key`` comes up in this process (a problem every row may share)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
 
 
 def truncate(sample: dict, max_length: int | None, mode: str = "keep_start") -> dict:

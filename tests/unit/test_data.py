@@ -199,6 +199,20 @@ def test_sharegpt_conversations_train_like_messages(tokenizer):
                                                     assistant_only_loss=True)) == ["hello<|im_end|>\n"]
 
 
+def test_a_generation_prompt_the_conversation_does_not_repeat_trains_from_the_divergence(tokenizer):
+    """DeepSeek-R1 distills end the generation prompt with "<think>\\n", which the rendered conversation drops:
+    as TRL (which warns), the completion is trained from where the renderings diverge."""
+    import copy
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    row = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "hello"}]}
+    sample = tokenize_row(row, tokenizer, "prompt_completion", eos_token=EOS)
+    assert trained_segments(tokenizer, sample) == ["hello<|im_end|>\n"]
+    assert tokenizer.decode(sample["input_ids"]).endswith("<|im_start|>assistant\nhello<|im_end|>\n")
+
+
 def test_prompt_completion_conversational(tokenizer):
     row = {
         "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
