@@ -93,8 +93,6 @@ TRL_ONLY_OPTIONS = {
     'ref_model_sync_steps': 512,
     'restore_callback_states_from_checkpoint': False,
     'resume_from_checkpoint': None,
-    'sapo_temperature_neg': 1.05,
-    'sapo_temperature_pos': 1.0,
     'save_on_each_node': False,
     'save_only_model': False,
     'skip_memory_metrics': True,

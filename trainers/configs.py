@@ -262,7 +262,7 @@ class SFTConfig(TrainingConfig):
                self.pad_to_multiple_of, "it must be a positive integer or None")
 
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GENERATION_ENGINES = ("auto", "lean", "hf")
@@ -294,12 +294,21 @@ class GRPOConfig(TrainingConfig):
     chat_template_kwargs: dict | None = opt(None, "Extra keyword arguments for apply_chat_template on prompts.")
     beta: float = opt(0.0, "Weight of the k3 KL penalty to the frozen reference model; 0 loads no reference model.")
     epsilon: float = opt(0.2, "Lower clipping range of the importance ratio: 1 - epsilon.")
-    epsilon_high: float | None = opt(None, "Upper clipping range: 1 + epsilon_high (DAPO clip-higher). Default: epsilon.")
+    epsilon_high: float | None = opt(
+        None, "Upper clipping range: 1 + epsilon_high (DAPO clip-higher). Default: epsilon. With loss_type='cispo' "
+        "it is the largest importance weight, ε_max (5.0 recommended)."
+    )
     delta: float | None = opt(None, "Also clip the ratio from above at delta for negative advantages (two-sided GRPO).")
     importance_sampling_level: str = opt(
         "token", f"Importance ratio per 'token' (GRPO) or per 'sequence' (GSPO); one of {IMPORTANCE_SAMPLING_LEVELS}."
     )
-    loss_type: str = opt("dapo", f"How token losses are averaged: one of {GRPO_LOSS_TYPES} (docs/grpo.md).")
+    loss_type: str = opt(
+        "dapo", f"The policy loss and how token losses are averaged: one of {GRPO_LOSS_TYPES} (docs/grpo.md)."
+    )
+    sapo_temperature_pos: float = opt(1.0, "loss_type='sapo': gate temperature for tokens with a positive advantage.")
+    sapo_temperature_neg: float = opt(
+        1.05, "loss_type='sapo': gate temperature for tokens with a zero or negative advantage."
+    )
     scale_rewards: str = opt(
         "group", f"Divide advantages by the reward std of the 'group', the whole 'batch', or 'none'; one of {SCALE_REWARDS}."
     )
@@ -342,6 +351,8 @@ class GRPOConfig(TrainingConfig):
                "it must be > 0")
         _check(self.delta is None or self.delta > 1, name, "delta", self.delta, "it must be > 1")
         _check(self.loss_type in GRPO_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {GRPO_LOSS_TYPES}")
+        for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _check(getattr(self, f) > 0, name, f, getattr(self, f), "it must be > 0")
         _check(self.scale_rewards in SCALE_REWARDS, name, "scale_rewards", self.scale_rewards,
                f"valid: {SCALE_REWARDS}")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, name, "importance_sampling_level",

@@ -26,8 +26,8 @@ from trainers.data import DatasetFormatError, check_messages, is_conversational,
 from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
-    AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, group_advantages, importance_log_weights,
-    k3_kl, nanstd,
+    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, group_advantages,
+    importance_log_weights, k3_kl, nanstd, sapo_policy_loss,
 )
 from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -396,8 +396,14 @@ class GRPOTrainer(BaseTrainer):
         logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)
-        per_token, low, high = clipped_policy_loss(log_weights, batch["advantages"], args.epsilon, args.clip_high,
-                                                   args.delta)
+        advantages = batch["advantages"]  # [B]
+        low = high = cispo_clipped = None  # clip masks, [B, T or 1]
+        if args.loss_type == "cispo":
+            per_token, cispo_clipped = cispo_policy_loss(logps, log_weights, advantages, args.clip_high)
+        elif args.loss_type == "sapo":
+            per_token = sapo_policy_loss(log_weights, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg)
+        else:
+            per_token, low, high = clipped_policy_loss(log_weights, advantages, args.epsilon, args.clip_high, args.delta)
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
             # k3 KL, importance-weighted so it estimates KL(pi || ref) under the current policy (as TRL does).
@@ -406,12 +412,15 @@ class GRPOTrainer(BaseTrainer):
             stats["kl"] = ((kl.detach() * mask).sum(), mask.sum())
         loss = self.add_router_loss(AGGREGATIONS[args.loss_type](per_token, mask, counts), out, counts, stats)
         # the share of clipped tokens; at importance_sampling_level="sequence", of clipped completions (as TRL)
-        per_completion = args.importance_sampling_level == "sequence"  # low, high: [B, 1]; else [B, T]
-        weight = torch.ones_like(low, dtype=mask.dtype) if per_completion else mask
-        low, high = low.float(), high.float()
-        stats["clip_ratio/low_mean"] = ((low * weight).sum(), weight.sum())
-        stats["clip_ratio/high_mean"] = ((high * weight).sum(), weight.sum())
-        stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
+        per_completion = args.importance_sampling_level == "sequence"  # clip masks: [B, 1]; else [B, T]
+        weight = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device) if per_completion else mask
+        if low is not None:
+            low, high = low.float(), high.float()
+            stats["clip_ratio/low_mean"] = ((low * weight).sum(), weight.sum())
+            stats["clip_ratio/high_mean"] = ((high * weight).sum(), weight.sum())
+            stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
+        if cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
+            stats["cispo_clip_ratio"] = ((cispo_clipped.float() * weight).sum(), weight.sum())
         return loss, stats
 
     # ------------------------------------------------------------------ evaluation and logging

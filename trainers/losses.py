@@ -103,6 +103,8 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torc
     "bnpo": aggregate_micro_batch_token_mean,
     "dr_grpo": aggregate_constant_length,
     "dapo": aggregate_token_mean,
+    "cispo": aggregate_token_mean,  # as TRL: over the step's tokens
+    "sapo": aggregate_sequence_mean,  # as TRL: the grpo mean of sequence means
     "nll": aggregate_token_mean,
 }
 
@@ -185,6 +187,32 @@ def clipped_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, eps
     low_clipped = (ratio < 1 - eps_low) & (adv < 0)
     high_clipped = (ratio > 1 + eps_high) & (adv > 0)
     return loss, low_clipped, high_clipped
+
+
+def cispo_policy_loss(logps: torch.Tensor, log_weights: torch.Tensor, advantages: torch.Tensor,
+                      max_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585), per token: -min(w, ε_max).detach() · A · log π. The weight is
+    clipped and detached instead of the update, so every token keeps a gradient.
+
+    logps: [B, T]; log_weights: [B, T] or [B, 1]; advantages: [B]. Returns (loss [B, T], clipped: w > ε_max
+    with A > 0, [B, T or 1]).
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    weight = torch.exp(log_weights)
+    loss = -weight.clamp(max=max_weight).detach() * adv * logps
+    return loss, (weight > max_weight) & (adv > 0)
+
+
+def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+                     temperature_neg: float) -> torch.Tensor:
+    """SAPO (arXiv:2511.20347), per token: -σ(τ·(w − 1)) · 4/τ · A, a smooth gate in place of the hard clip
+    (slope 1 at w = 1, fading off-policy), τ = temperature_pos where A > 0, else temperature_neg.
+
+    log_weights: [B, T] or [B, 1]; advantages: [B]. Returns the loss, [B, T or 1].
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,8 @@ def build_plots(history: list[dict]) -> list[Plot]:
     plots.append(entropy)
 
     clip = Plot("clip_ratio", "Clipped token fraction", "fraction of tokens")
-    for name in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
-        clip.add(name.split("/")[1], series(history, name))
+    for name in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio"):
+        clip.add(name.split("/")[-1], series(history, name))
     plots.append(clip)
 
     learning_rate = Plot("learning_rate", "Learning rate", "learning rate")

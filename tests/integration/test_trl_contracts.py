@@ -341,3 +341,40 @@ def test_evaluate_takes_a_dataset_and_a_prefix_as_in_transformers(tiny_model_dir
         grpo.evaluate()
     assert grpo.evaluate(eval_dataset=[{"prompt": "abcde"}])["eval_reward"] == 5.0
     assert not grpo.has_eval_data()
+
+
+@pytest.mark.parametrize("loss_type, same_gradient_as", [("cispo", "dapo"), ("sapo", "grpo")])
+def test_cispo_and_sapo_train_with_the_policy_gradient_on_policy(tiny_model_dir, tmp_path, loss_type,
+                                                                 same_gradient_as):
+    """TRL's cispo and sapo losses. On policy (w = 1) CISPO's gradient is -A·∇log π over the step's tokens, as
+    DAPO's, and SAPO's gate has slope 1, as GRPO's mean of sequence means: the first step's gradient norms match
+    (completions of different lengths, so the two aggregations differ)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def reward(completions, **kwargs):  # differs within a group, so advantages are not zero
+        return [float(sum(map(ord, c)) % 7) for c in completions]
+
+    def likely_eos(module, inputs, logits):  # [B, T, V]: EOS about one sample in three, so lengths vary
+        logits = logits.clone()
+        logits[..., module.eos_id] += 5.0
+        return logits
+
+    first, lengths = {}, set()
+    for name in (loss_type, same_gradient_as, "grpo" if same_gradient_as == "dapo" else "dapo"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        model.lm_head.eos_id = model.config.eos_token_id
+        model.lm_head.register_forward_hook(likely_eos)
+        trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                              reward_funcs=reward, train_dataset=[{"prompt": "ab"}] * 8,
+                              args=grpo_args(tmp_path / name, loss_type=name, epsilon_high=5.0, max_steps=2, seed=3,
+                                             log_completions=True))
+        trainer.train()
+        first[name] = trainer.state.log_history[0]
+        lengths |= {len(s["completion"]) for s in map(json.loads, open(tmp_path / name / "completions.jsonl"))}
+    assert len(lengths) > 1
+    other = [name for name in first if name not in (loss_type, same_gradient_as)][0]
+    assert first[other]["grad_norm"] != pytest.approx(first[same_gradient_as]["grad_norm"], rel=1e-3)
+    assert first[loss_type]["grad_norm"] > 0
+    assert first[loss_type]["grad_norm"] == pytest.approx(first[same_gradient_as]["grad_norm"], rel=1e-4)
+    assert ("cispo_clip_ratio" in first[loss_type]) == (loss_type == "cispo")
+    assert "clip_ratio/region_mean" not in first[loss_type]  # as TRL: no PPO clip to count

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainers.losses import (
+    cispo_policy_loss, sapo_policy_loss,
     AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, entropy_from_logits, group_advantages,
     importance_log_weights, k3_kl, logps_and_entropy, nanstd, selective_log_softmax,
 )
@@ -125,6 +126,31 @@ def test_gradient_of_the_unclipped_objective_is_advantage_times_score():
                                      torch.tensor([3.0]), 0.2, 0.2)
     loss.sum().backward()
     assert logps.grad.tolist() == [[-3.0, -3.0]]  # d(-r A)/dlogp = -A at r = 1
+
+
+def test_cispo_clips_and_detaches_the_weight_so_every_token_keeps_a_gradient():
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    log_weights = torch.log(torch.tensor([[0.5, 1.0, 10.0]])).requires_grad_()
+    loss, clipped = cispo_policy_loss(logps, log_weights, torch.tensor([2.0]), max_weight=5.0)
+    assert loss[0].tolist() == pytest.approx([-0.5 * 2 * -1.0, -1.0 * 2 * -2.0, -5.0 * 2 * -0.5])
+    assert clipped.tolist() == [[False, False, True]]
+    loss.sum().backward()
+    assert logps.grad[0].tolist() == pytest.approx([-1.0, -2.0, -10.0])  # -min(w, 5) x A: the clipped token too
+    assert log_weights.grad is None  # the weight is a constant
+    _, clipped = cispo_policy_loss(logps, log_weights, torch.tensor([-2.0]), max_weight=5.0)
+    assert not clipped.any()  # only positive advantages count as clipped (TRL)
+
+
+def test_sapo_gate_is_the_policy_gradient_on_policy_and_fades_off_policy():
+    for advantage, tau in ((1.5, 1.0), (-1.5, 1.05)):
+        log_weights = torch.zeros(1, 1, requires_grad=True)
+        loss = sapo_policy_loss(log_weights, torch.tensor([advantage]), temperature_pos=1.0, temperature_neg=1.05)
+        assert loss.item() == pytest.approx(-2 / tau * advantage)  # σ(0) · 4/τ · A
+        loss.sum().backward()
+        assert log_weights.grad.item() == pytest.approx(-advantage)  # as -w·A at w = 1
+    far = torch.full((1, 1), math.log(10.0), requires_grad=True)  # w = 10
+    sapo_policy_loss(far, torch.tensor([1.0]), 1.0, 1.05).sum().backward()
+    assert 0 < -far.grad.item() < 0.05  # off policy the gate lets little through (no hard cut)
 
 
 def test_gspo_sequence_ratio_is_the_length_normalized_mean():
