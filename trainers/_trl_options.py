@@ -81,7 +81,6 @@ TRL_ONLY_OPTIONS = {
     'metric_for_best_model': None,
     'multi_objective_aggregation': 'sum_then_normalize',
     'neftune_noise_alpha': None,
-    'num_generations_eval': None,
     'off_policy_mask_threshold': None,
     'optim_args': None,
     'optim_target_modules': None,

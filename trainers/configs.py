@@ -262,7 +262,7 @@ class SFTConfig(TrainingConfig):
                self.pad_to_multiple_of, "it must be a positive integer or None")
 
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GENERATION_ENGINES = ("auto", "lean", "hf")
@@ -276,6 +276,7 @@ class GRPOConfig(TrainingConfig):
     learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.")
     remove_unused_columns: bool = opt(False, "Accepted for TRL compatibility; every dataset column reaches the reward functions.")
     num_generations: int = opt(8, "Completions sampled per prompt (the group size G); at least 2.")
+    num_generations_eval: int | None = opt(None, "Completions sampled per eval prompt (default: num_generations).")
     max_completion_length: int = opt(512, "Maximum tokens generated per completion.")
     generation_batch_size: int | None = opt(
         None, "Completions generated per round over all processes. Default: per_device_train_batch_size x "
@@ -338,6 +339,9 @@ class GRPOConfig(TrainingConfig):
         name = type(self).__name__
         _check(isinstance(self.num_generations, int) and self.num_generations >= 2, name, "num_generations",
                self.num_generations, "GRPO compares completions within a group, so it needs at least 2")
+        _check(self.num_generations_eval is None or (isinstance(self.num_generations_eval, int)
+                                                      and self.num_generations_eval >= 1),
+               name, "num_generations_eval", self.num_generations_eval, "it must be a positive integer or None")
         _check(isinstance(self.max_completion_length, int) and self.max_completion_length > 0, name,
                "max_completion_length", self.max_completion_length, "it must be a positive integer")
         _check(isinstance(self.num_iterations, int) and self.num_iterations > 0, name, "num_iterations",

@@ -122,6 +122,11 @@ class GRPOTrainer(BaseTrainer):
                 f"{self.generation_batch_size} completions per round is not a multiple of num_generations="
                 f"{args.num_generations}; each prompt needs all its {args.num_generations} completions in one round.")
         self.prompts_per_round = self.generation_batch_size // args.num_generations
+        luspo_per_token = args.loss_type == "luspo" and args.importance_sampling_level != "sequence"
+        if luspo_per_token and self.accelerator.is_main_process:
+            logger.warning("loss_type='luspo' is GSPO's sequence-level loss scaled by length; with "
+                           "importance_sampling_level='token' it is a token sum per sequence. Set "
+                           "importance_sampling_level='sequence' for the paper's setting (TRL warns the same).")
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
         self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
 
@@ -426,7 +431,8 @@ class GRPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ evaluation and logging
 
     def evaluation_stats(self) -> Stats:
-        """Mean reward (and each function's) of num_generations sampled completions per eval prompt."""
+        """Mean reward (and each function's) of num_generations_eval (default num_generations) sampled
+        completions per eval prompt."""
         acc, args = self.accelerator, self.args
         n, world = len(self.eval_rows), acc.num_processes
         mine = [i for i in range(acc.process_index, n, world)]
@@ -434,11 +440,12 @@ class GRPOTrainer(BaseTrainer):
         device = acc.device
         sums = torch.zeros(len(self.rewards) + 1, device=device)
         counts = torch.zeros(len(self.rewards) + 1, device=device)
-        size = max(1, args.per_device_eval_batch_size // args.num_generations)
+        per_prompt = args.num_generations_eval or args.num_generations
+        size = max(1, args.per_device_eval_batch_size // per_prompt)
         logged = RewardLogs()  # log_metric calls of every chunk
         for start in range(0, per_process, size):
             chunk = mine[start:start + size]
-            indices = [i for i in (chunk or [0]) for _ in range(args.num_generations)]
+            indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]
             rows = [self.eval_rows[i] for i in indices]
             completion_ids = self.generate([self.eval_prompt_ids[i] for i in indices])
             per_func, error, logs = None, None, RewardLogs()

@@ -98,6 +98,12 @@ def aggregate_constant_length(per_token: torch.Tensor, mask: torch.Tensor, count
     return (per_token * mask).sum() / max(counts.sequences * counts.max_completion_length, 1.0)
 
 
+def aggregate_sequence_sum(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
+    """Mean over sequences of each sequence's token *sum*: LUSPO, GSPO scaled by each completion's length so
+    long completions are not under-weighted (TRL's loss_type="luspo")."""
+    return (per_token * mask).sum() / max(counts.sequences, 1.0)
+
+
 AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torch.Tensor]] = {
     "grpo": aggregate_sequence_mean,
     "bnpo": aggregate_micro_batch_token_mean,
@@ -105,6 +111,7 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torc
     "dapo": aggregate_token_mean,
     "cispo": aggregate_token_mean,  # as TRL: over the step's tokens
     "sapo": aggregate_sequence_mean,  # as TRL: the grpo mean of sequence means
+    "luspo": aggregate_sequence_sum,
     "nll": aggregate_token_mean,
 }
 

@@ -378,3 +378,26 @@ def test_cispo_and_sapo_train_with_the_policy_gradient_on_policy(tiny_model_dir,
     assert first[loss_type]["grad_norm"] == pytest.approx(first[same_gradient_as]["grad_norm"], rel=1e-4)
     assert ("cispo_clip_ratio" in first[loss_type]) == (loss_type == "cispo")
     assert "clip_ratio/region_mean" not in first[loss_type]  # as TRL: no PPO clip to count
+
+
+def test_num_generations_eval_sets_the_completions_per_eval_prompt(tiny_model_dir, tmp_path):
+    scored = []
+
+    def count(completions, **kwargs):
+        scored.extend(completions)
+        return [1.0] * len(completions)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=count, train_dataset=[{"prompt": "ab"}] * 4,
+                          eval_dataset=[{"prompt": "cd"}, {"prompt": "ef"}],
+                          args=grpo_args(tmp_path, num_generations_eval=3))
+    assert trainer.evaluate()["eval_reward"] == 1.0
+    assert len(scored) == 2 * 3  # not 2 x num_generations (4)
+
+
+def test_luspo_trains_and_warns_without_sequence_level(tiny_model_dir, tmp_path, caplog):
+    trainer = GRPOTrainer(model=tiny_model_dir, train_dataset=[{"prompt": "ab"}] * 4,
+                          reward_funcs=lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions],
+                          args=grpo_args(tmp_path, loss_type="luspo"))
+    assert "importance_sampling_level='sequence'" in caplog.text
+    trainer.train()
+    assert trainer.state.log_history[0]["grad_norm"] > 0 and "clip_ratio/region_mean" in trainer.state.log_history[0]

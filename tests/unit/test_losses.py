@@ -37,6 +37,12 @@ def test_dr_grpo_divides_by_sequences_times_max_length():
     assert AGGREGATIONS["dr_grpo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / (4 * 5))
 
 
+def test_luspo_averages_sequence_sums_over_the_step():
+    # sequence sums 6 and 4, over the step's 4 sequences; cispo and sapo reuse dapo's and grpo's
+    assert AGGREGATIONS["luspo"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx((6 + 4) / 4)
+    assert AGGREGATIONS["cispo"] is AGGREGATIONS["dapo"] and AGGREGATIONS["sapo"] is AGGREGATIONS["grpo"]
+
+
 def test_nll_is_the_token_mean():
     assert AGGREGATIONS["nll"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 8)
 
@@ -48,7 +54,7 @@ def test_split_invariance_of_global_aggregations():
     mask[:, 0] = 1
     whole = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=1, max_completion_length=4)
     split = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=3, max_completion_length=4)
-    for name in ("dapo", "grpo", "dr_grpo", "nll"):
+    for name in ("dapo", "grpo", "dr_grpo", "luspo", "nll"):
         together = AGGREGATIONS[name](per_token, mask, whole)
         parts = sum(AGGREGATIONS[name](per_token[i:i + 2], mask[i:i + 2], split) for i in (0, 2, 4))
         assert parts.item() == pytest.approx(together.item(), rel=1e-6), name
