@@ -28,6 +28,7 @@ from trainers.logs import RunLog, logger
 from trainers.losses import BatchCounts
 from trainers.modeling import (
     check_model_path, clone_chat_template, load_causal_lm, load_tokenizer, match_vocabulary, router_aux_loss_coef,
+    train_added_tokens,
 )
 from trainers.schedules import build_scheduler
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
@@ -77,22 +78,8 @@ class BaseTrainer:
         model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code)
         if cloned is not None:
             match_vocabulary(model, self.processing_class)
-            if cloned and peft_config is not None and hasattr(peft_config, "trainable_token_indices"):
-                # as TRL: the added tokens' embedding rows train beside the adapters
-                indices = peft_config.trainable_token_indices
-                if indices is None:
-                    peft_config.trainable_token_indices = {"embed_tokens": cloned}
-                elif isinstance(indices, list):
-                    peft_config.trainable_token_indices = {"embed_tokens": indices + cloned}
-                else:
-                    indices.setdefault("embed_tokens", []).extend(cloned)
-                # an untied output head must train too, or the model cannot learn to emit them (TRL adds it as
-                # well); a tied head shares the token rows above (adding it would break PEFT's token wrapper)
-                tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-                if not tied and "lm_head" not in (peft_config.modules_to_save or []):
-                    logger.warning("chat_template_path added tokens: 'lm_head' joins the PEFT modules_to_save so "
-                                   "the model can learn to generate them (as TRL does).")
-                    peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
+            if cloned and peft_config is not None:
+                train_added_tokens(peft_config, model, cloned)
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
         if args.gradient_checkpointing:

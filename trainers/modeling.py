@@ -151,6 +151,25 @@ def match_vocabulary(model, tokenizer) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
 
 
+def train_added_tokens(peft_config, model, token_ids: list[int]) -> None:
+    """Under PEFT, let the embedding rows of tokens ``clone_chat_template`` added train beside the adapters
+    (``trainable_token_indices``), as TRL does. An untied output head joins ``modules_to_save`` too, or the
+    model could not learn to emit them; a tied head shares those rows (adding it would break PEFT's token
+    wrapper, which TRL does)."""
+    if not hasattr(peft_config, "trainable_token_indices"):  # not a LoRA-style config
+        return
+    indices = peft_config.trainable_token_indices
+    if indices is None:
+        peft_config.trainable_token_indices = {"embed_tokens": list(token_ids)}
+    elif isinstance(indices, list):
+        peft_config.trainable_token_indices = {"embed_tokens": indices + list(token_ids)}
+    else:
+        indices.setdefault("embed_tokens", []).extend(token_ids)
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if not tied and "lm_head" not in (peft_config.modules_to_save or []):
+        peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
