@@ -394,23 +394,20 @@ class BaseTrainer:
         """Validate and tokenize ``dataset`` into the evaluation rows (``evaluate(eval_dataset=...)``)."""
         raise NotImplementedError
 
-    EVAL_STATE = ("eval_rows", "eval_prompt_ids")  # what load_eval_dataset replaces (those a trainer has)
+    EVAL_STATE: tuple[str, ...] = ("eval_rows",)  # the attributes load_eval_dataset replaces
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
         """Evaluation metrics over eval_dataset, named ``<metric_key_prefix>_<metric>``; the model returns to
         training mode after. As in transformers, an ``eval_dataset`` given here is evaluated instead of the
         trainer's, which is kept for later evaluations."""
         if eval_dataset is not None:
-            kept = {name: getattr(self, name) for name in self.EVAL_STATE if hasattr(self, name)}
+            kept = {name: getattr(self, name) for name in self.EVAL_STATE}
             try:
                 self.load_eval_dataset(eval_dataset)
                 return self.evaluate(metric_key_prefix=metric_key_prefix)
             finally:
-                for name in self.EVAL_STATE:
-                    if name in kept:
-                        setattr(self, name, kept[name])
-                    elif hasattr(self, name):
-                        delattr(self, name)
+                for name, value in kept.items():
+                    setattr(self, name, value)
         if not self.has_eval_data():
             raise ConfigError("evaluate() needs an eval_dataset: give one to the trainer or to evaluate().")
         self.model.eval()

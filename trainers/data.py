@@ -253,7 +253,8 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
                 # generation prompt with "<think>\n" that the rendered conversation drops); the rest of the prompt
                 # rendering is not part of the training sequence.
                 start = len(os.path.commonprefix([before, text]))
-                _warn_once("prompt re-rendered", "The chat template renders the prompt differently once a completion follows: the "
+                _warn_once("prompt re-rendered",
+                           "The chat template renders the prompt differently once a completion follows: the "
                            f"completion is trained from where they diverge, and {before[start:]!r} at the end of "
                            "the prompt is not part of the training sequence (the model trains on a context that "
                            "differs from the one it sees when generating). This likely applies to every row.")

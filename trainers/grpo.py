@@ -86,6 +86,7 @@ class GRPOTrainer(BaseTrainer):
     "overlong"), ``module:function`` strings, or reward models (folders or instances)."""
 
     config_class = GRPOConfig
+    EVAL_STATE = ("eval_rows", "eval_prompt_ids")
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, peft_config=None):
@@ -141,7 +142,7 @@ class GRPOTrainer(BaseTrainer):
         if train_dataset is None:
             raise DatasetFormatError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         self.train_rows, self.train_prompt_ids = self._prompts(train_dataset, "train_dataset")
-        self.eval_rows = None
+        self.eval_rows = self.eval_prompt_ids = None
         if eval_dataset is not None:
             self.eval_rows, self.eval_prompt_ids = self._prompts(eval_dataset, "eval_dataset")
         if any(r.func is accuracy_reward for r in self.rewards):
@@ -193,7 +194,7 @@ class GRPOTrainer(BaseTrainer):
         # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
         self.eos_ids |= set(generation_eos_ids(model))
         self._check_context(model, "train_dataset", self.train_prompt_ids)
-        self._check_context(model, "eval_dataset", getattr(self, "eval_prompt_ids", []))
+        self._check_context(model, "eval_dataset", self.eval_prompt_ids or [])
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
