@@ -75,7 +75,7 @@ def warm_up(model_path: str, train: list[dict], validation: list[dict], output_d
         trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows, args=SFTConfig(
             # 1e-3: at 3e-3 the jump came later or not at all for some seeds, and RL gained less from there
             output_dir=output_dir, per_device_train_batch_size=64, learning_rate=1e-3, max_steps=stage_steps,
-            lr_scheduler_type="constant", warmup_steps=20 if stage == 0 else 0, save_strategy="no",
+            lr_scheduler_type="constant_with_warmup", warmup_steps=20 if stage == 0 else 0, save_strategy="no",
             logging_steps=stage_steps, disable_tqdm=True, seed=seed + stage, bf16=False, report_to="none"))
         trainer.train()
         model, tokenizer = trainer.unwrapped_model, trainer.processing_class

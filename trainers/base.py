@@ -71,6 +71,11 @@ class BaseTrainer:
         cloned = None if template is None or os.path.isfile(template) else \
             clone_chat_template(self.processing_class, template)
         self.prepare_data(train_dataset, eval_dataset)  # validates and tokenizes before the model loads
+        for option, wants_eval in (("eval_strategy", args.eval_strategy != "no"),
+                                   ("eval_on_start", args.eval_on_start)):
+            if wants_eval and not self.has_eval_data():
+                raise ConfigError(f"{type(args).__name__}: `{option}={getattr(args, option)!r}` needs an eval_dataset; "
+                                  f"give one to the trainer, or leave {option} at its default.")
         self.steps_per_epoch = self.optimizer_steps_per_epoch()
         self.max_steps = args.max_steps if args.max_steps > 0 else max(
             1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
@@ -224,6 +229,8 @@ class BaseTrainer:
         window: list[dict] = []
         step_losses: list[float] = []  # every step of this call, whatever logging_steps is (TrainOutput's mean)
         self.model.train()
+        if args.eval_on_start:  # as transformers: also when resuming, logged at the step it starts from
+            self._record_evaluation(run_log)
         with StopOnSignal() as stop:
             while self.state.global_step < self.max_steps:
                 step = self.state.global_step
@@ -378,14 +385,22 @@ class BaseTrainer:
             self.on_log(record)
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0) or (
             args.eval_strategy == "epoch" and epoch_end)
-        if eval_due and self.has_eval_data():
-            run_log.record(state.log_history, {"step": step, "epoch": round(state.epoch, 4), **self.evaluate()})
+        if eval_due:
+            self._record_evaluation(run_log)
         save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
             args.save_strategy == "epoch" and (epoch_end or last))
         if save_due:
             self.save_checkpoint()
 
     # ------------------------------------------------------------------ evaluation, checkpoints, saving
+
+    def _record_evaluation(self, run_log: RunLog) -> None:
+        """Evaluate, and log the metrics to metrics.jsonl, log_history and the trackers."""
+        state = self.state
+        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **self.evaluate()}
+        run_log.record(state.log_history, record)
+        if self.trackers:
+            self.accelerator.log(numeric_metrics(record), step=state.global_step)
 
     def has_eval_data(self) -> bool:
         return getattr(self, "eval_rows", None) is not None

@@ -118,7 +118,10 @@ def render() -> str:
         "| --- | --- |",
     ]
     for name in sorted(TRL_ONLY_OPTIONS):
-        lines.append(f"| {_cell(_code(name))} | {_cell(_code(repr(TRL_ONLY_OPTIONS[name])))} |")
+        # a TrainingArguments option one config implements is still refused by the others
+        implemented = [c.__name__ for c in CONFIG_CLASSES if name in {f.name for f in dataclasses.fields(c)}]
+        note = f" (`{'`, `'.join(implemented)}` implements it)" if implemented else ""
+        lines.append(f"| {_cell(_code(name) + note)} | {_cell(_code(repr(TRL_ONLY_OPTIONS[name])))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError
+from trainers.schedules import check_scheduler_kwargs
 
 
 def opt(default: Any, help: str) -> Any:
@@ -23,7 +24,9 @@ def opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-LR_SCHEDULER_TYPES = ("linear", "cosine", "constant", "constant_with_warmup")
+# transformers' schedules, except the two stepped by an evaluation metric (reduce_lr_on_plateau, greedy)
+LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                      "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
@@ -119,11 +122,21 @@ class TrainingConfig:
     max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm to this value; 0 or None disables clipping.")
     num_train_epochs: float = opt(3.0, "Passes over the training data (ignored when max_steps > 0).")
     max_steps: int = opt(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
-    lr_scheduler_type: str = opt("linear", f"Learning-rate schedule after warmup: one of {LR_SCHEDULER_TYPES}.")
+    lr_scheduler_type: str = opt(
+        "linear", f"Learning-rate schedule, transformers' own (the warm-up's first step runs at lr 0; 'constant' "
+        f"ignores warm-up): one of {LR_SCHEDULER_TYPES}."
+    )
+    lr_scheduler_kwargs: dict | None = opt(
+        None, "Extra arguments of the schedule, as in transformers: e.g. {'min_lr_rate': 0.1} for "
+        "cosine_with_min_lr, {'num_cycles': 2} for cosine_with_restarts, {'num_decay_steps': 100} for "
+        "warmup_stable_decay."
+    )
     warmup_steps: float = opt(0, "Linear warmup length in optimizer steps; a value below 1 is a fraction of all steps.")
     warmup_ratio: float = opt(0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).")
     logging_steps: int = opt(10, "Log metrics every this many optimizer steps.")
     eval_strategy: str = opt("no", f"When to evaluate on eval_dataset: one of {STRATEGIES}.")
+    eval_on_start: bool = opt(
+        False, "Evaluate once before the first training step (a check of the set-up), as transformers does.")
     eval_steps: int | None = opt(None, "Evaluate every this many steps (eval_strategy='steps'); defaults to logging_steps.")
     save_strategy: str = opt("steps", f"When to write a checkpoint: one of {STRATEGIES}.")
     save_steps: int = opt(500, "Write a checkpoint every this many steps (save_strategy='steps').")
@@ -181,6 +194,8 @@ class TrainingConfig:
                self.max_steps, "it must be a positive integer, or -1 to train for num_train_epochs")
         _check(self.lr_scheduler_type in LR_SCHEDULER_TYPES, name, "lr_scheduler_type", self.lr_scheduler_type,
                f"valid: {LR_SCHEDULER_TYPES}")
+        problem = check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs or {})
+        _check(problem is None, name, "lr_scheduler_kwargs", self.lr_scheduler_kwargs, str(problem))
         _check(self.warmup_steps >= 0, name, "warmup_steps", self.warmup_steps, "it must be >= 0")
         _check(self.warmup_steps < 1 or float(self.warmup_steps).is_integer(), name, "warmup_steps",
                self.warmup_steps, "a value >= 1 counts steps and must be a whole number")
@@ -246,10 +261,17 @@ class SFTConfig(TrainingConfig):
         "template is cloned with the tokens it needs, its EOS and resized embeddings (TRL's clone_chat_template).")
     dataset_num_proc: int | None = opt(None, "Processes used to tokenize the dataset.")
     loss_type: str = opt("nll", f"Loss: one of {SFT_LOSS_TYPES} (token-level negative log-likelihood).")
+    neftune_noise_alpha: float | None = opt(
+        None, "NEFTune (arXiv:2310.05914): add uniform noise of scale alpha / sqrt(tokens x width) to the input "
+        "embeddings of every training forward (not in evaluation), as transformers does. The paper uses 5."
+    )
 
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
+        _check(self.neftune_noise_alpha is None or (self.neftune_noise_alpha > 0
+                                                    and math.isfinite(self.neftune_noise_alpha)),
+               name, "neftune_noise_alpha", self.neftune_noise_alpha, "it must be a positive number, or None")
         _check(self.max_length is None or (isinstance(self.max_length, int) and self.max_length > 0), name,
                "max_length", self.max_length, "it must be a positive integer or None")
         _check(not (self.packing and self.max_length is None), name, "max_length", self.max_length,
@@ -310,6 +332,15 @@ class GRPOConfig(TrainingConfig):
     sapo_temperature_neg: float = opt(
         1.05, "loss_type='sapo': gate temperature for tokens with a zero or negative advantage."
     )
+    top_entropy_quantile: float = opt(
+        1.0, "Keep in the policy loss only the top-rho fraction of completion tokens by entropy (arXiv:2506.01939; "
+        "the paper uses 0.2): the cut is the (1 - rho) quantile over every process's tokens of the micro-batch. "
+        "1.0 keeps all; 0.0 only the highest-entropy token."
+    )
+    off_policy_mask_threshold: float | None = opt(
+        None, "DeepSeek-V3.2's off-policy sequence mask: drop from the policy loss a completion with a negative "
+        "advantage whose mean log pi_old - log pi exceeds this (e.g. 0.5). None disables."
+    )
     scale_rewards: str = opt(
         "group", f"Divide advantages by the reward std of the 'group', the whole 'batch', or 'none'; one of {SCALE_REWARDS}."
     )
@@ -357,6 +388,11 @@ class GRPOConfig(TrainingConfig):
         _check(self.loss_type in GRPO_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {GRPO_LOSS_TYPES}")
         for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _check(getattr(self, f) > 0, name, f, getattr(self, f), "it must be > 0")
+        _check(0 <= self.top_entropy_quantile <= 1, name, "top_entropy_quantile", self.top_entropy_quantile,
+               "it must be in [0, 1] (1 keeps every token)")
+        _check(self.off_policy_mask_threshold is None or (self.off_policy_mask_threshold >= 0
+                                                          and math.isfinite(self.off_policy_mask_threshold)),
+               name, "off_policy_mask_threshold", self.off_policy_mask_threshold, "it must be a number >= 0, or None")
         _check(self.scale_rewards in SCALE_REWARDS, name, "scale_rewards", self.scale_rewards,
                f"valid: {SCALE_REWARDS}")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, name, "importance_sampling_level",

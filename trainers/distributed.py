@@ -345,6 +345,16 @@ def broadcast_object(accelerator: Accelerator, obj: Any, from_process: int = 0) 
     return holder[0]
 
 
+def gather_varlen(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Every process's 1-D ``values`` (of any length, on every process), concatenated in process order."""
+    if accelerator.num_processes == 1:
+        return values
+    lengths = accelerator.gather(torch.tensor([values.numel()], device=values.device)).tolist()
+    padded = accelerator.pad_across_processes(values, dim=0)  # to the longest: gather wants equal shapes
+    gathered = accelerator.gather(padded).view(len(lengths), -1)
+    return torch.cat([row[:n] for row, n in zip(gathered, lengths)])
+
+
 def all_reduce_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over processes (returns a new tensor on every process)."""
     if accelerator.num_processes == 1:

@@ -27,7 +27,7 @@ from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, group_advantages,
-    importance_log_weights, k3_kl, nanstd, sapo_policy_loss,
+    high_entropy_mask, importance_log_weights, k3_kl, nanstd, off_policy_sequence_mask, sapo_policy_loss,
 )
 from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -410,6 +410,12 @@ class GRPOTrainer(BaseTrainer):
             per_token = sapo_policy_loss(log_weights, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg)
         else:
             per_token, low, high = clipped_policy_loss(log_weights, advantages, args.epsilon, args.clip_high, args.delta)
+        if args.off_policy_mask_threshold is not None:  # [B, 1]: whole completions
+            threshold = args.off_policy_mask_threshold
+            per_token = per_token * off_policy_sequence_mask(logps, old, advantages, mask, threshold)
+        if args.top_entropy_quantile < 1.0:  # [B, T]: the high-entropy tokens only
+            threshold = self._entropy_threshold(out["entropy"], mask)
+            per_token = per_token * high_entropy_mask(out["entropy"], mask, threshold)
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
             # k3 KL, importance-weighted so it estimates KL(pi || ref) under the current policy (as TRL does).
@@ -428,6 +434,14 @@ class GRPOTrainer(BaseTrainer):
         if cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
             stats["cispo_clip_ratio"] = ((cispo_clipped.float() * weight).sum(), weight.sum())
         return loss, stats
+
+    def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The (1 - top_entropy_quantile) quantile of the entropy of every process's loss tokens in this
+        micro-batch (inf when there are none: nothing is kept), as TRL computes it."""
+        values = dist.gather_varlen(self.accelerator, entropy.detach()[mask.bool()].float())
+        if values.numel() == 0:
+            return torch.tensor(float("inf"), device=entropy.device)
+        return torch.quantile(values, 1.0 - self.args.top_entropy_quantile)
 
     # ------------------------------------------------------------------ evaluation and logging
 

@@ -222,6 +222,24 @@ def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temper
     return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
 
 
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """The loss tokens whose entropy is at least ``threshold`` (top_entropy_quantile, arXiv:2506.01939: the
+    policy gradient from the high-entropy "forking" tokens only). entropy, mask: [B, T]. Returns [B, T] bool."""
+    return (entropy >= threshold) & mask.bool()
+
+
+def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): 0 for a completion whose advantage
+    is negative and whose mean log π_old − log π (an estimate of KL(π_old || π)) exceeds ``threshold``, else 1.
+
+    logps, old_logps, mask: [B, T]; advantages: [B]. Returns [B, 1] in mask's dtype.
+    """
+    kl = old_logps - logps.detach()  # [B, T]
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(π || π_ref), per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
     diff = ref_logps - logps

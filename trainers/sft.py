@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
 from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, SFTConfig
@@ -47,6 +48,17 @@ class SFTTrainer(BaseTrainer):
     """
 
     config_class = SFTConfig
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """BaseTrainer.train, with NEFTune's embedding noise on while it runs when neftune_noise_alpha is set."""
+        if self.args.neftune_noise_alpha is None:
+            return super().train(resume_from_checkpoint)
+        # transformers' own hook: it adds noise only in training mode, so evaluation (eval mode) sees none
+        handle = activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
+        try:
+            return super().train(resume_from_checkpoint)
+        finally:
+            deactivate_neftune(self.model, handle, self.accelerator)
 
     # ------------------------------------------------------------------ data
 

@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from trainers import GRPOConfig, GRPOTrainer
+import trainers.grpo
+from trainers import GRPOConfig, GRPOTrainer, losses
 from trainers.distributed import gathered_parameters, zero_stage
 
 
@@ -38,6 +39,16 @@ def main():
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05)
     if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
         GRPOTrainer.shares_prompt_forward = False
+    masks = []  # GRPO_JOB_TOP_ENTROPY_QUANTILE: each micro-batch's loss-token entropies and which were kept
+    if "GRPO_JOB_TOP_ENTROPY_QUANTILE" in os.environ:
+        args.top_entropy_quantile = float(os.environ["GRPO_JOB_TOP_ENTROPY_QUANTILE"])
+
+        def recording(entropy, mask, threshold):
+            kept = losses.high_entropy_mask(entropy, mask, threshold)
+            masks.append({"entropy": entropy[mask.bool()].tolist(), "kept": kept[mask.bool()].tolist()})
+            return kept
+
+        trainers.grpo.high_entropy_mask = recording
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows)
     acc = trainer.accelerator
 
@@ -59,7 +70,7 @@ def main():
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
               "shares_prompt_forward": trainer.shares_prompt_forward,
-              "round": round_report, "checksum": checksum, "history": trainer.state.log_history}
+              "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

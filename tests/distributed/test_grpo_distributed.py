@@ -64,3 +64,20 @@ def test_shared_prompt_forward_matches_one_forward_per_row(name, tiny_model_dir,
     for key in ("loss", "grad_norm", "kl", "entropy"):
         assert first[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
     assert first["grad_norm"] > 0
+
+
+@pytest.mark.distributed
+def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(tiny_model_dir, tmp_path):
+    """The entropy cut is one quantile over every process's loss tokens (TRL gathers them), so each process
+    keeps its tokens above the shared threshold: not a quarter of its own."""
+    reports = run_job("multi_gpu", tiny_model_dir, tmp_path / "run", GRPO_JOB_TOP_ENTROPY_QUANTILE="0.25")
+    calls = [r["masks"] for r in reports]
+    assert len(calls[0]) == len(calls[1]) == 3  # one micro-batch per step on each process
+    uneven = False
+    for mine, theirs in zip(*calls):
+        both = torch.tensor(mine["entropy"] + theirs["entropy"])
+        threshold = torch.quantile(both, 0.75)
+        for part in (mine, theirs):
+            assert part["kept"] == [bool(e >= threshold) for e in part["entropy"]]
+        uneven |= sum(mine["kept"]) != sum(theirs["kept"])
+    assert uneven  # the split of kept tokens follows the entropies, not the process

@@ -96,7 +96,7 @@ def test_an_unknown_reward_name(tiny_model_dir, tmp_path):
     ({"learning_rate": -1e-5}, "learning_rate"), ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
     ({"max_completion_length": 0}, "max_completion_length"), ({"loss_type": "ppo"}, "loss_type"),
     ({"scale_rewards": "sometimes"}, "scale_rewards"), ({"importance_sampling_level": "word"}, "importance_sampling_level"),
-    ({"lr_scheduler_type": "warmup_stable_decay"}, "lr_scheduler_type"), ({"num_generations": 1}, "num_generations"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type"), ({"num_generations": 1}, "num_generations"),
     ({"use_vllm": True}, "use_vllm"), ({"vllm_mode": "server"}, "vllm_mode"), ({"num_generation": 4}, "num_generation"),
 ])
 def test_config_errors_name_the_option(options, culprit):

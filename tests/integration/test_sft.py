@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainers import SFTConfig, SFTTrainer
+from trainers.errors import ConfigError
 from trainers.data import Collator, pack_samples, shift_targets
 from trainers.tiny import as_sft_rows, reverse_digits_rows
 
@@ -182,6 +183,26 @@ def test_evaluation_logs_eval_loss(tiny_model_dir, tmp_path):
     assert [r["step"] for r in evals] == [2, 4]
     assert 0 < evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 6
     assert 0 <= evals[-1]["eval_mean_token_accuracy"] <= 1
+
+
+def test_eval_on_start_evaluates_the_untrained_model_first(tiny_model_dir, tmp_path):
+    rows = as_sft_rows(reverse_digits_rows(64))
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=2, eval_on_start=True),
+                         train_dataset=rows, eval_dataset=rows[:13])
+    untrained = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0]  # eval_strategy "no": only the one before training
+    assert evals[0]["eval_loss"] == pytest.approx(untrained, rel=1e-6)
+    assert trainer.state.log_history[1]["step"] == 1  # then training logs as usual
+
+
+@pytest.mark.parametrize("option", [{"eval_strategy": "steps"}, {"eval_strategy": "epoch"}, {"eval_on_start": True}])
+def test_evaluation_without_an_eval_dataset_is_an_error_up_front(tiny_model_dir, tmp_path, option):
+    name = next(iter(option))
+    with pytest.raises(ConfigError, match=f"`{name}=.*` needs an eval_dataset"):
+        SFTTrainer(model=tiny_model_dir, args=config(tmp_path, **option),
+                   train_dataset=as_sft_rows(reverse_digits_rows(8)))
 
 
 def test_checkpoints_rotate_and_resume(tiny_model_dir, tmp_path):

@@ -24,8 +24,9 @@ def config(tmp_path, **overrides):
 def test_tensorboard_receives_every_logged_loss(tiny_model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, report_to="tensorboard", run_name="tb"),
-                         train_dataset=ROWS)
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, report_to="tensorboard", run_name="tb",
+                                                          eval_strategy="steps", eval_steps=2, eval_on_start=True),
+                         train_dataset=ROWS, eval_dataset=ROWS[:8])
     trainer.train()
     files = glob.glob(str(tmp_path / "out" / "tb" / "**" / "events.out.tfevents.*"), recursive=True)
     assert files, list((tmp_path / "out").rglob("*"))
@@ -39,6 +40,9 @@ def test_tensorboard_receives_every_logged_loss(tiny_model_dir, tmp_path):
     assert [s for s, _ in scalars["loss"]] == [s for s, _ in logged] == [1, 2, 3]
     assert [v for _, v in scalars["loss"]] == pytest.approx([v for _, v in logged], rel=1e-5)
     assert "learning_rate" in scalars and "tokens_per_second" in scalars
+    evaluated = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
+    assert [s for s, _ in scalars["eval_loss"]] == [s for s, _ in evaluated] == [0, 2]  # eval_on_start, step 2
+    assert [v for _, v in scalars["eval_loss"]] == pytest.approx([v for _, v in evaluated], rel=1e-5)
 
 
 def test_unknown_tracker_is_an_error_naming_it():

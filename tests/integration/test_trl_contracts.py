@@ -1,12 +1,14 @@
 """Contracts a TRL script relies on, each found by running TRL 1.16 and this project side by side."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers.errors import ConfigError
 
 
 def sft_args(tmp_path, **overrides):
@@ -401,3 +403,83 @@ def test_luspo_trains_and_warns_without_sequence_level(tiny_model_dir, tmp_path,
     assert "importance_sampling_level='sequence'" in caplog.text
     trainer.train()
     assert trainer.state.log_history[0]["grad_norm"] > 0 and "clip_ratio/region_mean" in trainer.state.log_history[0]
+
+
+def test_neftune_noises_training_forwards_only_and_is_removed_after(tiny_model_dir, tmp_path):
+    """neftune_noise_alpha (TrainingArguments'): transformers' hook on the input embeddings while train() runs."""
+    def run(alpha):
+        trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:4], args=sft_args(
+            tmp_path / str(alpha), max_steps=2, logging_steps=1, shuffle_dataset=False, eval_strategy="steps",
+            eval_steps=2, neftune_noise_alpha=alpha))
+        trainer.train()
+        return trainer
+
+    plain, noisy = run(None), run(50.0)
+    # the same first batch from the same weights: only the noise separates the first losses
+    assert abs(noisy.state.log_history[0]["loss"] - plain.state.log_history[0]["loss"]) > 1e-3
+    # evaluation runs in eval mode, without noise: the eval loss logged at the last step (hook still on) is
+    # the one the same weights give once train() has removed the hook
+    logged = [r["eval_loss"] for r in noisy.state.log_history if "eval_loss" in r]
+    assert logged[-1] == pytest.approx(noisy.evaluate()["eval_loss"], rel=1e-6)
+    embeddings = noisy.unwrapped_model.get_input_embeddings()
+    assert not embeddings._forward_hooks and not hasattr(embeddings, "neftune_noise_alpha")
+
+
+def test_neftune_is_sft_only_and_checked():
+    with pytest.raises(ConfigError, match="neftune_noise_alpha"):
+        SFTConfig(neftune_noise_alpha=0.0)
+    with pytest.raises(ConfigError, match="neftune_noise_alpha=5.*only its default None"):
+        GRPOConfig(neftune_noise_alpha=5.0)
+
+
+def _varied_reward(completions, **kwargs):  # differs within a group, so advantages are not zero
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.25])
+def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_path, monkeypatch, quantile):
+    import trainers.grpo
+
+    kept = []  # (kept tokens, loss tokens) per micro-batch
+
+    def recording(entropy, mask, threshold):
+        result = trainers.losses.high_entropy_mask(entropy, mask, threshold)
+        kept.append((int(result.sum()), int(mask.sum())))
+        return result
+
+    monkeypatch.setattr(trainers.grpo, "high_entropy_mask", recording)
+    norms = {}
+    for q in (1.0, quantile):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
+                              args=grpo_args(tmp_path / str(q), top_entropy_quantile=q, seed=3,
+                                             max_completion_length=12))
+        trainer.train()
+        norms[q] = trainer.state.log_history[0]["grad_norm"]
+    assert kept
+    for n, total in kept:  # tokens at or above the (1 - q) quantile (linear interpolation) of distinct values
+        assert n == total - math.ceil((1 - quantile) * (total - 1))
+        assert n == 1 if quantile == 0.0 else abs(n - total / 4) < 1
+    assert norms[quantile] < norms[1.0]  # fewer tokens carry the gradient
+
+
+def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir, tmp_path, monkeypatch):
+    import trainers.grpo
+
+    calls = []
+
+    def recording(logps, old, advantages, mask, threshold):
+        result = trainers.losses.off_policy_sequence_mask(logps, old, advantages, mask, threshold)
+        calls.append((result.squeeze(1).clone(), advantages.clone()))
+        return result
+
+    monkeypatch.setattr(trainers.grpo, "off_policy_sequence_mask", recording)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
+                          args=grpo_args(tmp_path, off_policy_mask_threshold=0.1, num_iterations=2, max_steps=2,
+                                         learning_rate=1e-3, seed=3))
+    trainer.train()
+    assert len(calls) == 2  # one micro-batch per pass over the rollout
+    first, second = calls
+    assert first[0].eq(1).all()  # on policy: nothing has drifted yet
+    dropped = second[0] == 0
+    assert dropped.any()  # after one step, the negative completions became less likely: drifted past 0.1
+    assert (second[1][dropped] < 0).all()  # and only negative-advantage ones are dropped

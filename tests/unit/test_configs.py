@@ -32,7 +32,7 @@ INVALID = [
     (GRPOConfig, {"loss_type": "ppo"}, "loss_type"),
     (GRPOConfig, {"scale_rewards": "std"}, "scale_rewards"),
     (GRPOConfig, {"importance_sampling_level": "sequence_level"}, "importance_sampling_level"),
-    (TrainingConfig, {"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
+    (TrainingConfig, {"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type"),
     (TrainingConfig, {"save_strategy": "best"}, "save_strategy"),
     (TrainingConfig, {"eval_strategy": "always"}, "eval_strategy"),
     (TrainingConfig, {"warmup_steps": 5, "warmup_ratio": 0.1}, "warmup_ratio"),
@@ -89,7 +89,7 @@ INVALID = [
     (GRPOConfig, {"generation_batch_size": 0}, "generation_batch_size"),
     (GRPOConfig, {"steps_per_generation": -1}, "steps_per_generation"),
     (GRPOConfig, {"num_completions_to_print": 0}, "num_completions_to_print"),
-    (GRPOConfig, {"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type"),
+    (GRPOConfig, {"lr_scheduler_type": "greedy"}, "lr_scheduler_type"),
 ]
 
 
@@ -131,7 +131,7 @@ def test_invalid_choice_message_lists_valid_values():
     for valid in ("grpo", "bnpo", "dr_grpo", "dapo"):
         assert valid in str(info.value)
     with pytest.raises(ConfigError) as info:
-        TrainingConfig(lr_scheduler_type="polynomial")
+        TrainingConfig(lr_scheduler_type="reduce_lr_on_plateau")
     for valid in ("linear", "cosine", "constant", "constant_with_warmup"):
         assert valid in str(info.value)
 
@@ -241,8 +241,14 @@ def test_trl_only_option_at_other_value_is_refused(cls, name, value):
 
 
 def test_trl_only_options_do_not_shadow_real_fields():
-    for cls in ALL_CONFIGS:
-        assert not set(TRL_ONLY_OPTIONS) & {f.name for f in dataclasses.fields(cls)}
+    """A TRL-only option is a field of no config, except a TrainingArguments option one trainer implements
+    (neftune_noise_alpha, SFT's): the others still accept it only at TRL's default."""
+    fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in ALL_CONFIGS}
+    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == {"neftune_noise_alpha"}
+    assert "neftune_noise_alpha" in fields[SFTConfig]
+    assert SFTConfig(neftune_noise_alpha=5.0).neftune_noise_alpha == 5.0
+    with pytest.raises(ConfigError, match="only its default None"):
+        GRPOConfig(neftune_noise_alpha=5.0)
 
 
 def test_positional_argument_and_signature_preserved():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trainers.losses import (
-    cispo_policy_loss, sapo_policy_loss,
-    AGGREGATIONS, BatchCounts, clipped_policy_loss, combine_rewards, entropy_from_logits, group_advantages,
-    importance_log_weights, k3_kl, logps_and_entropy, nanstd, selective_log_softmax,
+    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, entropy_from_logits,
+    group_advantages, high_entropy_mask, importance_log_weights, k3_kl, logps_and_entropy, nanstd,
+    off_policy_sequence_mask, sapo_policy_loss, selective_log_softmax,
 )
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
@@ -203,3 +203,28 @@ def test_the_fused_pass_equals_the_separate_ones_in_value_and_gradient():
     (grad_fused,) = torch.autograd.grad(logps.sum(), logits)
     (grad_plain,) = torch.autograd.grad(selective_log_softmax(logits, index).sum(), logits)
     torch.testing.assert_close(grad_fused, grad_plain)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# high_entropy_mask (top_entropy_quantile) and off_policy_sequence_mask (off_policy_mask_threshold)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_high_entropy_mask_keeps_loss_tokens_at_or_above_the_threshold():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 2.0], [0.5, 0.4, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    kept = high_entropy_mask(entropy, mask, 0.5)
+    assert kept.tolist() == [[False, True, True, False], [True, False, True, False]]  # 2.0 is padding
+
+
+def test_off_policy_sequence_mask_drops_negative_far_off_policy_completions():
+    logps = torch.zeros(4, 3, requires_grad=True)
+    # mean log pi_old - log pi per completion (over its 2 loss tokens): 0.6, 0.6, 0.2, 0.6
+    old = torch.tensor([[0.6, 0.6, 9.0], [0.6, 0.6, 9.0], [0.2, 0.2, 9.0], [1.2, 0.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
+    advantages = torch.tensor([1.0, -1.0, -1.0, -0.5])
+    kept = off_policy_sequence_mask(logps, old, advantages, mask, threshold=0.5)
+    assert kept.shape == (4, 1)
+    assert kept.squeeze(1).tolist() == [1.0, 0.0, 1.0, 0.0]  # kept: A >= 0, or KL <= 0.5
+    assert not kept.requires_grad  # a mask, not a path for gradients
+    assert off_policy_sequence_mask(logps, logps.detach(), advantages, mask, 0.0).eq(1).all()  # on policy: all kept

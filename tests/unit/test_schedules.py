@@ -1,16 +1,15 @@
-"""Unit tests for trainers/schedules.py: warmup length, the lr multiplier, and the LambdaLR built from a config."""
+"""Unit tests for trainers/schedules.py: warmup length, the lr_scheduler_kwargs check, and the schedule built from a
+config (transformers' own, so the values here are also transformers' and TRL's)."""
 
+import logging
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from trainers.configs import TrainingConfig
-from trainers.schedules import build_scheduler, lr_multiplier, warmup_steps
-
-KINDS = ("linear", "cosine", "constant", "constant_with_warmup")
+from trainers.configs import LR_SCHEDULER_TYPES, TrainingConfig
+from trainers.errors import ConfigError
+from trainers.schedules import build_scheduler, warmup_steps
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -37,110 +36,6 @@ def test_warmup_steps(total, steps, fraction, expected):
     result = warmup_steps(total, steps, fraction)
     assert result == expected
     assert isinstance(result, int)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# lr_multiplier, hand-computed
-# ------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "step,expected",
-    [(0, 1.0), (1, 0.9), (5, 0.5), (9, 0.1), (10, 0.0), (15, 0.0)],
-)
-def test_linear_without_warmup(step, expected):
-    assert lr_multiplier(step, "linear", 10, 0) == pytest.approx(expected, abs=1e-12)
-
-
-@pytest.mark.parametrize(
-    "step,expected",
-    # warmup 4: (step + 1) / 5 for steps 0..3, then 1 - (step - 4) / (12 - 4)
-    [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8), (4, 1.0), (6, 0.75), (8, 0.5), (11, 0.125), (12, 0.0)],
-)
-def test_linear_with_warmup(step, expected):
-    assert lr_multiplier(step, "linear", 12, 4) == pytest.approx(expected, abs=1e-12)
-
-
-@pytest.mark.parametrize(
-    "step,expected",
-    [
-        (0, 1.0),
-        (3, 0.5 * (1 + math.cos(0.3 * math.pi))),  # 0.7938926...
-        (5, 0.5),
-        (7, 0.5 * (1 + math.cos(0.7 * math.pi))),  # 0.2061073...
-        (10, 0.0),
-        (15, 0.0),  # progress is capped at 1, so the cosine does not come back up
-        (20, 0.0),
-    ],
-)
-def test_cosine_without_warmup(step, expected):
-    assert lr_multiplier(step, "cosine", 10, 0) == pytest.approx(expected, abs=1e-12)
-
-
-def test_cosine_hand_values():
-    assert lr_multiplier(3, "cosine", 10, 0) == pytest.approx(0.7938926261, abs=1e-9)
-    assert lr_multiplier(7, "cosine", 10, 0) == pytest.approx(0.2061073739, abs=1e-9)
-
-
-@pytest.mark.parametrize(
-    "step,expected",
-    # warmup 2 -> (step + 1) / 3; then progress = (step - 2) / 8
-    [(0, 1 / 3), (1, 2 / 3), (2, 1.0), (4, 0.5 * (1 + math.cos(math.pi / 4))), (6, 0.5), (10, 0.0)],
-)
-def test_cosine_with_warmup(step, expected):
-    assert lr_multiplier(step, "cosine", 10, 2) == pytest.approx(expected, abs=1e-12)
-
-
-@pytest.mark.parametrize("kind", ["constant", "constant_with_warmup"])
-def test_constant_without_warmup(kind):
-    assert [lr_multiplier(s, kind, 10, 0) for s in range(12)] == [1.0] * 12
-
-
-@pytest.mark.parametrize("kind", ["constant", "constant_with_warmup"])
-def test_constant_with_warmup(kind):
-    values = [lr_multiplier(s, kind, 10, 3) for s in range(10)]
-    assert values == pytest.approx([0.25, 0.5, 0.75] + [1.0] * 7, abs=1e-12)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_warmup_is_strictly_increasing_and_never_zero(kind):
-    values = [lr_multiplier(s, kind, 100, 9) for s in range(10)]
-    assert values == pytest.approx([(s + 1) / 10 for s in range(10)], abs=1e-12)
-    assert values[0] > 0
-
-
-@pytest.mark.parametrize("kind", ["linear", "cosine"])
-@pytest.mark.parametrize("total,warmup", [(10, 0), (10, 3), (1000, 100), (5, 4)])
-def test_decay_reaches_zero_at_total_steps(kind, total, warmup):
-    assert lr_multiplier(total, kind, total, warmup) == pytest.approx(0.0, abs=1e-12)
-    # the last trained step (total - 1) is already close to 0 and no higher than the step before
-    last = lr_multiplier(total - 1, kind, total, warmup)
-    assert 0 < last <= 1.0 / (total - warmup) + 1e-12
-
-
-def test_unknown_kind_raises_after_warmup():
-    with pytest.raises(ValueError, match="polynomial"):
-        lr_multiplier(0, "polynomial", 10, 0)
-
-
-@settings(max_examples=200, deadline=None, database=None)
-@given(
-    kind=st.sampled_from(KINDS),
-    total=st.integers(1, 500),
-    warmup=st.integers(0, 100),
-    step=st.integers(0, 1200),
-)
-def test_multiplier_in_unit_interval(kind, total, warmup, step):
-    value = lr_multiplier(step, kind, total, warmup)
-    assert 0.0 <= value <= 1.0
-
-
-@settings(max_examples=100, deadline=None, database=None)
-@given(kind=st.sampled_from(["linear", "cosine"]), total=st.integers(1, 300), warmup=st.integers(0, 50))
-def test_decay_is_monotone_after_warmup(kind, total, warmup):
-    values = [lr_multiplier(s, kind, total, warmup) for s in range(warmup, max(total, warmup) + 5)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
-    assert values[0] == 1.0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -173,8 +68,9 @@ def _lrs(config: TrainingConfig, total_steps: int, n: int) -> list[float]:
 
 
 def test_build_scheduler_linear_with_warmup_steps():
+    # transformers: step / warmup during warm-up (the first step at lr 0), then (total - step) / (total - warmup)
     config = TrainingConfig(learning_rate=0.1, warmup_steps=2, lr_scheduler_type="linear")
-    expected = [0.1 / 3, 0.2 / 3, 0.1, 0.075, 0.05, 0.025, 0.0]
+    expected = [0.0, 0.05, 0.1, 0.075, 0.05, 0.025, 0.0]
     assert _lrs(config, total_steps=6, n=7) == pytest.approx(expected, abs=1e-12)
 
 
@@ -185,34 +81,49 @@ def test_build_scheduler_linear_no_warmup():
 
 def test_build_scheduler_cosine():
     config = TrainingConfig(learning_rate=2.0, lr_scheduler_type="cosine", warmup_steps=1)
-    # warmup 1: step 0 -> 1/2; then progress (s - 1) / 4
-    expected = [1.0, 2.0, 1 + math.cos(math.pi / 4), 1.0, 1 + math.cos(3 * math.pi / 4), 0.0]  # 2.0 x 0.5 x (1 + cos)
+    # warmup 1: step 0 -> 0; then progress (s - 1) / 4, lr = 2.0 x 0.5 x (1 + cos(pi x progress))
+    expected = [0.0, 2.0, 1 + math.cos(math.pi / 4), 1.0, 1 + math.cos(3 * math.pi / 4), 0.0]
     assert _lrs(config, total_steps=5, n=6) == pytest.approx(expected, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["constant", "constant_with_warmup"])
-def test_build_scheduler_constant_honours_warmup(kind):
-    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type=kind, warmup_steps=3)
-    assert _lrs(config, total_steps=6, n=6) == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0], abs=1e-12)
+def test_build_scheduler_cosine_hand_values():
+    lrs = _lrs(TrainingConfig(learning_rate=1.0, lr_scheduler_type="cosine"), total_steps=10, n=11)
+    assert lrs[3] == pytest.approx(0.7938926261, abs=1e-9)
+    assert lrs[7] == pytest.approx(0.2061073739, abs=1e-9)
+    assert lrs[10] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_build_scheduler_constant_with_warmup():
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=3)
+    assert _lrs(config, total_steps=6, n=6) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0, 1.0], abs=1e-12)
+
+
+def test_build_scheduler_constant_ignores_warmup_and_says_so(caplog):
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="constant", warmup_steps=3)
+    with caplog.at_level(logging.WARNING, logger="trainers"):
+        lrs = _lrs(config, total_steps=6, n=6)
+    assert lrs == [1.0] * 6
+    assert "constant_with_warmup" in caplog.text and "3-step warm-up" in caplog.text
 
 
 def test_build_scheduler_warmup_as_fraction_in_warmup_steps():
     config = TrainingConfig(learning_rate=1.0, warmup_steps=0.1)  # 10% of 20 steps = 2
     lrs = _lrs(config, total_steps=20, n=21)
-    assert lrs[:3] == pytest.approx([1 / 3, 2 / 3, 1.0], abs=1e-12)
-    assert lrs[12] == pytest.approx(1 - 10 / 18, abs=1e-12)
+    assert lrs[:3] == pytest.approx([0.0, 0.5, 1.0], abs=1e-12)
+    assert lrs[12] == pytest.approx(8 / 18, abs=1e-12)
     assert lrs[20] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_build_scheduler_warmup_ratio():
     config = TrainingConfig(learning_rate=1.0, warmup_ratio=0.25)  # 25% of 8 steps = 2
     lrs = _lrs(config, total_steps=8, n=9)
-    assert lrs == pytest.approx([1 / 3, 2 / 3, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0], abs=1e-12)
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0], abs=1e-12)
 
 
 def test_build_scheduler_fraction_rounds_up():
-    config = TrainingConfig(learning_rate=1.0, warmup_steps=0.5, lr_scheduler_type="constant")  # ceil(3.5) = 4
-    assert _lrs(config, total_steps=7, n=6) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0], abs=1e-12)
+    config = TrainingConfig(learning_rate=1.0, warmup_steps=0.5, lr_scheduler_type="constant_with_warmup")
+    # ceil(0.5 x 7) = 4 warm-up steps
+    assert _lrs(config, total_steps=7, n=6) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.0], abs=1e-12)
 
 
 def test_build_scheduler_same_warmup_from_fraction_and_ratio():
@@ -220,4 +131,69 @@ def test_build_scheduler_same_warmup_from_fraction_and_ratio():
     b = _lrs(TrainingConfig(learning_rate=1.0, warmup_ratio=0.3, lr_scheduler_type="cosine"), 10, 11)
     c = _lrs(TrainingConfig(learning_rate=1.0, warmup_steps=3, lr_scheduler_type="cosine"), 10, 11)
     assert a == b == c
-    assert a[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-12)
+    assert a[:4] == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0], abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# lr_scheduler_kwargs and the schedules beyond the common four
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_cosine_with_min_lr_rate_ends_at_the_floor():
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="cosine_with_min_lr",
+                            lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    # 0.1 + 0.9 x 0.5 x (1 + cos(pi x step / 4))
+    expected = [1.0, 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 0.55, 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4)), 0.1]
+    assert _lrs(config, total_steps=4, n=5) == pytest.approx(expected, abs=1e-12)
+
+
+def test_cosine_with_restarts_cycles():
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="cosine_with_restarts",
+                            lr_scheduler_kwargs={"num_cycles": 2})
+    # two half-cosines over 4 steps: 0.5 x (1 + cos(pi x ((2 x step / 4) mod 1)))
+    assert _lrs(config, total_steps=4, n=4) == pytest.approx([1.0, 0.5, 1.0, 0.5], abs=1e-12)
+
+
+def test_warmup_stable_decay():
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="warmup_stable_decay", warmup_steps=2,
+                            lr_scheduler_kwargs={"num_decay_steps": 2, "decay_type": "linear"})
+    # warm up 2, stable 4 (of 8), decay 2 linearly to 0
+    assert _lrs(config, total_steps=8, n=9) == pytest.approx([0.0, 0.5, 1, 1, 1, 1, 1.0, 0.5, 0.0], abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", LR_SCHEDULER_TYPES)
+def test_every_type_builds_and_starts_at_peak_without_warmup(kind):
+    kwargs = {"cosine_with_min_lr": {"min_lr": 1e-3}, "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1},
+              "warmup_stable_decay": {"num_decay_steps": 3}}.get(kind)
+    lrs = _lrs(TrainingConfig(learning_rate=1.0, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs), 10, 10)
+    assert lrs[0] > 0.95  # cosine_warmup_with_min_lr is already one step into its cosine (0.978)
+    assert all(0.0 <= lr <= 1.0 for lr in lrs)
+
+
+@pytest.mark.parametrize(
+    "kind,kwargs,says",
+    [
+        ("cosine", {"min_lr_rate": 0.1}, "has no argument `min_lr_rate` (it takes: num_cycles)"),
+        ("linear", {"num_warmup_steps": 3}, "set by the trainer"),
+        ("warmup_stable_decay", None, "needs `num_decay_steps`"),
+        ("cosine_with_min_lr", None, "one of `min_lr` and `min_lr_rate`"),
+        ("cosine_with_min_lr", {"min_lr": 0.0, "min_lr_rate": 0.1}, "one of `min_lr` and `min_lr_rate`"),
+    ],
+)
+def test_bad_scheduler_kwargs_are_refused_at_construction(kind, kwargs, says):
+    with pytest.raises(ConfigError, match="lr_scheduler_kwargs") as info:
+        TrainingConfig(lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs)
+    assert says in str(info.value)
+
+
+def test_bad_scheduler_value_is_a_config_error_when_built():
+    config = TrainingConfig(learning_rate=1.0, lr_scheduler_type="warmup_stable_decay",
+                            lr_scheduler_kwargs={"num_decay_steps": 3, "decay_type": "exponential"})
+    with pytest.raises(ConfigError, match="lr_scheduler_kwargs=.*decay_type"):
+        _lrs(config, 10, 1)
+
+
+@pytest.mark.parametrize("kind", ["reduce_lr_on_plateau", "greedy"])
+def test_metric_driven_schedules_are_refused(kind):
+    with pytest.raises(ConfigError, match="lr_scheduler_type"):
+        TrainingConfig(lr_scheduler_type=kind)
