@@ -284,8 +284,9 @@ class SFTConfig(TrainingConfig):
                self.pad_to_multiple_of, "it must be a positive integer or None")
 
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GENERATION_ENGINES = ("auto", "lean", "hf")
 
@@ -332,6 +333,10 @@ class GRPOConfig(TrainingConfig):
     sapo_temperature_neg: float = opt(
         1.05, "loss_type='sapo': gate temperature for tokens with a zero or negative advantage."
     )
+    vespo_k_pos: float = opt(2.0, "loss_type='vespo': power k of the Gamma weight where the advantage is >= 0.")
+    vespo_lambda_pos: float = opt(3.0, "loss_type='vespo': decay lambda of the Gamma weight where the advantage is >= 0.")
+    vespo_k_neg: float = opt(3.0, "loss_type='vespo': power k of the Gamma weight where the advantage is < 0.")
+    vespo_lambda_neg: float = opt(2.0, "loss_type='vespo': decay lambda of the Gamma weight where the advantage is < 0.")
     top_entropy_quantile: float = opt(
         1.0, "Keep in the policy loss only the top-rho fraction of completion tokens by entropy (arXiv:2506.01939; "
         "the paper uses 0.2): the cut is the (1 - rho) quantile over every process's tokens of the micro-batch. "
@@ -343,6 +348,11 @@ class GRPOConfig(TrainingConfig):
     )
     scale_rewards: str = opt(
         "group", f"Divide advantages by the reward std of the 'group', the whole 'batch', or 'none'; one of {SCALE_REWARDS}."
+    )
+    multi_objective_aggregation: str = opt(
+        "sum_then_normalize", "How several reward functions become one advantage: 'sum_then_normalize' (the "
+        "weighted sum, then scale_rewards) or 'normalize_then_sum' (GDPO: each function normalized within its "
+        "group, then the weighted sum normalized over the batch; scale_rewards is not used)."
     )
     reward_weights: list[float] | None = opt(None, "Weight of each reward function in the sum (default: all 1).")
     mask_truncated_completions: bool = opt(False, "Exclude completions that hit max_completion_length from the loss.")
@@ -388,6 +398,8 @@ class GRPOConfig(TrainingConfig):
         _check(self.loss_type in GRPO_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {GRPO_LOSS_TYPES}")
         for f in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _check(getattr(self, f) > 0, name, f, getattr(self, f), "it must be > 0")
+        for f in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check(0 <= getattr(self, f) < math.inf, name, f, getattr(self, f), "it must be a finite number >= 0")
         _check(0 <= self.top_entropy_quantile <= 1, name, "top_entropy_quantile", self.top_entropy_quantile,
                "it must be in [0, 1] (1 keeps every token)")
         _check(self.off_policy_mask_threshold is None or (self.off_policy_mask_threshold >= 0
@@ -395,6 +407,8 @@ class GRPOConfig(TrainingConfig):
                name, "off_policy_mask_threshold", self.off_policy_mask_threshold, "it must be a number >= 0, or None")
         _check(self.scale_rewards in SCALE_REWARDS, name, "scale_rewards", self.scale_rewards,
                f"valid: {SCALE_REWARDS}")
+        _check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS, name, "multi_objective_aggregation",
+               self.multi_objective_aggregation, f"valid: {MULTI_OBJECTIVE_AGGREGATIONS}")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, name, "importance_sampling_level",
                self.importance_sampling_level, f"valid: {IMPORTANCE_SAMPLING_LEVELS}")
         _check(self.generation_engine in GENERATION_ENGINES, name, "generation_engine", self.generation_engine,

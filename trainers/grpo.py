@@ -26,8 +26,10 @@ from trainers.data import DatasetFormatError, check_messages, is_conversational,
 from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
-    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, group_advantages,
+    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
+    group_advantages,
     high_entropy_mask, importance_log_weights, k3_kl, nanstd, off_policy_sequence_mask, sapo_policy_loss,
+    vespo_policy_loss,
 )
 from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -128,6 +130,13 @@ class GRPOTrainer(BaseTrainer):
             logger.warning("loss_type='luspo' is GSPO's sequence-level loss scaled by length; with "
                            "importance_sampling_level='token' it is a token sum per sequence. Set "
                            "importance_sampling_level='sequence' for the paper's setting (TRL warns the same).")
+        decoupled = args.multi_objective_aggregation == "normalize_then_sum"
+        if decoupled and args.scale_rewards != "group" and self.accelerator.is_main_process:
+            logger.warning(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
+                           "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
+        if args.loss_type == "vespo" and args.importance_sampling_level != "token" and self.accelerator.is_main_process:
+            logger.warning("loss_type='vespo' computes its sequence-level weight itself, from token log-ratios; "
+                           "importance_sampling_level is not used (TRL warns the same).")
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
         self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
 
@@ -311,7 +320,16 @@ class GRPOTrainer(BaseTrainer):
         dist.raise_together(acc, error)
         rewards_per_func = acc.gather(local_rewards.to(acc.device)).cpu()  # [generation_batch_size, F]
         rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [generation_batch_size]
-        advantages, zero_std = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        # the std the advantages are scaled by (the batch's under scale_rewards="batch" or GDPO) counts for
+        # frac_reward_zero_std, as in TRL; a NaN std (a group with fewer than two scored completions) is not zero
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            advantages, scaled, zero_std = decoupled_advantages(rewards_per_func, self.reward_weights,
+                                                                args.num_generations)
+            std_in_use = nanstd(scaled)
+        else:
+            advantages, zero_std = group_advantages(rewards, args.num_generations, args.scale_rewards)
+            std_in_use = nanstd(rewards) if args.scale_rewards == "batch" else \
+                nanstd(rewards.view(-1, args.num_generations), dim=1)
         n, start = len(slots), acc.process_index * len(slots)
         local_advantages = advantages[start:start + n]
 
@@ -333,11 +351,9 @@ class GRPOTrainer(BaseTrainer):
 
         lengths = acc.gather(torch.tensor([len(c) for c in completion_ids], device=acc.device)).float().cpu()
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
-        # as TRL: over the std the advantages are scaled by (the batch's under scale_rewards="batch"), where a NaN
-        # std (a group with fewer than two scored completions) is not zero
-        std = nanstd(rewards) if args.scale_rewards == "batch" else nanstd(rewards.view(-1, args.num_generations), dim=1)
+        zero = torch.isclose(std_in_use, torch.zeros_like(std_in_use))
         metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
-                   "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
+                   "frac_reward_zero_std": float(zero.float().mean()),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
         for name in dict.fromkeys(r.name for r in self.rewards):  # functions of one name: their mean, as in TRL
@@ -403,9 +419,12 @@ class GRPOTrainer(BaseTrainer):
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)
         advantages = batch["advantages"]  # [B]
-        low = high = cispo_clipped = None  # clip masks, [B, T or 1]
+        low = high = cispo_clipped = phi = None  # clip masks, [B, T or 1]; VESPO's weight, [B, 1]
         if args.loss_type == "cispo":
             per_token, cispo_clipped = cispo_policy_loss(logps, log_weights, advantages, args.clip_high)
+        elif args.loss_type == "vespo":
+            per_token, phi = vespo_policy_loss(logps, logps - old, advantages, mask, args.vespo_k_pos,
+                                               args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
         elif args.loss_type == "sapo":
             per_token = sapo_policy_loss(log_weights, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg)
         else:
@@ -433,6 +452,8 @@ class GRPOTrainer(BaseTrainer):
             stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
         if cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
             stats["cispo_clip_ratio"] = ((cispo_clipped.float() * weight).sum(), weight.sum())
+        if phi is not None:  # TRL's name: the mean weight over every completion row
+            stats["vespo/phi_seq_mean"] = (phi.sum(), phi.shape[0])
         return loss, stats
 
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ and by ``accelerator.backward``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -112,6 +113,7 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torc
     "cispo": aggregate_token_mean,  # as TRL: over the step's tokens
     "sapo": aggregate_sequence_mean,  # as TRL: the grpo mean of sequence means
     "luspo": aggregate_sequence_sum,
+    "vespo": aggregate_token_mean,  # as TRL: over the step's tokens
     "nll": aggregate_token_mean,
 }
 
@@ -159,6 +161,26 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     zero_std = torch.isclose(torch.nan_to_num(group_std, nan=0.0), torch.zeros_like(group_std))
     return torch.nan_to_num(advantages, nan=0.0), zero_std
+
+
+def decoupled_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                         eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv:2601.05242; TRL's multi_objective_aggregation="normalize_then_sum"): each function's rewards
+    normalized within their group, (r_k − mean_k) / (std_k + eps), summed with the weights, and the sum
+    normalized over the batch. Functions on different scales then count by their weights, not their spreads.
+
+    rewards_per_func: [N, F] (NaN = not applicable), groups of num_generations contiguous; weights: [F].
+    returns (advantages [N], the weighted sum of normalized rewards [N] (NaN where no function applied),
+    zero_std [N/G] bool: groups where every function's rewards are all equal).
+    """
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])  # [N/G, G, F]
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)  # [N/G, 1, F]
+    std = nanstd(grouped, dim=1, keepdim=True)  # [N/G, 1, F]
+    normalized = ((grouped - mean) / (std + eps)).view_as(rewards_per_func)  # [N, F]
+    summed = combine_rewards(normalized, weights)  # [N]
+    advantages = (summed - torch.nanmean(summed)) / (nanstd(summed) + eps)
+    zero_std = torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).all(dim=-1).squeeze(1)
+    return torch.nan_to_num(advantages, nan=0.0), summed, zero_std
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +242,24 @@ def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temper
     adv = advantages.unsqueeze(-1)  # [B, 1]
     tau = torch.where(adv > 0, temperature_pos, temperature_neg)
     return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
+
+
+def vespo_policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """VESPO (arXiv:2602.10693), per token: -φ(w) · A · log π, where w = Π_t π/π_old is the completion's
+    sequence ratio and φ(w) = e^λ · w^k · e^(−λw) a detached Gamma-shaped weight with φ(1) = 1, (k, λ) =
+    (k_pos, λ_pos) where A >= 0, else (k_neg, λ_neg). In log space, with TRL's clamps.
+
+    logps, log_ratio (per token, log π − log π_old), mask: [B, T]; advantages: [B]. Returns (loss [B, T],
+    φ [B, 1]).
+    """
+    with torch.no_grad():
+        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
+        nonnegative = advantages.unsqueeze(-1) >= 0
+        k = torch.where(nonnegative, k_pos, k_neg)
+        lam = torch.where(nonnegative, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * advantages.unsqueeze(-1) * logps, phi
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:

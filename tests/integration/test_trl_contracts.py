@@ -345,12 +345,12 @@ def test_evaluate_takes_a_dataset_and_a_prefix_as_in_transformers(tiny_model_dir
     assert not grpo.has_eval_data()
 
 
-@pytest.mark.parametrize("loss_type, same_gradient_as", [("cispo", "dapo"), ("sapo", "grpo")])
-def test_cispo_and_sapo_train_with_the_policy_gradient_on_policy(tiny_model_dir, tmp_path, loss_type,
-                                                                 same_gradient_as):
-    """TRL's cispo and sapo losses. On policy (w = 1) CISPO's gradient is -A·∇log π over the step's tokens, as
-    DAPO's, and SAPO's gate has slope 1, as GRPO's mean of sequence means: the first step's gradient norms match
-    (completions of different lengths, so the two aggregations differ)."""
+@pytest.mark.parametrize("loss_type, same_gradient_as", [("cispo", "dapo"), ("sapo", "grpo"), ("vespo", "dapo")])
+def test_cispo_sapo_vespo_train_with_the_policy_gradient_on_policy(tiny_model_dir, tmp_path, loss_type,
+                                                                    same_gradient_as):
+    """TRL's cispo, sapo and vespo losses. On policy (w = 1) CISPO's and VESPO's gradients are -A·∇log π over
+    the step's tokens, as DAPO's, and SAPO's gate has slope 1, as GRPO's mean of sequence means: the first
+    step's gradient norms match (completions of different lengths, so the two aggregations differ)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def reward(completions, **kwargs):  # differs within a group, so advantages are not zero
@@ -379,6 +379,8 @@ def test_cispo_and_sapo_train_with_the_policy_gradient_on_policy(tiny_model_dir,
     assert first[loss_type]["grad_norm"] > 0
     assert first[loss_type]["grad_norm"] == pytest.approx(first[same_gradient_as]["grad_norm"], rel=1e-4)
     assert ("cispo_clip_ratio" in first[loss_type]) == (loss_type == "cispo")
+    if loss_type == "vespo":  # on policy every completion's Gamma weight is 1
+        assert first[loss_type]["vespo/phi_seq_mean"] == pytest.approx(1.0, abs=1e-5)
     assert "clip_ratio/region_mean" not in first[loss_type]  # as TRL: no PPO clip to count
 
 
@@ -483,3 +485,38 @@ def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir,
     dropped = second[0] == 0
     assert dropped.any()  # after one step, the negative completions became less likely: drifted past 0.1
     assert (second[1][dropped] < 0).all()  # and only negative-advantage ones are dropped
+
+
+def test_normalize_then_sum_weighs_functions_by_weight_not_spread(tiny_model_dir, tmp_path):
+    """multi_objective_aggregation="normalize_then_sum" (GDPO): each function is normalized within its group,
+    the weighted sum over the batch; the advantage each completion trained on follows from its rewards."""
+    def small(completions, **kwargs):
+        return [float(len(c) % 2) for c in completions]
+
+    def large(completions, **kwargs):
+        return [100.0 * (sum(map(ord, c)) % 5) for c in completions]
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[small, large], train_dataset=[{"prompt": "ab"}] * 8,
+                          args=grpo_args(tmp_path, per_device_train_batch_size=8, log_completions=True,
+                                         multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]))
+    trainer.train()
+    samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(samples) == 8  # two groups of 4
+    summed = []
+    for group in (samples[:4], samples[4:]):
+        per_function = torch.tensor([[s["rewards"]["small"], s["rewards"]["large"]] for s in group])  # [4, 2]
+        normalized = (per_function - per_function.mean(0)) / (per_function.std(0) + 1e-4)
+        summed += (normalized * torch.tensor([1.0, 0.5])).sum(1).tolist()
+    summed = torch.tensor(summed)
+    expected = (summed - summed.mean()) / (summed.std() + 1e-4)
+    assert expected.abs().max() > 0.5  # the rewards differ, so this checks something
+    assert [s["advantage"] for s in samples] == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_normalize_then_sum_is_checked_and_says_scale_rewards_is_unused(tiny_model_dir, tmp_path, caplog):
+    with pytest.raises(ConfigError, match="multi_objective_aggregation"):
+        GRPOConfig(multi_objective_aggregation="sum")
+    with caplog.at_level("WARNING", logger="trainers"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 4,
+                    args=grpo_args(tmp_path, multi_objective_aggregation="normalize_then_sum", scale_rewards="batch"))
+    assert "scale_rewards='batch' is not used" in caplog.text

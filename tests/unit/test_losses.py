@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from trainers.losses import (
-    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, entropy_from_logits,
+    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
+    entropy_from_logits,
     group_advantages, high_entropy_mask, importance_log_weights, k3_kl, logps_and_entropy, nanstd,
-    off_policy_sequence_mask, sapo_policy_loss, selective_log_softmax,
+    off_policy_sequence_mask, sapo_policy_loss, selective_log_softmax, vespo_policy_loss,
 )
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
@@ -228,3 +229,59 @@ def test_off_policy_sequence_mask_drops_negative_far_off_policy_completions():
     assert kept.squeeze(1).tolist() == [1.0, 0.0, 1.0, 0.0]  # kept: A >= 0, or KL <= 0.5
     assert not kept.requires_grad  # a mask, not a path for gradients
     assert off_policy_sequence_mask(logps, logps.detach(), advantages, mask, 0.0).eq(1).all()  # on policy: all kept
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vespo_policy_loss
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_vespo_weight_is_one_on_policy_and_the_gamma_shape_off_policy():
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages = torch.tensor([0.5, -2.0])
+    loss, phi = vespo_policy_loss(logps, torch.zeros_like(logps), advantages, mask, 2.0, 3.0, 3.0, 2.0)
+    assert phi.shape == (2, 1) and phi.squeeze(1).tolist() == pytest.approx([1.0, 1.0])
+    assert torch.allclose(loss, -advantages.unsqueeze(1) * logps)  # the plain policy gradient
+    # off policy: log w is the sum of the token log-ratios over loss tokens; phi = e^lam * w^k * e^(-lam w)
+    log_ratio = torch.tensor([[0.1, 0.2, 0.0], [-0.2, -0.3, 5.0]])  # padding's 5.0 is ignored
+    _, phi = vespo_policy_loss(logps, log_ratio, advantages, mask, 2.0, 3.0, 3.0, 2.0)
+    w_pos, w_neg = math.exp(0.3), math.exp(-0.5)
+    assert phi[0, 0].item() == pytest.approx(math.exp(3.0) * w_pos ** 2 * math.exp(-3.0 * w_pos), rel=1e-5)
+    assert phi[1, 0].item() == pytest.approx(math.exp(2.0) * w_neg ** 3 * math.exp(-2.0 * w_neg), rel=1e-5)
+
+
+def test_vespo_weight_is_detached():
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.2, -1.9]])
+    loss, phi = vespo_policy_loss(logps, logps - old, torch.tensor([1.0]), torch.ones(1, 2), 2.0, 3.0, 3.0, 2.0)
+    loss.sum().backward()
+    assert not phi.requires_grad
+    assert torch.allclose(logps.grad, -phi.expand(1, 2))  # d(-phi * A * logp)/dlogp with A = 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decoupled_advantages (multi_objective_aggregation="normalize_then_sum", GDPO)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_decoupled_advantages_normalize_each_function_per_group_then_the_sum_over_the_batch():
+    rewards = torch.tensor([[1.0, 10.0], [0.0, 30.0], [1.0, 5.0], [1.0, 5.0]])  # 2 groups of 2, 2 functions
+    advantages, summed, zero_std = decoupled_advantages(rewards, torch.tensor([1.0, 2.0]), num_generations=2)
+    # group 0: f0 (1, 0) -> (+0.707, -0.707), f1 (10, 30) -> (-0.707, +0.707); weighted: (-0.707, +0.707)
+    # group 1: both functions constant -> 0, 0. The batch (-0.707, 0.707, 0, 0): mean 0, std sqrt(1/3)
+    assert summed.tolist() == pytest.approx([-0.7072, 0.7072, 0.0, 0.0], abs=1e-3)
+    assert advantages.tolist() == pytest.approx([-1.2249, 1.2249, 0.0, 0.0], abs=1e-3)
+    assert zero_std.tolist() == [False, True]
+    # the scales do not matter, only the weights: f1 x 1000 changes nothing
+    scaled, _, _ = decoupled_advantages(rewards * torch.tensor([1.0, 1000.0]), torch.tensor([1.0, 2.0]), 2)
+    assert scaled.tolist() == pytest.approx(advantages.tolist(), abs=1e-3)
+
+
+def test_decoupled_advantages_skip_functions_that_do_not_apply():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, nan], [0.0, nan], [nan, nan], [2.0, 4.0]])
+    advantages, summed, zero_std = decoupled_advantages(rewards, torch.ones(2), num_generations=2)
+    assert math.isnan(summed[2]) and advantages[2] == 0.0  # unscorable: no advantage
+    assert torch.isfinite(advantages).all()
+    assert advantages[0] > 0 > advantages[1]
