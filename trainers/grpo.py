@@ -27,9 +27,8 @@ from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
-    group_advantages,
-    high_entropy_mask, importance_log_weights, k3_kl, nanstd, off_policy_sequence_mask, sapo_policy_loss,
-    vespo_policy_loss,
+    group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd, off_policy_sequence_mask,
+    sapo_policy_loss, vespo_policy_loss,
 )
 from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -130,8 +129,8 @@ class GRPOTrainer(BaseTrainer):
             logger.warning("loss_type='luspo' is GSPO's sequence-level loss scaled by length; with "
                            "importance_sampling_level='token' it is a token sum per sequence. Set "
                            "importance_sampling_level='sequence' for the paper's setting (TRL warns the same).")
-        decoupled = args.multi_objective_aggregation == "normalize_then_sum"
-        if decoupled and args.scale_rewards != "group" and self.accelerator.is_main_process:
+        gdpo_with_scaling = args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards != "group"
+        if gdpo_with_scaling and self.accelerator.is_main_process:
             logger.warning(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
                            "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
         if args.loss_type == "vespo" and args.importance_sampling_level != "token" and self.accelerator.is_main_process:
