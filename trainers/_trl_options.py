@@ -72,7 +72,6 @@ TRL_ONLY_OPTIONS = {
     'log_multimodal': True,
     'log_on_each_node': True,
     'log_unique_prompts': False,
-    'logging_first_step': False,
     'logging_nan_inf_filter': True,
     'logging_strategy': 'steps',
     'max_tool_calling_iterations': None,

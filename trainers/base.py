@@ -369,7 +369,7 @@ class BaseTrainer:
         args, state = self.args, self.state
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
-        if step % args.logging_steps == 0 or last or step == 1 or force_log:
+        if step % args.logging_steps == 0 or last or (step == 1 and args.logging_first_step) or force_log:
             record = {"step": step, "epoch": round(state.epoch, 4)}
             for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]

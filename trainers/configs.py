@@ -133,7 +133,9 @@ class TrainingConfig:
     )
     warmup_steps: float = opt(0, "Linear warmup length in optimizer steps; a value below 1 is a fraction of all steps.")
     warmup_ratio: float = opt(0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).")
-    logging_steps: int = opt(10, "Log metrics every this many optimizer steps.")
+    logging_steps: int = opt(10, "Log metrics every this many optimizer steps (and at the last step).")
+    logging_first_step: bool = opt(
+        True, "Also log the first step (TRL's default is False; here the first loss is shown unless you turn it off).")
     eval_strategy: str = opt("no", f"When to evaluate on eval_dataset: one of {STRATEGIES}.")
     eval_on_start: bool = opt(
         False, "Evaluate once before the first training step (a check of the set-up), as transformers does.")

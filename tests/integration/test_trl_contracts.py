@@ -520,3 +520,14 @@ def test_normalize_then_sum_is_checked_and_says_scale_rewards_is_unused(tiny_mod
         GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 4,
                     args=grpo_args(tmp_path, multi_objective_aggregation="normalize_then_sum", scale_rewards="batch"))
     assert "scale_rewards='batch' is not used" in caplog.text
+
+
+@pytest.mark.parametrize("first, logged", [(True, [1, 3, 4]), (False, [3, 4])])
+def test_logging_first_step(tiny_model_dir, tmp_path, first, logged):
+    """logging_first_step (TRL's default False; True here): step 1 gets a record of its own or not; the last
+    step always does."""
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS,
+                         args=sft_args(tmp_path, logging_steps=3, logging_first_step=first))
+    trainer.train()
+    assert [r["step"] for r in trainer.state.log_history] == logged
+    assert trainer.state.log_history[-2]["step"] == 3  # the record at step 3 averages steps 1..3 (or 2..3)
