@@ -150,13 +150,11 @@ class GRPOTrainer(BaseTrainer):
         if train_dataset is None:
             raise DatasetFormatError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         self.train_rows, self.train_prompt_ids = self._prompts(train_dataset, "train_dataset")
-        self.eval_rows = self.eval_prompt_ids = None
-        if eval_dataset is not None:
-            self.eval_rows, self.eval_prompt_ids = self._prompts(eval_dataset, "eval_dataset")
         if any(r.func is accuracy_reward for r in self.rewards):
             check_accuracy_references(self.train_rows, "train_dataset")
-            if self.eval_rows is not None:
-                check_accuracy_references(self.eval_rows, "eval_dataset")
+        self.eval_rows = self.eval_prompt_ids = None
+        if eval_dataset is not None:
+            self._eval_prompts(eval_dataset)  # its context check waits for the model (after_load)
         self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.seed,
                                                  args.shuffle_dataset)
         eos = {self.processing_class.eos_token_id}
@@ -222,10 +220,14 @@ class GRPOTrainer(BaseTrainer):
                     f"{self.args.max_completion_length} that exceeds the model's context of {context} tokens. "
                     f"Shorten the prompt or lower max_completion_length.")
 
-    def load_eval_dataset(self, dataset) -> None:
+    def _eval_prompts(self, dataset) -> None:
+        """Validate and tokenize ``dataset`` as the evaluation prompts (all but the model's context check)."""
         self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, "eval_dataset")
         if any(r.func is accuracy_reward for r in self.rewards):
             check_accuracy_references(self.eval_rows, "eval_dataset")
+
+    def load_eval_dataset(self, dataset) -> None:
+        self._eval_prompts(dataset)
         self._check_context(self.unwrapped_model, "eval_dataset", self.eval_prompt_ids)
 
     def after_prepare(self) -> None:
