@@ -15,13 +15,15 @@ from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import set_seed
+from accelerate.utils.memory import clear_device_cache
 
 from trainers import distributed as dist
 from trainers.checkpoint import (
-    TrainerState, load_checkpoint, resolve_resume_path, rotate_checkpoints, save_checkpoint,
+    TrainerState, load_checkpoint, load_model_only_checkpoint, resolve_resume_path, rotate_checkpoints,
+    save_checkpoint, verify_checkpoint,
 )
 from trainers.configs import ConfigError, TrainingConfig
-from trainers.errors import NonFiniteError
+from trainers.errors import CheckpointError, NonFiniteError
 from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
@@ -62,6 +64,10 @@ class BaseTrainer:
         self.trackers = resolve_report_to(args.report_to)  # before anything slow: a missing package is an error
         self.accelerator = dist.build_accelerator(args.gradient_accumulation_steps, self._mixed_precision(),
                                                   args.use_cpu, log_with=self.trackers, project_dir=args.output_dir)
+        if args.save_only_model and args.load_best_model_at_end and dist.is_deepspeed(self.accelerator):
+            # a model-only checkpoint holds the gathered full weights, which a sharded engine cannot load back
+            raise ConfigError(f"{type(args).__name__}: `save_only_model=True` with `load_best_model_at_end=True` "
+                              f"does not work under DeepSpeed (as in transformers); drop one of them.")
         self.health = HealthMonitor()
         set_seed(args.seed)
         template = getattr(args, "chat_template_path", None)
@@ -214,6 +220,11 @@ class BaseTrainer:
             self.load_extra_state(resume_path)
             if acc.is_main_process:
                 logger.info(f"resumed from {resume_path} at step {self.state.global_step}")
+            best = self.state.best_model_checkpoint
+            if best is not None and not os.path.isdir(best):
+                logger.warning(f"the best checkpoint {best} recorded in the resumed state is gone; the best "
+                               f"checkpoint will be chosen among those written from here on.")
+                self.state.best_model_checkpoint = None
         if acc.is_main_process:
             logger.info(
                 f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "
@@ -242,7 +253,10 @@ class BaseTrainer:
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / self.steps_per_epoch
                 tokens = int(step_stats.pop("num_input_tokens"))  # all processes
+                padded = int(step_stats.pop("num_padded_tokens"))  # all processes, padding included
                 self.state.num_tokens += tokens
+                if args.include_num_input_tokens_seen != "no":
+                    self.state.num_input_tokens_seen += padded if args.include_num_input_tokens_seen == "all" else tokens
                 step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
                 stop_requested = step_stats.pop("stop_requested") > 0
                 window.append(step_stats)
@@ -250,10 +264,23 @@ class BaseTrainer:
                 run_log.advance(self._progress(step_stats))
                 self._log_eval_save(window, run_log, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
+                if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
+                    clear_device_cache()  # nothing to return on CPU
                 if stop_requested:
                     run_log.close()
                     self._stop_on_signal(stop.received)
         run_log.close()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
+        elif args.load_best_model_at_end and acc.is_main_process:
+            # e.g. the evaluation before training (eval_on_start) stayed the best: there is no checkpoint of it
+            logger.warning(f"load_best_model_at_end: no checkpoint holds the best evaluation "
+                           f"({args.metric_for_best_model} {self.state.best_metric} at step "
+                           f"{self.state.best_global_step}); the final weights stay.")
+        if args.save_total_limit == 1 and self.state.best_model_checkpoint is not None and acc.is_main_process:
+            # rotation kept the newest checkpoint beside the best for resuming; training is over (transformers)
+            rotate_checkpoints(args.output_dir, 1, best=self.state.best_model_checkpoint, keep_newest=False)
+        acc.wait_for_everyone()
         if self.trackers:
             acc.end_training()
         return TrainOutput(self.state.global_step, sum(step_losses) / max(len(step_losses), 1),
@@ -266,9 +293,15 @@ class BaseTrainer:
         return shown
 
     def _checkpoint_now(self) -> str:
-        """The checkpoint of the current step: the one just written, or a new one."""
+        """A whole (resumable) checkpoint of the current step: the one just written, or a new one (also when
+        save_only_model wrote a model-only one at this step)."""
         path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        return path if os.path.isfile(os.path.join(path, "trainer_state.json")) else self.save_checkpoint()
+        try:
+            if not verify_checkpoint(path).get("model_only"):
+                return path
+        except CheckpointError:
+            pass
+        return self.save_checkpoint(whole=True)
 
     def _stop_on_signal(self, signum: int) -> None:
         """A process received SIGTERM/SIGINT: every process checkpoints this step and exits non-zero."""
@@ -308,7 +341,7 @@ class BaseTrainer:
         gradients are dropped (DeepSpeed does the same inside its step). ``stop_requested`` is this process's
         signal flag; the returned ``stop_requested`` is the sum over processes, so all stop together."""
         acc = self.accelerator
-        counts, local_input_tokens = self._count(batches)
+        counts, local_input_tokens, local_padded_tokens = self._count(batches)
         # accelerator.backward divides by the accumulation steps and DDP/DeepSpeed average over processes;
         # our losses are already normalized by global counts, so undo both.
         scale = acc.num_processes * self.args.gradient_accumulation_steps
@@ -334,31 +367,34 @@ class BaseTrainer:
         self.lr_scheduler.step()
         names = sorted(totals)
         head = [loss_sum, torch.as_tensor(local_input_tokens, device=acc.device),
+                torch.as_tensor(local_padded_tokens, device=acc.device),
                 torch.as_tensor(float(stop_requested), device=acc.device)]
         packed = dist.all_reduce_sum(acc, torch.stack(head + [v for n in names for v in totals[n]])).tolist()
-        metrics = {"loss": packed[0], "num_input_tokens": packed[1], "stop_requested": packed[2]}
+        metrics = {"loss": packed[0], "num_input_tokens": packed[1], "num_padded_tokens": packed[2],
+                   "stop_requested": packed[3]}
         for i, name in enumerate(names):
-            num, den = packed[3 + 2 * i], packed[4 + 2 * i]
+            num, den = packed[4 + 2 * i], packed[5 + 2 * i]
             metrics[name] = num / den if den else float("nan")
         metrics["learning_rate"] = learning_rate
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))
         return metrics
 
-    def _count(self, batches: list[dict]) -> tuple[BatchCounts, float]:
+    def _count(self, batches: list[dict]) -> tuple[BatchCounts, float, float]:
         """Tokens and sequences the loss covers in this step, summed over micro-batches and processes; and this
-        process's non-padding input tokens."""
+        process's input tokens, without and with padding."""
         acc = self.accelerator
-        local = torch.zeros(3, device=acc.device)
+        local = torch.zeros(4, device=acc.device)
         for batch in batches:
             mask = batch["loss_mask"]
             local[0] += mask.sum()
             local[1] += (mask.sum(-1) > 0).sum()
             local[2] += batch["num_input_tokens"]
-        tokens, sequences, _ = dist.all_reduce_sum(acc, local).tolist()
+            local[3] += batch["num_padded_tokens"]
+        tokens, sequences = dist.all_reduce_sum(acc, local[:2]).tolist()
         counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches),
                              max_completion_length=getattr(self.args, "max_completion_length", 1))
-        return counts, float(local[2])
+        return counts, float(local[2]), float(local[3])
 
     def _clip_gradients(self):
         max_norm = self.args.max_grad_norm or float("inf")
@@ -375,6 +411,8 @@ class BaseTrainer:
                 values = [w[name] for w in window if name in w]
                 record[name] = sum(values) / len(values)
             record["num_tokens"] = state.num_tokens
+            if args.include_num_input_tokens_seen != "no":
+                record["num_input_tokens_seen"] = state.num_input_tokens_seen
             run_log.record(state.log_history, record)
             window.clear()
             if self.trackers:
@@ -383,24 +421,59 @@ class BaseTrainer:
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
             self.on_log(record)
-        eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0) or (
-            args.eval_strategy == "epoch" and epoch_end)
-        if eval_due:
-            self._record_evaluation(run_log)
+        eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
+                    and step >= args.eval_delay) or (
+            args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay)
+        new_best = self._record_evaluation(run_log) if eval_due else False
         save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
-            args.save_strategy == "epoch" and (epoch_end or last))
+            args.save_strategy == "epoch" and (epoch_end or last)) or (args.save_strategy == "best" and new_best)
         if save_due:
             self.save_checkpoint()
 
     # ------------------------------------------------------------------ evaluation, checkpoints, saving
 
-    def _record_evaluation(self, run_log: RunLog) -> None:
-        """Evaluate, and log the metrics to metrics.jsonl, log_history and the trackers."""
+    def _record_evaluation(self, run_log: RunLog) -> bool:
+        """Evaluate, and log the metrics to metrics.jsonl, log_history and the trackers. Returns whether
+        metric_for_best_model improved."""
         state = self.state
-        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **self.evaluate()}
+        metrics = self.evaluate()
+        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **metrics}
         run_log.record(state.log_history, record)
         if self.trackers:
             self.accelerator.log(numeric_metrics(record), step=state.global_step)
+        return self._track_best(metrics)
+
+    def _track_best(self, metrics: dict) -> bool:
+        """Update the best metric_for_best_model value and its step (as transformers: strictly better only)."""
+        args, state = self.args, self.state
+        if args.metric_for_best_model is None:
+            return False
+        name = args.metric_for_best_model
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        if name not in metrics:
+            raise ConfigError(f"{type(args).__name__}: `metric_for_best_model={args.metric_for_best_model!r}` is not "
+                              f"among the evaluation metrics: {sorted(metrics)}.")
+        value = metrics[name]
+        if not math.isfinite(value):
+            return False  # a NaN never becomes the best
+        better = state.best_metric is None or (value > state.best_metric if args.greater_is_better
+                                               else value < state.best_metric)
+        if better:
+            state.best_metric, state.best_global_step = value, state.global_step
+        return better
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: a whole checkpoint is restored as on resume (weights, optimizer, schedule; as
+        transformers does under DeepSpeed), a model-only one into the model's weights. ``self.state`` stays."""
+        path, acc = self.state.best_model_checkpoint, self.accelerator
+        if acc.is_main_process:
+            logger.info(f"loading the best model from {path} ({self.args.metric_for_best_model} "
+                        f"{self.state.best_metric:.6g} at step {self.state.best_global_step})")
+        if verify_checkpoint(path).get("model_only"):
+            load_model_only_checkpoint(self.unwrapped_model, path)
+        else:
+            acc.load_state(path)
+        acc.wait_for_everyone()
 
     def has_eval_data(self) -> bool:
         return getattr(self, "eval_rows", None) is not None
@@ -436,11 +509,19 @@ class BaseTrainer:
         return {f"{metric_key_prefix}_{name}": num / den if den else float("nan")
                 for name, (num, den) in zip(names, packed)}
 
-    def save_checkpoint(self) -> str:
-        path = save_checkpoint(self.accelerator, self.args.output_dir, self.state.global_step, self.state,
-                               self.args.to_dict(), write_extra=self.save_extra_state)
+    def save_checkpoint(self, whole: bool = False) -> str:
+        """Write ``output_dir/checkpoint-<step>`` (model-only with save_only_model, unless ``whole``) and
+        rotate old ones away, keeping the best."""
+        args, state = self.args, self.state
+        if state.best_global_step is not None:  # the best evaluation's checkpoint, once it exists
+            best = os.path.join(args.output_dir, f"checkpoint-{state.best_global_step}")
+            if state.best_global_step == state.global_step or os.path.isdir(best):
+                state.best_model_checkpoint = best
+        model_only = args.save_only_model and not whole
+        path = save_checkpoint(self.accelerator, args.output_dir, state.global_step, state, args.to_dict(),
+                               write_extra=self.save_extra_state, write_model=self.save_model if model_only else None)
         if self.accelerator.is_main_process:
-            rotate_checkpoints(self.args.output_dir, self.args.save_total_limit)
+            rotate_checkpoints(args.output_dir, args.save_total_limit, best=state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
         return path
 

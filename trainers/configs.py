@@ -28,6 +28,8 @@ def opt(default: Any, help: str) -> Any:
 LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                       "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = STRATEGIES + ("best",)
+TOKEN_COUNTS = ("no", "all", "non_padding")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 
@@ -140,10 +142,39 @@ class TrainingConfig:
     eval_on_start: bool = opt(
         False, "Evaluate once before the first training step (a check of the set-up), as transformers does.")
     eval_steps: int | None = opt(None, "Evaluate every this many steps (eval_strategy='steps'); defaults to logging_steps.")
-    save_strategy: str = opt("steps", f"When to write a checkpoint: one of {STRATEGIES}.")
+    eval_delay: float = opt(0, "Skip evaluations before this many steps (eval_strategy='steps') or epochs ('epoch').")
+    save_strategy: str = opt(
+        "steps", f"When to write a checkpoint: one of {SAVE_STRATEGIES}; 'best' writes one after each evaluation "
+        "that improves metric_for_best_model."
+    )
     save_steps: int = opt(500, "Write a checkpoint every this many steps (save_strategy='steps').")
-    save_total_limit: int | None = opt(None, "Keep at most this many checkpoints; the oldest are removed first.")
+    save_total_limit: int | None = opt(
+        None, "Keep at most this many checkpoints; the oldest are removed first, never the newest one nor the best "
+        "(when metric_for_best_model is set)."
+    )
+    save_only_model: bool = opt(
+        False, "Checkpoints hold only the model, in Hugging Face format (from_pretrained loads them): no optimizer, "
+        "schedule or RNG state, so training cannot resume from them. A checkpoint written on a stop signal or "
+        "after non-finite steps is always whole."
+    )
+    metric_for_best_model: str | None = opt(
+        None, "Evaluation metric that ranks checkpoints (with or without the 'eval_' prefix, e.g. 'loss', "
+        "'reward'); the best checkpoint is kept through rotation. Defaults to 'loss' with load_best_model_at_end."
+    )
+    greater_is_better: bool | None = opt(
+        None, "Whether a higher metric_for_best_model is better; defaults to False for names ending in 'loss', "
+        "else True."
+    )
+    load_best_model_at_end: bool = opt(
+        False, "After the last step, load the best checkpoint by metric_for_best_model. Needs eval_strategy and "
+        "save_strategy to match (save_steps a multiple of eval_steps), or save_strategy='best'."
+    )
+    include_num_input_tokens_seen: str | bool = opt(
+        "no", f"Log num_input_tokens_seen, the input tokens trained on so far over all processes: one of "
+        f"{TOKEN_COUNTS} ('all' counts padding too; True means 'all', False 'no')."
+    )
     seed: int = opt(42, "Seed for model init, data order and sampling.")
+    data_seed: int | None = opt(None, "Seed for the data order alone; None uses seed.")
     bf16: bool | None = opt(
         None, "Train in bfloat16 mixed precision. None follows the launch config (accelerate's mixed_precision)."
     )
@@ -166,6 +197,10 @@ class TrainingConfig:
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
     use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
+    torch_empty_cache_steps: int | None = opt(
+        None, "Return the accelerator's cached memory to the device every this many steps (torch.cuda.empty_cache "
+        "and the like; nothing on CPU): lower peak memory for a few percent of speed."
+    )
     max_consecutive_nonfinite_steps: int = opt(
         10, "Optimizer steps with a non-finite loss or gradient norm are skipped; after this many in a row, "
         "training stops with a checkpoint and an explanation."
@@ -204,12 +239,21 @@ class TrainingConfig:
         _check(0 <= self.warmup_ratio < 1, name, "warmup_ratio", self.warmup_ratio, "it must be in [0, 1)")
         _check(not (self.warmup_steps and self.warmup_ratio), name, "warmup_ratio", self.warmup_ratio,
                "set warmup_steps or warmup_ratio, not both")
-        for f in ("eval_strategy", "save_strategy"):
-            _check(getattr(self, f) in STRATEGIES, name, f, getattr(self, f), f"valid: {STRATEGIES}")
+        _check(self.eval_strategy in STRATEGIES, name, "eval_strategy", self.eval_strategy, f"valid: {STRATEGIES}")
+        _check(self.save_strategy in SAVE_STRATEGIES, name, "save_strategy", self.save_strategy,
+               f"valid: {SAVE_STRATEGIES}")
         _check(self.eval_steps is None or self.eval_steps > 0, name, "eval_steps", self.eval_steps,
                "it must be a positive integer")
+        _check(self.eval_delay >= 0, name, "eval_delay", self.eval_delay, "it must be >= 0")
         _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
                self.save_total_limit, "it must be a positive integer or None")
+        _check(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps > 0, name,
+               "torch_empty_cache_steps", self.torch_empty_cache_steps, "it must be a positive integer or None")
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' mapping
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        _check(self.include_num_input_tokens_seen in TOKEN_COUNTS, name, "include_num_input_tokens_seen",
+               self.include_num_input_tokens_seen, f"valid: {TOKEN_COUNTS}, True or False")
+        self._check_best_model(name)
         _check(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
         _check(self.router_aux_loss_coef is None or (self.router_aux_loss_coef >= 0
                                                      and math.isfinite(self.router_aux_loss_coef)),
@@ -220,6 +264,35 @@ class TrainingConfig:
         reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         _check(all(isinstance(r, str) for r in reports), name, "report_to", self.report_to,
                "give a tracker name or a list of names")
+
+    def _check_best_model(self, name: str) -> None:
+        """transformers' rules for metric_for_best_model, load_best_model_at_end and save_strategy='best', plus
+        one of ours: a best checkpoint is only found by evaluating, so each needs an eval_strategy."""
+        if self.load_best_model_at_end:
+            _check(self.eval_strategy != "no" and self.save_strategy != "no", name, "load_best_model_at_end", True,
+                   "it needs evaluations and checkpoints: set eval_strategy and save_strategy ('steps' or 'epoch')")
+            if self.save_strategy != "best":
+                _check(self.save_strategy == self.eval_strategy, name, "load_best_model_at_end", True,
+                       f"save_strategy ({self.save_strategy!r}) must match eval_strategy ({self.eval_strategy!r}), "
+                       f"or be 'best', so that every checkpoint has an evaluation")
+                eval_steps = self.eval_steps or self.logging_steps
+                _check(self.save_strategy != "steps" or self.save_steps % eval_steps == 0, name, "save_steps",
+                       self.save_steps, f"with load_best_model_at_end it must be a multiple of eval_steps ({eval_steps})")
+            if self.metric_for_best_model is None:
+                self.metric_for_best_model = "loss"
+        if self.save_strategy == "best":
+            _check(self.metric_for_best_model is not None, name, "save_strategy", self.save_strategy,
+                   "'best' needs metric_for_best_model (or load_best_model_at_end=True, which defaults it to 'loss')")
+        if self.metric_for_best_model is not None:
+            _check(self.eval_strategy != "no", name, "metric_for_best_model", self.metric_for_best_model,
+                   "checkpoints are ranked by evaluating: set eval_strategy to 'steps' or 'epoch'")
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    @property
+    def data_order_seed(self) -> int:
+        """The seed of the data order: data_seed, or seed when it is None."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def warmup_fraction(self) -> float | None:
@@ -380,6 +453,9 @@ class GRPOConfig(TrainingConfig):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         super().__post_init__()
         name = type(self).__name__
+        _check(self.metric_for_best_model not in ("loss", "eval_loss"), name, "metric_for_best_model",
+               self.metric_for_best_model, "GRPO evaluation measures rewards, not a loss: give 'reward' or "
+               "'rewards/<function>/mean' (load_best_model_at_end defaults it to 'loss')")
         _check(isinstance(self.num_generations, int) and self.num_generations >= 2, name, "num_generations",
                self.num_generations, "GRPO compares completions within a group, so it needs at least 2")
         _check(self.num_generations_eval is None or (isinstance(self.num_generations_eval, int)

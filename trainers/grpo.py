@@ -66,6 +66,7 @@ class Rollout:
             "old_logps": cut(self.old_logps), "ref_logps": cut(self.ref_logps),
         }
         batch["num_input_tokens"] = batch["prompt_mask"].sum() + batch["completion_attention"].sum()
+        batch["num_padded_tokens"] = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
         return batch
 
     def to(self, device) -> "Rollout":
@@ -155,7 +156,7 @@ class GRPOTrainer(BaseTrainer):
         self.eval_rows = self.eval_prompt_ids = None
         if eval_dataset is not None:
             self._eval_prompts(eval_dataset)  # its context check waits for the model (after_load)
-        self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.seed,
+        self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.data_order_seed,
                                                  args.shuffle_dataset)
         eos = {self.processing_class.eos_token_id}
         self.eos_ids = {i for i in eos if i is not None}
@@ -253,6 +254,7 @@ class GRPOTrainer(BaseTrainer):
         batch = self._rollout.micro_batch(j * size, (j + 1) * size)
         if iteration:  # a rollout trained on again (num_iterations > 1): its tokens were counted once, as in TRL
             batch["num_input_tokens"] = batch["num_input_tokens"] * 0
+            batch["num_padded_tokens"] = 0
         return batch
 
     def step_metrics(self) -> dict:

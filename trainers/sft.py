@@ -76,7 +76,7 @@ class SFTTrainer(BaseTrainer):
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
                         * args.gradient_accumulation_steps)
-        self.sampler = GlobalBatchSampler(len(self.train_rows), global_batch, args.seed, args.shuffle_dataset)
+        self.sampler = GlobalBatchSampler(len(self.train_rows), global_batch, args.data_order_seed, args.shuffle_dataset)
         if self.sampler.padding_per_epoch and self.accelerator.is_main_process:
             logger.info(f"{len(self.train_rows)} training rows are not a multiple of the global batch "
                         f"({global_batch}); each epoch repeats {self.sampler.padding_per_epoch} rows to fill its "
@@ -150,7 +150,9 @@ class SFTTrainer(BaseTrainer):
         args, acc = self.args, self.accelerator
         rows = local_slice(self.sampler.batch(step), accumulation_index, acc.process_index,
                            args.per_device_train_batch_size, acc.num_processes)
-        return self._to_device(self.collator([self.train_rows[i] for i in rows]))
+        batch = self._to_device(self.collator([self.train_rows[i] for i in rows]))
+        batch["num_padded_tokens"] = batch["input_ids"].numel()  # include_num_input_tokens_seen="all"
+        return batch
 
     # ------------------------------------------------------------------ loss
 

@@ -127,6 +127,23 @@ def test_rotation_never_removes_the_newest_complete_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
 
 
+@pytest.mark.parametrize("keep,best,keep_newest,left", [
+    (1, 2, True, [2, 8]),  # the best counts as second newest: keep=1 leaves it and the newest
+    (2, 2, True, [2, 8]),
+    (3, 4, True, [4, 6, 8]),
+    (2, 8, True, [6, 8]),  # the newest is the best
+    (1, 2, False, [2]),  # the end of training, as transformers: only the best
+    (1, None, True, [8]),
+])
+def test_rotation_keeps_the_best_checkpoint(tmp_path, keep, best, keep_newest, left):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    best = None if best is None else str(tmp_path / f"checkpoint-{best}")
+    rotate_checkpoints(str(tmp_path), keep=keep, best=best, keep_newest=keep_newest)
+    assert sorted(os.listdir(tmp_path), key=lambda n: int(n.split("-")[1])) == [f"checkpoint-{s}" for s in left]
+
+
 def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_dir, tmp_path):
     trainer = small_trainer(tiny_model_dir, tmp_path, save_strategy="no")
     snapshots = []

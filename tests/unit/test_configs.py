@@ -90,6 +90,23 @@ INVALID = [
     (GRPOConfig, {"steps_per_generation": -1}, "steps_per_generation"),
     (GRPOConfig, {"num_completions_to_print": 0}, "num_completions_to_print"),
     (GRPOConfig, {"lr_scheduler_type": "greedy"}, "lr_scheduler_type"),
+    (TrainingConfig, {"load_best_model_at_end": True}, "load_best_model_at_end"),  # no evaluations
+    (TrainingConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "no"},
+     "load_best_model_at_end"),
+    (TrainingConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "epoch"},
+     "load_best_model_at_end"),
+    (TrainingConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 30, "save_steps": 50},
+     "save_steps"),
+    (TrainingConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 25},
+     "save_steps"),  # eval_steps defaults to logging_steps (10)
+    (TrainingConfig, {"save_strategy": "best", "eval_strategy": "steps"}, "save_strategy"),
+    (TrainingConfig, {"metric_for_best_model": "loss"}, "metric_for_best_model"),
+    (TrainingConfig, {"include_num_input_tokens_seen": "yes"}, "include_num_input_tokens_seen"),
+    (TrainingConfig, {"eval_delay": -1}, "eval_delay"),
+    (TrainingConfig, {"torch_empty_cache_steps": 0}, "torch_empty_cache_steps"),
+    (TrainingConfig, {"data_seed": 1.5}, "data_seed"),
+    (GRPOConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 20},
+     "metric_for_best_model"),  # its default, 'loss': GRPO evaluation has none
 ]
 
 
@@ -339,3 +356,19 @@ def test_to_dict_round_trips():
 def test_boolean_learning_rate_is_refused():
     with pytest.raises(ConfigError, match="learning_rate"):
         SFTConfig(learning_rate=True)
+
+
+def test_best_model_defaults_follow_transformers():
+    both = dict(eval_strategy="steps", save_strategy="steps", eval_steps=10, save_steps=20)
+    config = TrainingConfig(load_best_model_at_end=True, **both)
+    assert (config.metric_for_best_model, config.greater_is_better) == ("loss", False)
+    for metric, greater in (("eval_loss", False), ("reward", True), ("eval_mean_token_accuracy", True)):
+        assert TrainingConfig(metric_for_best_model=metric, **both).greater_is_better is greater
+    assert TrainingConfig(metric_for_best_model="loss", greater_is_better=True, **both).greater_is_better is True
+    # save_strategy="best" needs no matching eval schedule
+    TrainingConfig(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="best")
+
+
+@pytest.mark.parametrize("value,expected", [(True, "all"), (False, "no"), ("non_padding", "non_padding")])
+def test_include_num_input_tokens_seen_accepts_booleans(value, expected):
+    assert TrainingConfig(include_num_input_tokens_seen=value).include_num_input_tokens_seen == expected
