@@ -256,7 +256,8 @@ class BaseTrainer:
                 padded = int(step_stats.pop("num_padded_tokens"))  # all processes, padding included
                 self.state.num_tokens += tokens
                 if args.include_num_input_tokens_seen != "no":
-                    self.state.num_input_tokens_seen += padded if args.include_num_input_tokens_seen == "all" else tokens
+                    counted = padded if args.include_num_input_tokens_seen == "all" else tokens
+                    self.state.num_input_tokens_seen += counted
                 step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
                 stop_requested = step_stats.pop("stop_requested") > 0
                 window.append(step_stats)

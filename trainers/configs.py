@@ -421,6 +421,19 @@ class GRPOConfig(TrainingConfig):
         None, "DeepSeek-V3.2's off-policy sequence mask: drop from the policy loss a completion with a negative "
         "advantage whose mean log pi_old - log pi exceeds this (e.g. 0.5). None disables."
     )
+    entropy_coef: float = opt(
+        0.0, "Entropy bonus: the loss subtracts entropy_coef x the mean entropy of each micro-batch's loss tokens "
+        "(whatever loss_type), so that the policy keeps exploring. 0 disables; with use_adaptive_entropy, the "
+        "starting value."
+    )
+    use_adaptive_entropy: bool = opt(
+        False, "Adapt entropy_coef after every step (Skywork-OR1): up by entropy_coef_delta when the step's entropy "
+        "was at or below entropy_target, down otherwise; the bonus applies only while entropy is at or below it."
+    )
+    entropy_coef_min: float = opt(0.0, "use_adaptive_entropy: the lowest entropy_coef.")
+    entropy_coef_max: float = opt(1.0, "use_adaptive_entropy: the highest entropy_coef.")
+    entropy_coef_delta: float = opt(0.005, "use_adaptive_entropy: how far entropy_coef moves per step.")
+    entropy_target: float = opt(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold.")
     scale_rewards: str = opt(
         "group", f"Divide advantages by the reward std of the 'group', the whole 'batch', or 'none'; one of {SCALE_REWARDS}."
     )
@@ -483,6 +496,12 @@ class GRPOConfig(TrainingConfig):
         _check(self.off_policy_mask_threshold is None or (self.off_policy_mask_threshold >= 0
                                                           and math.isfinite(self.off_policy_mask_threshold)),
                name, "off_policy_mask_threshold", self.off_policy_mask_threshold, "it must be a number >= 0, or None")
+        for f in ("entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
+            _check(math.isfinite(getattr(self, f)), name, f, getattr(self, f), "it must be a finite number")
+        _check(self.entropy_coef_min <= self.entropy_coef_max, name, "entropy_coef_min", self.entropy_coef_min,
+               f"it must be <= entropy_coef_max ({self.entropy_coef_max})")
+        _check(self.entropy_coef_delta >= 0 and self.entropy_target >= 0, name, "entropy_coef_delta",
+               self.entropy_coef_delta, f"it and entropy_target ({self.entropy_target}) must be >= 0")
         _check(self.scale_rewards in SCALE_REWARDS, name, "scale_rewards", self.scale_rewards,
                f"valid: {SCALE_REWARDS}")
         _check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS, name, "multi_objective_aggregation",

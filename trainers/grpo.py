@@ -10,6 +10,7 @@ docs/grpo.md has the formulas.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -23,12 +24,13 @@ from trainers import engine
 from trainers.base import BaseTrainer, Stats
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
+from trainers.entropy_control import EntropyControl
 from trainers.generation import SamplingParams, generate, left_pad, right_pad
 from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
-    group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd, off_policy_sequence_mask,
-    sapo_policy_loss, vespo_policy_loss,
+    entropy_bonus, group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd,
+    off_policy_sequence_mask, sapo_policy_loss, vespo_policy_loss,
 )
 from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -232,6 +234,10 @@ class GRPOTrainer(BaseTrainer):
         self._check_context(self.unwrapped_model, "eval_dataset", self.eval_prompt_ids)
 
     def after_prepare(self) -> None:
+        args = self.args
+        self.entropy_control = EntropyControl(
+            args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta,
+            args.entropy_coef_min, args.entropy_coef_max) if args.entropy_coef or args.use_adaptive_entropy else None
         if self._ref_model is not None:
             self._ref_model = dist.prepare_frozen(self.accelerator, self._ref_model)
         from trainers.rewards import RewardModel
@@ -404,20 +410,24 @@ class GRPOTrainer(BaseTrainer):
                 and dist.zero_stage(self.accelerator) != 3
                 and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
 
-    def _policy_forward(self, model, batch: dict, with_entropy: bool = False, with_router_loss: bool = False) -> dict:
+    def _policy_forward(self, model, batch: dict, with_entropy: bool = False, with_router_loss: bool = False,
+                        entropy_grad: bool = False) -> dict:
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                         batch["completion_attention"], self.args.temperature, with_entropy)
+                                         batch["completion_attention"], self.args.temperature, with_entropy,
+                                         entropy_grad)
             if out is not None:  # None: no two rows of this micro-batch share a prompt
                 return out
         input_ids, attention_mask, position_ids = policy_inputs(batch)
         return token_logprobs(model, input_ids, batch["completion_ids"], attention_mask, position_ids,
                               temperature=self.args.temperature, logits_to_keep=batch["completion_ids"].shape[1],
-                              with_entropy=with_entropy, with_router_loss=with_router_loss)
+                              with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad)
 
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args = self.args
-        out = self._policy_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef))
+        bonus = self.entropy_control
+        out = self._policy_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef),
+                                   entropy_grad=bonus is not None)
         logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)
@@ -435,9 +445,11 @@ class GRPOTrainer(BaseTrainer):
         if args.off_policy_mask_threshold is not None:  # [B, 1]: whole completions
             threshold = args.off_policy_mask_threshold
             per_token = per_token * off_policy_sequence_mask(logps, old, advantages, mask, threshold)
-        if args.top_entropy_quantile < 1.0:  # [B, T]: the high-entropy tokens only
+        kept = mask  # [B, T]: the tokens the policy loss (and an entropy bonus) acts on
+        if args.top_entropy_quantile < 1.0:  # the high-entropy tokens only
             threshold = self._entropy_threshold(out["entropy"], mask)
-            per_token = per_token * high_entropy_mask(out["entropy"], mask, threshold)
+            kept = mask * high_entropy_mask(out["entropy"], mask, threshold)
+            per_token = per_token * kept
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
             # k3 KL, importance-weighted so it estimates KL(pi || ref) under the current policy (as TRL does).
@@ -445,6 +457,11 @@ class GRPOTrainer(BaseTrainer):
             per_token = per_token + args.beta * kl
             stats["kl"] = ((kl.detach() * mask).sum(), mask.sum())
         loss = self.add_router_loss(AGGREGATIONS[args.loss_type](per_token, mask, counts), out, counts, stats)
+        if bonus is not None:  # TRL's entropy regularization
+            stats["policy_loss"] = (loss.detach(), 1.0 / counts.micro_batches)  # summed over the step, as "loss"
+            loss = loss - bonus.applied * entropy_bonus(out["entropy"], kept, counts)
+            # the step's entropy over those tokens, for the adaptive coefficient (_optimizer_step pops it)
+            stats["_bonus_entropy"] = ((out["entropy"].detach() * kept).sum(), kept.sum())
         # the share of clipped tokens; at importance_sampling_level="sequence", of clipped completions (as TRL)
         per_completion = args.importance_sampling_level == "sequence"  # clip masks: [B, 1]; else [B, T]
         weight = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device) if per_completion else mask
@@ -458,6 +475,14 @@ class GRPOTrainer(BaseTrainer):
         if phi is not None:  # TRL's name: the mean weight over every completion row
             stats["vespo/phi_seq_mean"] = (phi.sum(), phi.shape[0])
         return loss, stats
+
+    def _optimizer_step(self, batches: list[dict], stop_requested: bool = False) -> dict:
+        """The base step, then the entropy bonus's coefficient adapted to the step's entropy (and logged)."""
+        metrics = super()._optimizer_step(batches, stop_requested)
+        if self.entropy_control is not None:
+            self.entropy_control.update(metrics.pop("_bonus_entropy"))
+            metrics["entropy_coef"] = self.entropy_control.coef
+        return metrics
 
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The (1 - top_entropy_quantile) quantile of the entropy of every process's loss tokens in this
@@ -542,11 +567,19 @@ class GRPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ resume
 
     def save_extra_state(self, folder: str) -> None:
+        if self.entropy_control is not None:  # the adaptive coefficient and the entropy it last saw
+            with open(os.path.join(folder, f"entropy-{self.accelerator.process_index}.json"), "w") as f:
+                json.dump(dataclasses.asdict(self.entropy_control), f)
         if self._rollout is not None:
             torch.save({"round": self._rollout_round, "rollout": self._rollout.to("cpu").__dict__},
                        os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt"))
 
     def load_extra_state(self, folder: str) -> None:
+        entropy_path = os.path.join(folder, f"entropy-{self.accelerator.process_index}.json")
+        if self.entropy_control is not None and os.path.exists(entropy_path):
+            with open(entropy_path) as f:
+                saved = json.load(f)
+            self.entropy_control.coef, self.entropy_control.last_entropy = saved["coef"], saved["last_entropy"]
         path = os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt")
         if os.path.exists(path):
             saved = torch.load(path, weights_only=True)

@@ -39,19 +39,28 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_rows:
     return torch.cat(out)
 
 
-def logps_and_entropy(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def logps_and_entropy(logits: torch.Tensor, index: torch.Tensor, chunk_rows: int = 4,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``selective_log_softmax`` and ``entropy_from_logits`` in one pass over the logits (they share the
-    log-sum-exp). The entropy carries no gradient. Returns ([B, T], [B, T]) float32."""
+    log-sum-exp). The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus; it keeps each
+    chunk's probabilities for backward). Returns ([B, T], [B, T]) float32."""
     index = index.clamp(min=0)
     logps, entropies = [], []
     for rows, idx in zip(logits.split(chunk_rows), index.split(chunk_rows)):
         rows = rows.float()  # [b, T, V]
         lse = torch.logsumexp(rows, dim=-1)  # [b, T]
         logps.append(rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - lse)
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs = torch.exp(rows - lse.unsqueeze(-1))
             entropies.append(lse - (probs * rows).sum(-1))  # H = lse - E_p[logit]
     return torch.cat(logps), torch.cat(entropies)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, counts: "BatchCounts") -> torch.Tensor:
+    """TRL's entropy regularizer for one micro-batch: the mean entropy of its ``mask`` tokens, averaged over the
+    step's micro-batches (of every process), whatever the loss type. The loss subtracts entropy_coef times it.
+    entropy, mask: [B, T]."""
+    return (entropy * mask).sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:

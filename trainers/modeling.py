@@ -181,6 +181,7 @@ def token_logprobs(
     with_entropy: bool = False,
     with_accuracy: bool = False,
     with_router_loss: bool = False,
+    entropy_grad: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit).
 
@@ -199,7 +200,7 @@ def token_logprobs(
     logits = outputs.logits  # [B, K(+1), V]
     if logits_to_keep is not None:
         logits = logits[:, :-1]
-    scores = _scores(logits, target_ids, temperature, with_entropy, with_accuracy)
+    scores = _scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
     if with_router_loss:
         scores["aux_loss"] = outputs.aux_loss
     return scores
@@ -212,12 +213,13 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool,
-            with_accuracy: bool = False) -> dict[str, torch.Tensor]:
-    """logits [B, K, V], target_ids [B, K] -> {"logps", "entropy"?, "correct"?}, each [B, K]."""
+            with_accuracy: bool = False, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+    """logits [B, K, V], target_ids [B, K] -> {"logps", "entropy"?, "correct"?}, each [B, K]. The entropy has a
+    gradient only with ``entropy_grad``."""
     if temperature != 1.0:
         logits = logits / temperature
     if with_entropy:
-        logps, entropy = logps_and_entropy(logits, target_ids)
+        logps, entropy = logps_and_entropy(logits, target_ids, entropy_grad=entropy_grad)
         out = {"logps": logps, "entropy": entropy}
     else:
         out = {"logps": selective_log_softmax(logits, target_ids)}
@@ -235,8 +237,10 @@ def shared_prompt_logprobs(
     completion_attention: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> dict[str, torch.Tensor] | None:
-    """Per-token log-probs (and entropy) of completions, running each distinct prompt once.
+    """Per-token log-probs (and entropy, with a gradient if ``entropy_grad``) of completions, running each
+    distinct prompt once.
 
     A GRPO micro-batch holds up to ``num_generations`` completions of the same prompt. Instead of one forward
     over prompt + completion per row, the distinct prompts run once (with a KV cache and the logits of their
@@ -264,7 +268,8 @@ def shared_prompt_logprobs(
                            use_cache=True, logits_to_keep=1)  # logits [U, 1, V]
         cache = prompt_out.past_key_values
         cache.batch_select_indices(row_prompt)  # every layer's keys/values: [U, KV, P, D] -> [B, KV, P, D]
-        parts = [_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy)]
+        parts = [_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy,
+                         entropy_grad=entropy_grad)]
         if C > 1:
             attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
             positions = positions_from_mask(attention_mask)[:, P:]  # [B, C], as in the one-forward path
@@ -272,5 +277,5 @@ def shared_prompt_logprobs(
             logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
                            past_key_values=cache, use_cache=True,
                            logits_to_keep=torch.arange(C - 1, device=completion_ids.device)).logits  # [B, C-1, V]
-            parts.append(_scores(logits, completion_ids[:, 1:], temperature, with_entropy))
+            parts.append(_scores(logits, completion_ids[:, 1:], temperature, with_entropy, entropy_grad=entropy_grad))
     return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}

@@ -105,6 +105,9 @@ INVALID = [
     (TrainingConfig, {"eval_delay": -1}, "eval_delay"),
     (TrainingConfig, {"torch_empty_cache_steps": 0}, "torch_empty_cache_steps"),
     (TrainingConfig, {"data_seed": 1.5}, "data_seed"),
+    (GRPOConfig, {"entropy_coef": float("nan")}, "entropy_coef"),
+    (GRPOConfig, {"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
+    (GRPOConfig, {"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
     (GRPOConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 20},
      "metric_for_best_model"),  # its default, 'loss': GRPO evaluation has none
 ]

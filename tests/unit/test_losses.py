@@ -7,7 +7,7 @@ import torch
 
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
-    entropy_from_logits,
+    entropy_bonus, entropy_from_logits,
     group_advantages, high_entropy_mask, importance_log_weights, k3_kl, logps_and_entropy, nanstd,
     off_policy_sequence_mask, sapo_policy_loss, selective_log_softmax, vespo_policy_loss,
 )
@@ -285,3 +285,46 @@ def test_decoupled_advantages_skip_functions_that_do_not_apply():
     assert math.isnan(summed[2]) and advantages[2] == 0.0  # unscorable: no advantage
     assert torch.isfinite(advantages).all()
     assert advantages[0] > 0 > advantages[1]
+
+
+def test_entropy_with_gradient_matches_autograd_of_the_plain_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 11, requires_grad=True)
+    index = torch.randint(0, 11, (5, 3))
+    _, detached = logps_and_entropy(logits, index, chunk_rows=2)
+    assert not detached.requires_grad  # the default: entropy for logging costs no backward memory
+    _, entropy = logps_and_entropy(logits, index, chunk_rows=2, entropy_grad=True)
+    weights = torch.randn(5, 3)
+    (grad,) = torch.autograd.grad((entropy * weights).sum(), logits)
+    expected_logits = logits.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad((entropy_from_logits(expected_logits) * weights).sum(), expected_logits)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_bonus_is_the_micro_batch_mean_over_the_step_micro_batches():
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+    # (1 + 2 + 3 + 4) / 4 tokens, then / 2 micro-batches: whatever the step's token count
+    assert entropy_bonus(entropy, MASK, COUNTS).item() == pytest.approx(10 / 4 / 2)
+    assert entropy_bonus(entropy, torch.zeros_like(MASK), COUNTS).item() == 0.0  # no tokens: no bonus, no NaN
+
+
+def test_adaptive_entropy_control_by_hand():
+    from trainers.entropy_control import EntropyControl
+
+    fixed = EntropyControl(0.3)
+    fixed.update(5.0)
+    assert (fixed.coef, fixed.applied) == (0.3, 0.3)
+    control = EntropyControl(0.1, adaptive=True, target=0.5, delta=0.1, low=0.0, high=0.25)
+    assert control.applied == 0.0  # no entropy measured yet
+    control.update(0.4)  # at or below the target: more bonus, applied next step
+    assert control.coef == pytest.approx(0.2) and control.applied == pytest.approx(0.2)
+    control.update(0.5)
+    assert control.coef == 0.25  # capped at high
+    control.update(0.9)  # above: less, and none applied while entropy stays above the target
+    assert control.coef == pytest.approx(0.15) and control.applied == 0.0
+    for _ in range(3):
+        control.update(0.9)
+    assert control.coef == 0.0  # floored at low
+    control.update(float("nan"))  # a step without loss tokens reads as entropy 0, as in TRL
+    assert control.coef == pytest.approx(0.1) and control.last_entropy == 0.0
