@@ -194,6 +194,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="Tiny-model rows, one repeat.")
     parser.add_argument("--bf16", action="store_true", help="Every row in bf16 mixed precision (both frameworks).")
+    parser.add_argument("--extra", type=json.loads, default=None,
+                        help='Config fields (JSON) for both frameworks in every row, e.g. \'{"entropy_coef": 0.01}\'.')
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "trainers-bench"))
     parser.add_argument("--json", help="Write every run's numbers here.")
     cli = parser.parse_args()
@@ -215,7 +217,7 @@ def main():
     rows, methods, extras = [], {}, {}
     for name in names:
         model, method, options, steps, warmup = catalogue[name]
-        options = {**options, "bf16": cli.bf16}
+        options = {**options, "bf16": cli.bf16, **({"extra": json.dumps(cli.extra)} if cli.extra else {})}
         name = name + ("-bf16" if cli.bf16 and not cli.gpu else "")
         methods[name] = method
         results = {"ours": [], "trl": []}
