@@ -68,7 +68,8 @@ class Rollout:
             "old_logps": cut(self.old_logps), "ref_logps": cut(self.ref_logps),
         }
         batch["num_input_tokens"] = batch["prompt_mask"].sum() + batch["completion_attention"].sum()
-        batch["num_padded_tokens"] = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
+        # include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens in every mode
+        batch["num_padded_tokens"] = batch["num_input_tokens"]
         return batch
 
     def to(self, device) -> "Rollout":
@@ -259,8 +260,7 @@ class GRPOTrainer(BaseTrainer):
         size = args.per_device_train_batch_size
         batch = self._rollout.micro_batch(j * size, (j + 1) * size)
         if iteration:  # a rollout trained on again (num_iterations > 1): its tokens were counted once, as in TRL
-            batch["num_input_tokens"] = batch["num_input_tokens"] * 0
-            batch["num_padded_tokens"] = 0
+            batch["num_input_tokens"] = batch["num_padded_tokens"] = batch["num_input_tokens"] * 0
         return batch
 
     def step_metrics(self) -> dict:
@@ -365,6 +365,11 @@ class GRPOTrainer(BaseTrainer):
                    "frac_reward_zero_std": float(zero.float().mean()),
                    "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
+        terminated = lengths[all_truncated == 0]  # the completions that ended with EOS; TRL logs 0 when none did
+        terminated = terminated if len(terminated) else torch.zeros(1)
+        metrics.update({"completions/mean_terminated_length": float(terminated.mean()),
+                        "completions/min_terminated_length": float(terminated.min()),
+                        "completions/max_terminated_length": float(terminated.max())})
         for name in dict.fromkeys(r.name for r in self.rewards):  # functions of one name: their mean, as in TRL
             columns = [rewards_per_func[:, i] for i, r in enumerate(self.rewards) if r.name == name]
             metrics[f"rewards/{name}/mean"] = sum(float(torch.nanmean(c)) for c in columns) / len(columns)

@@ -33,11 +33,21 @@ def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
     assert rewards[-1] > 0.5, rewards
     last = trainer.state.log_history[-1]
     for key in ("loss", "reward", "reward_std", "rewards/digits/mean", "rewards/digits/std", "completions/mean_length",
-                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "entropy",
+                "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                "completions/mean_terminated_length", "completions/min_terminated_length",
+                "completions/max_terminated_length", "entropy",
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "frac_reward_zero_std", "num_tokens", "step_time",
                 "learning_rate", "grad_norm"):
         assert key in last, key
     assert 0 < last["completions/mean_length"] <= 8
+    first = trainer.state.log_history[0]
+    if first["completions/clipped_ratio"] == 1.0:  # no completion ended: TRL's convention is 0
+        assert first["completions/mean_terminated_length"] == 0.0
+    some_ended = [r for r in trainer.state.log_history if r["completions/clipped_ratio"] < 1.0]
+    assert some_ended  # (with this seed, some did)
+    for r in some_ended:  # averages over the steps of a record, each step's over its terminated completions
+        assert 0 < r["completions/min_terminated_length"] <= r["completions/mean_terminated_length"] \
+            <= r["completions/max_terminated_length"] < 8
     assert last["entropy"] < trainer.state.log_history[0]["entropy"]  # the policy sharpened
 
 

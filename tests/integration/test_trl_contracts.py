@@ -70,6 +70,8 @@ def test_grpo_stops_on_the_generation_configs_end_ids(tiny_model_dir, tmp_path):
     trainer.train()
     record = trainer.state.log_history[0]
     assert record["completions/mean_length"] == 1.0 and record["completions/clipped_ratio"] == 0.0
+    for stat in ("mean", "min", "max"):  # every completion ended (with the extra end id) after one token
+        assert record[f"completions/{stat}_terminated_length"] == 1.0
 
 
 def test_reward_functions_may_return_numpy_numbers_and_never_see_completion_columns(tiny_model_dir, tmp_path):
