@@ -392,6 +392,13 @@ class GRPOConfig(TrainingConfig):
     generation_kwargs: dict | None = opt(None, "Extra keyword arguments for the generation call.")
     chat_template_kwargs: dict | None = opt(None, "Extra keyword arguments for apply_chat_template on prompts.")
     beta: float = opt(0.0, "Weight of the k3 KL penalty to the frozen reference model; 0 loads no reference model.")
+    sync_ref_model: bool = opt(
+        False, "Move the reference model toward the policy every ref_model_sync_steps steps (TR-DPO, "
+        "arXiv:2404.09656): ref = (1 - ref_model_mixup_alpha) x ref + ref_model_mixup_alpha x policy. Needs beta > 0 "
+        "and a full (not PEFT) model."
+    )
+    ref_model_mixup_alpha: float = opt(0.6, "sync_ref_model: the policy's share in each update of the reference.")
+    ref_model_sync_steps: int = opt(512, "sync_ref_model: update the reference after every this many steps.")
     epsilon: float = opt(0.2, "Lower clipping range of the importance ratio: 1 - epsilon.")
     epsilon_high: float | None = opt(
         None, "Upper clipping range: 1 + epsilon_high (DAPO clip-higher). Default: epsilon. With loss_type='cispo' "
@@ -482,6 +489,12 @@ class GRPOConfig(TrainingConfig):
         _check(0 < self.top_p <= 1, name, "top_p", self.top_p, "it must be in (0, 1]")
         _check(self.top_k is None or self.top_k >= 0, name, "top_k", self.top_k, "it must be >= 0 (0 disables)")
         _check(self.beta >= 0, name, "beta", self.beta, "it must be >= 0")
+        _check(not self.sync_ref_model or self.beta > 0, name, "sync_ref_model", self.sync_ref_model,
+               "with beta=0 there is no reference model to synchronize: set beta > 0, or leave it False")
+        _check(0 <= self.ref_model_mixup_alpha <= 1, name, "ref_model_mixup_alpha", self.ref_model_mixup_alpha,
+               "it must be in [0, 1]")
+        _check(isinstance(self.ref_model_sync_steps, int) and self.ref_model_sync_steps > 0, name,
+               "ref_model_sync_steps", self.ref_model_sync_steps, "it must be a positive integer")
         _check(self.epsilon > 0, name, "epsilon", self.epsilon, "it must be > 0")
         _check(self.epsilon_high is None or self.epsilon_high > 0, name, "epsilon_high", self.epsilon_high,
                "it must be > 0")

@@ -311,6 +311,41 @@ def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn
     return model.to(accelerator.device)
 
 
+def mix_parameters(accelerator: Accelerator, source: torch.nn.Module, target: torch.nn.Module, alpha: float) -> None:
+    """``target <- (1 - alpha) * target + alpha * source``, parameter by parameter (same architecture). Under
+    ZeRO-3 both are gathered, the main process mixes, and DeepSpeed scatters its result back. Every process
+    must call it (it is a collective under ZeRO-3)."""
+    source, target = getattr(source, "module", source), getattr(target, "module", target)  # engines -> modules
+
+    def mix():
+        with torch.no_grad():
+            for to, of in zip(target.parameters(), source.parameters(), strict=True):
+                to.mul_(1.0 - alpha).add_(of.to(to.dtype), alpha=alpha)
+
+    if zero_stage(accelerator) != 3:
+        mix()
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(source.parameters()) + list(target.parameters()), modifier_rank=0):
+        if accelerator.is_main_process:
+            mix()
+
+
+def load_full_state_dict(accelerator: Accelerator, model: torch.nn.Module, state_dict: dict) -> None:
+    """Copy a full state dict into ``model``; under ZeRO-3 the main process copies it into the gathered
+    parameters and DeepSpeed scatters them back. Every process must call it."""
+    model = getattr(model, "module", model)
+    if zero_stage(accelerator) != 3:
+        model.load_state_dict(state_dict)
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if accelerator.is_main_process:
+            model.load_state_dict(state_dict)
+
+
 def gather_objects(accelerator: Accelerator, objects: list) -> list:
     """Concatenate a list of picklable objects from every process, in rank order."""
     if accelerator.num_processes == 1:

@@ -105,6 +105,9 @@ class GRPOTrainer(BaseTrainer):
         self._rollout_round = -1
         self._round_metrics: list[dict] = []  # one per round generated since the last step_metrics()
         self._samples: list[dict] = []
+        if peft_config is not None and getattr(args, "sync_ref_model", False):
+            raise ConfigError("GRPOConfig: `sync_ref_model=True` does not work with a PEFT model (as in TRL): its "
+                              "reference is the base model with the adapters off, not a copy to move.")
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config)
 
     # ------------------------------------------------------------------ batches and data
@@ -482,11 +485,16 @@ class GRPOTrainer(BaseTrainer):
         return loss, stats
 
     def _optimizer_step(self, batches: list[dict], stop_requested: bool = False) -> dict:
-        """The base step, then the entropy bonus's coefficient adapted to the step's entropy (and logged)."""
+        """The base step; then the entropy bonus's coefficient adapted to the step's entropy (and logged), and
+        with sync_ref_model, every ref_model_sync_steps steps, the reference moved toward the policy (TRL's
+        SyncRefModelCallback), so later rounds' KL is to the moved reference."""
         metrics = super()._optimizer_step(batches, stop_requested)
         if self.entropy_control is not None:
             self.entropy_control.update(metrics.pop("_bonus_entropy"))
             metrics["entropy_coef"] = self.entropy_control.coef
+        args = self.args
+        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:  # the step just done
+            dist.mix_parameters(self.accelerator, self.unwrapped_model, self._ref_model, args.ref_model_mixup_alpha)
         return metrics
 
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -572,6 +580,12 @@ class GRPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ resume
 
     def save_extra_state(self, folder: str) -> None:
+        if self.args.sync_ref_model:  # the moved reference is not the model it was loaded from: keep it
+            reference = getattr(self._ref_model, "module", self._ref_model)
+            with dist.gathered_parameters(self.accelerator, reference):
+                if self.accelerator.is_main_process:
+                    torch.save({k: v.detach().cpu() for k, v in reference.state_dict().items()},
+                               os.path.join(folder, "reference.pt"))
         if self.entropy_control is not None:  # the adaptive coefficient and the entropy it last saw
             with open(os.path.join(folder, f"entropy-{self.accelerator.process_index}.json"), "w") as f:
                 json.dump(dataclasses.asdict(self.entropy_control), f)
@@ -580,6 +594,9 @@ class GRPOTrainer(BaseTrainer):
                        os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt"))
 
     def load_extra_state(self, folder: str) -> None:
+        if self.args.sync_ref_model and os.path.exists(os.path.join(folder, "reference.pt")):
+            state = torch.load(os.path.join(folder, "reference.pt"), weights_only=True)
+            dist.load_full_state_dict(self.accelerator, self._ref_model, state)
         entropy_path = os.path.join(folder, f"entropy-{self.accelerator.process_index}.json")
         if self.entropy_control is not None and os.path.exists(entropy_path):
             with open(entropy_path) as f:

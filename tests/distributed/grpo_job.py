@@ -49,8 +49,17 @@ def main():
             return kept
 
         trainers.grpo.high_entropy_mask = recording
+    if os.environ.get("GRPO_JOB_SYNC_REF") == "1":  # the reference moves halfway to the policy after the last step
+        args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows)
     acc = trainer.accelerator
+    reference = getattr(trainer._ref_model, "module", trainer._ref_model)
+
+    def reference_checksum():
+        with gathered_parameters(acc, reference):
+            return [float(p.detach().double().sum()) for p in reference.parameters()]
+
+    reference_before = reference_checksum()
 
     # One round by hand, to record what each process holds.
     slots = trainer._local_slots(0)
@@ -70,7 +79,8 @@ def main():
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
               "shares_prompt_forward": trainer.shares_prompt_forward,
-              "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks}
+              "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks,
+              "reference_before": reference_before, "reference_after": reference_checksum()}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

@@ -81,3 +81,15 @@ def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(tiny_mode
             assert part["kept"] == [bool(e >= threshold) for e in part["entropy"]]
         uneven |= sum(mine["kept"]) != sum(theirs["kept"])
     assert uneven  # the split of kept tokens follows the entropies, not the process
+
+
+@pytest.mark.distributed
+def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(tiny_model_dir, tmp_path):
+    """Under ZeRO-3 the reference and the policy are both partitioned: the mix is done on gathered weights
+    and every rank ends with ref = 0.5 x the start + 0.5 x the trained policy."""
+    reports = run_job("zero3", tiny_model_dir, tmp_path / "run", GRPO_JOB_SYNC_REF="1")
+    for report in reports:
+        assert report["zero_stage"] == 3
+        expected = [0.5 * a + 0.5 * b for a, b in zip(report["reference_before"], report["checksum"])]
+        assert report["reference_after"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert report["reference_after"] != pytest.approx(report["reference_before"], rel=1e-6)

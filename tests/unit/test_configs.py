@@ -105,6 +105,9 @@ INVALID = [
     (TrainingConfig, {"eval_delay": -1}, "eval_delay"),
     (TrainingConfig, {"torch_empty_cache_steps": 0}, "torch_empty_cache_steps"),
     (TrainingConfig, {"data_seed": 1.5}, "data_seed"),
+    (GRPOConfig, {"sync_ref_model": True}, "sync_ref_model"),  # beta 0: no reference
+    (GRPOConfig, {"ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha"),
+    (GRPOConfig, {"ref_model_sync_steps": 0}, "ref_model_sync_steps"),
     (GRPOConfig, {"entropy_coef": float("nan")}, "entropy_coef"),
     (GRPOConfig, {"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
     (GRPOConfig, {"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
