@@ -1,6 +1,6 @@
 """A short SFT or GRPO run for the exact-resume and kill tests; run as a script (1 process or launched).
 
-    python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N]
+    python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
 
 TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends this process early with a
 checkpoint, as a preemption would. The final weights go to OUT/final. GRPO uses 2 optimizer steps per
@@ -8,6 +8,7 @@ generation round, so a checkpoint can fall in the middle of a round.
 """
 
 import argparse
+import json
 import os
 
 import torch
@@ -45,10 +46,11 @@ def main():
     parser.add_argument("--step_sleep", type=float, default=0.0, help="Slow each step down (kill tests).")
     parser.add_argument("--nan_at", type=int, nargs="*", default=[], help="Steps whose loss is made NaN.")
     parser.add_argument("--max_nonfinite", type=int, default=10)
+    parser.add_argument("--extra", type=json.loads, default={}, help="More config fields, as JSON.")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     trainer = build(cli.method, cli.model, cli.out, cli.total, cli.save_steps,
-                    {"max_consecutive_nonfinite_steps": cli.max_nonfinite})
+                    {"max_consecutive_nonfinite_steps": cli.max_nonfinite, **cli.extra})
     if cli.step_sleep or cli.nan_at:
         compute_loss = trainer.compute_loss
 
