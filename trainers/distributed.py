@@ -311,38 +311,37 @@ def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn
     return model.to(accelerator.device)
 
 
-def mix_parameters(accelerator: Accelerator, source: torch.nn.Module, target: torch.nn.Module, alpha: float) -> None:
-    """``target <- (1 - alpha) * target + alpha * source``, parameter by parameter (same architecture). Under
-    ZeRO-3 both are gathered, the main process mixes, and DeepSpeed scatters its result back. Every process
-    must call it (it is a collective under ZeRO-3)."""
-    source, target = getattr(source, "module", source), getattr(target, "module", target)  # engines -> modules
+@contextlib.contextmanager
+def writable_parameters(accelerator: Accelerator, *models: torch.nn.Module):
+    """Inside this block ``models`` hold their full parameters, and what the main process writes into them
+    stays: under ZeRO-3 they are gathered on every rank and, on exit, the main process's values are scattered
+    back. Yields whether this process should write (every process outside ZeRO-3). Every process must enter
+    it together (it is a collective under ZeRO-3)."""
+    if zero_stage(accelerator) != 3:
+        yield True
+        return
+    import deepspeed
 
-    def mix():
-        with torch.no_grad():
+    with deepspeed.zero.GatheredParameters([p for m in models for p in m.parameters()], modifier_rank=0):
+        yield accelerator.is_main_process
+
+
+def mix_parameters(accelerator: Accelerator, source: torch.nn.Module, target: torch.nn.Module, alpha: float) -> None:
+    """``target <- (1 - alpha) * target + alpha * source``, parameter by parameter (same architecture), on full
+    weights under ZeRO-3. Every process must call it."""
+    source, target = unwrap(accelerator, source), unwrap(accelerator, target)  # engines -> modules
+    with writable_parameters(accelerator, source, target) as writes, torch.no_grad():
+        if writes:
             for to, of in zip(target.parameters(), source.parameters(), strict=True):
                 to.mul_(1.0 - alpha).add_(of.to(to.dtype), alpha=alpha)
 
-    if zero_stage(accelerator) != 3:
-        mix()
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(source.parameters()) + list(target.parameters()), modifier_rank=0):
-        if accelerator.is_main_process:
-            mix()
-
 
 def load_full_state_dict(accelerator: Accelerator, model: torch.nn.Module, state_dict: dict) -> None:
-    """Copy a full state dict into ``model``; under ZeRO-3 the main process copies it into the gathered
-    parameters and DeepSpeed scatters them back. Every process must call it."""
-    model = getattr(model, "module", model)
-    if zero_stage(accelerator) != 3:
-        model.load_state_dict(state_dict)
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        if accelerator.is_main_process:
+    """Copy a full state dict into ``model`` (into its gathered weights under ZeRO-3). Every process must
+    call it."""
+    model = unwrap(accelerator, model)
+    with writable_parameters(accelerator, model) as writes:
+        if writes:
             model.load_state_dict(state_dict)
 
 

@@ -581,7 +581,7 @@ class GRPOTrainer(BaseTrainer):
 
     def save_extra_state(self, folder: str) -> None:
         if self.args.sync_ref_model:  # the moved reference is not the model it was loaded from: keep it
-            reference = getattr(self._ref_model, "module", self._ref_model)
+            reference = dist.unwrap(self.accelerator, self._ref_model)
             with dist.gathered_parameters(self.accelerator, reference):
                 if self.accelerator.is_main_process:
                     torch.save({k: v.detach().cpu() for k, v in reference.state_dict().items()},
