@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models built offline (never the Hub), and a launcher for 2-process CPU jobs."""
 
+import json
 import os
 import socket
 import subprocess
@@ -47,3 +48,12 @@ def launch(template: str, script: str, *args: str, num_processes: int = 2, timeo
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def rank_reports(folder, prefix: str = "report", num_processes: int = 2) -> list[dict]:
+    """The JSON reports a launched job wrote, one per rank (``<prefix>-<rank>.json``), in rank order."""
+    reports = []
+    for rank in range(num_processes):
+        with open(os.path.join(folder, f"{prefix}-{rank}.json")) as f:
+            reports.append(json.load(f))
+    return reports

@@ -16,14 +16,16 @@ from typing import Any, NamedTuple
 import torch
 from accelerate.utils import set_seed
 from accelerate.utils.memory import clear_device_cache
+from transformers.trainer_utils import enable_full_determinism
+from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
 from trainers.checkpoint import (
     TrainerState, load_checkpoint, load_model_only_checkpoint, resolve_resume_path, rotate_checkpoints,
     save_checkpoint, verify_checkpoint,
 )
-from trainers.configs import ConfigError, TrainingConfig
-from trainers.errors import CheckpointError, NonFiniteError
+from trainers.configs import ConfigError, TrainingConfig, tf32_available
+from trainers.errors import CheckpointError, DistributedError, NonFiniteError
 from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger
@@ -32,6 +34,7 @@ from trainers.modeling import (
     check_model_path, clone_chat_template, load_causal_lm, load_tokenizer, match_vocabulary, router_aux_loss_coef,
     train_added_tokens,
 )
+from trainers.samplers import GlobalBatchSampler
 from trainers.schedules import build_scheduler
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
@@ -42,7 +45,32 @@ class TrainOutput(NamedTuple):
     metrics: dict
 
 
-Stats = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (numerator, denominator), summed over processes
+class Extreme(NamedTuple):
+    """A micro-batch statistic reduced by its min or max over processes, then averaged over the step's
+    micro-batches (TRL's clip_ratio/low_min and high_max). A NaN value (nothing to measure) is left out."""
+    value: torch.Tensor  # a scalar
+    reduce: str  # "min" or "max"
+
+
+# name -> (numerator, denominator), each summed over micro-batches and processes; or an Extreme
+Stats = dict[str, tuple[torch.Tensor, torch.Tensor] | Extreme]
+
+
+def reduce_extremes(accelerator, extremes: dict[str, list[Extreme]]) -> dict[str, float]:
+    """Each Extreme statistic (one per micro-batch): per micro-batch, the min or max over processes; then the
+    mean over the step's micro-batches (every process has the same number). One collective for all of them."""
+    if not extremes:
+        return {}
+    names = sorted(extremes)
+    # min(x) = -max(-x): one max-reduce serves both; NaN (nothing measured) becomes -inf so it never wins
+    sign = torch.tensor([[-1.0 if extremes[n][0].reduce == "min" else 1.0] for n in names], device=accelerator.device)
+    # [names, micro-batches]
+    values = torch.stack([torch.stack([e.value.detach().float() for e in extremes[n]]) for n in names])
+    signed = values.to(accelerator.device) * sign
+    signed = torch.where(torch.isnan(signed), -math.inf, signed)
+    reduced = dist.all_reduce_max(accelerator, signed)
+    reduced = torch.where(torch.isneginf(reduced), torch.nan, reduced) * sign
+    return {name: float(torch.nanmean(row)) for name, row in zip(names, reduced)}
 
 
 class BaseTrainer:
@@ -62,14 +90,21 @@ class BaseTrainer:
         if isinstance(model, str):
             check_model_path(model)  # before anything slow, and before the tokenizer is looked up there
         self.trackers = resolve_report_to(args.report_to)  # before anything slow: a missing package is an error
-        self.accelerator = dist.build_accelerator(args.gradient_accumulation_steps, self._mixed_precision(),
-                                                  args.use_cpu, log_with=self.trackers, project_dir=args.output_dir)
+        self.accelerator = dist.build_accelerator(
+            args.gradient_accumulation_steps, self._mixed_precision(), args.use_cpu, log_with=self.trackers,
+            project_dir=args.output_dir, ddp_kwargs=args.ddp_kwargs, backend=args.ddp_backend,
+            timeout_seconds=args.ddp_timeout)
         if args.save_only_model and args.load_best_model_at_end and dist.is_deepspeed(self.accelerator):
             # a model-only checkpoint holds the gathered full weights, which a sharded engine cannot load back
             raise ConfigError(f"{type(args).__name__}: `save_only_model=True` with `load_best_model_at_end=True` "
                               f"does not work under DeepSpeed (as in transformers); drop one of them.")
         self.health = HealthMonitor()
-        set_seed(args.seed)
+        if args.full_determinism:
+            enable_full_determinism(args.seed)  # seeds too
+        else:
+            set_seed(args.seed)
+        if args.tf32 is not None and tf32_available():  # True without a GPU for it was refused by the config
+            enable_tf32(args.tf32)
         template = getattr(args, "chat_template_path", None)
         self.processing_class = load_tokenizer(processing_class, model, getattr(args, "pad_token", None), template)
         # a tokenizer folder or Hub id as chat_template_path: its template and the tokens it needs (TRL's
@@ -106,6 +141,11 @@ class BaseTrainer:
         dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
                                  args.gradient_accumulation_steps, args.max_grad_norm, model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if args.ddp_kwargs and self.accelerator.num_processes > 1 and \
+                not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            names = ", ".join(f"ddp_{k}" for k in args.ddp_kwargs)
+            logger.warning(f"DistributedDataParallel options ({names}) change nothing in this run: it uses "
+                           f"{self.accelerator.distributed_type.value}, which syncs gradients itself.")
         # Stepped by the loop, once per optimizer step (Accelerate would step it once per process).
         self.lr_scheduler = build_scheduler(self.optimizer, args, self.max_steps)
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
@@ -113,6 +153,24 @@ class BaseTrainer:
         self.after_prepare()
         # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
         set_seed(args.seed + self.accelerator.process_index)
+
+    def batch_sampler(self, num_rows: int, batch: int, unit: str) -> GlobalBatchSampler:
+        """The training order in batches of ``batch`` rows (``unit`` names such a batch in messages): reshuffled
+        every epoch, the last incomplete batch filled up from the epoch's start or, with dataloader_drop_last,
+        dropped."""
+        args, name = self.args, type(self.args).__name__
+        if args.dataloader_drop_last and num_rows < batch:
+            raise ConfigError(f"{name}: `dataloader_drop_last=True` drops each epoch's last incomplete {unit}, and "
+                              f"train_dataset's {num_rows} rows are fewer than one {unit} ({batch} rows): nothing "
+                              f"would be trained. Use a smaller batch, or dataloader_drop_last=False.")
+        sampler = GlobalBatchSampler(num_rows, batch, args.data_order_seed, args.shuffle_dataset,
+                                     args.dataloader_drop_last)
+        if self.accelerator.is_main_process and (sampler.padding_per_epoch or sampler.dropped_per_epoch):
+            what = (f"leaves out {sampler.dropped_per_epoch} rows (dataloader_drop_last=True)"
+                    if args.dataloader_drop_last else f"repeats {sampler.padding_per_epoch} rows to fill its last one")
+            logger.info(f"train_dataset's {num_rows} rows are not a multiple of the {unit} ({batch} rows): each "
+                        f"epoch {what}.")
+        return sampler
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -348,13 +406,26 @@ class BaseTrainer:
         scale = acc.num_processes * self.args.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=acc.device)
         totals: dict[str, list[torch.Tensor]] = {}
+        extremes: dict[str, list[Extreme]] = {}  # name -> one per micro-batch
         grad_norm = None
         for index, batch in enumerate(batches):
             with acc.accumulate(self.model):
-                loss, stats = self.compute_loss(self.model, batch, counts)
+                try:
+                    loss, stats = self.compute_loss(self.model, batch, counts)
+                except RuntimeError as error:
+                    if "find_unused_parameters=True" not in str(error):
+                        raise
+                    raise DistributedError(
+                        "DistributedDataParallel found parameters that got no gradient in the previous step (a "
+                        "branch the model did not take, or a parameter outside the loss). Set "
+                        "ddp_find_unused_parameters=True, or freeze those parameters (requires_grad=False).") from error
                 acc.backward(loss * scale)
                 loss_sum += loss.detach().float()
-                for name, (num, den) in stats.items():
+                for name, entry in stats.items():
+                    if isinstance(entry, Extreme):
+                        extremes.setdefault(name, []).append(entry)
+                        continue
+                    num, den = entry
                     pair = torch.stack([num.detach().float().sum(), torch.as_tensor(den, device=acc.device).float().sum()])
                     totals[name] = totals[name] + pair if name in totals else pair
                 if acc.sync_gradients:
@@ -376,6 +447,7 @@ class BaseTrainer:
         for i, name in enumerate(names):
             num, den = packed[4 + 2 * i], packed[5 + 2 * i]
             metrics[name] = num / den if den else float("nan")
+        metrics.update(reduce_extremes(acc, extremes))
         metrics["learning_rate"] = learning_rate
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))

@@ -31,6 +31,14 @@ STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = STRATEGIES + ("best",)
 TOKEN_COUNTS = ("no", "all", "non_padding")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl")  # transformers' choices
+
+
+def tf32_available() -> bool:
+    """Whether TF32 can be switched on here (transformers' test: an Ampere or newer CUDA GPU)."""
+    from transformers.utils import is_torch_tf32_available
+
+    return is_torch_tf32_available()
 
 
 def _reject_unknown_options(cls):
@@ -201,6 +209,29 @@ class TrainingConfig:
         None, "Return the accelerator's cached memory to the device every this many steps (torch.cuda.empty_cache "
         "and the like; nothing on CPU): lower peak memory for a few percent of speed."
     )
+    dataloader_drop_last: bool = opt(
+        False, "Drop each epoch's last incomplete global batch (GRPO: its last incomplete generation round, which "
+        "TRL always drops) instead of filling it up with rows from the start of the same epoch."
+    )
+    full_determinism: bool = opt(
+        False, "Deterministic algorithms only (transformers' enable_full_determinism: "
+        "torch.use_deterministic_algorithms, cuDNN deterministic, the CUDA variables it needs); slower."
+    )
+    tf32: bool | None = opt(
+        None, "TF32 matmuls on an Ampere or newer GPU: True turns them on, False off, None leaves torch's "
+        "setting. True without such a GPU is an error."
+    )
+    ddp_find_unused_parameters: bool | None = opt(
+        None, "DistributedDataParallel's find_unused_parameters. None: False (DDP's faster default; transformers "
+        "picks True unless gradient checkpointing is on). Set True when DDP reports parameters without gradients."
+    )
+    ddp_bucket_cap_mb: int | None = opt(None, "DistributedDataParallel's bucket_cap_mb (None: DDP's 25).")
+    ddp_broadcast_buffers: bool | None = opt(None, "DistributedDataParallel's broadcast_buffers (None: DDP's True).")
+    ddp_static_graph: bool | None = opt(None, "DistributedDataParallel's static_graph (None: DDP's False).")
+    ddp_backend: str | None = opt(
+        None, f"Process-group backend, one of {DDP_BACKENDS}. None: nccl on GPUs, gloo on CPU."
+    )
+    ddp_timeout: int = opt(1800, "Seconds a collective may wait for the other processes before failing.")
     max_consecutive_nonfinite_steps: int = opt(
         10, "Optimizer steps with a non-finite loss or gradient norm are skipped; after this many in a row, "
         "training stops with a checkpoint and an explanation."
@@ -247,6 +278,13 @@ class TrainingConfig:
         _check(self.eval_delay >= 0, name, "eval_delay", self.eval_delay, "it must be >= 0")
         _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
                self.save_total_limit, "it must be a positive integer or None")
+        for f in ("ddp_bucket_cap_mb", "ddp_timeout"):
+            value = getattr(self, f)
+            _check(value is None or value > 0, name, f, value, "it must be a positive integer")
+        _check(self.ddp_backend is None or self.ddp_backend in DDP_BACKENDS, name, "ddp_backend", self.ddp_backend,
+               f"valid: {DDP_BACKENDS} or None")
+        _check(not self.tf32 or tf32_available(), name, "tf32", self.tf32,
+               "TF32 needs an Ampere or newer NVIDIA GPU, and none is visible here; leave tf32 at None")
         _check(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps > 0, name,
                "torch_empty_cache_steps", self.torch_empty_cache_steps, "it must be a positive integer or None")
         if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' mapping
@@ -264,6 +302,13 @@ class TrainingConfig:
         reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         _check(all(isinstance(r, str) for r in reports), name, "report_to", self.report_to,
                "give a tracker name or a list of names")
+
+    @property
+    def ddp_kwargs(self) -> dict:
+        """The DistributedDataParallel keyword arguments this config sets (the ddp_* options not None)."""
+        names = {"ddp_find_unused_parameters": "find_unused_parameters", "ddp_bucket_cap_mb": "bucket_cap_mb",
+                 "ddp_broadcast_buffers": "broadcast_buffers", "ddp_static_graph": "static_graph"}
+        return {kwarg: getattr(self, option) for option, kwarg in names.items() if getattr(self, option) is not None}
 
     def _check_best_model(self, name: str) -> None:
         """transformers' rules for metric_for_best_model, load_best_model_at_end and save_strategy='best', plus

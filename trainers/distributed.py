@@ -5,7 +5,8 @@ Trainers never branch on the backend. They call:
     on a machine without a GPU it still gives real multi-process training (DDP over gloo, DeepSpeed ZeRO on CPU).
   - ``configure_deepspeed``: fills the DeepSpeed config values that Accelerate leaves as "auto".
   - ``gathered_parameters``: the full weights of a ZeRO-3 model for the duration of a block (generation).
-  - ``gather_objects`` / ``broadcast_object`` / ``all_reduce_sum``: Python objects and counts across processes.
+  - ``gather_objects`` / ``broadcast_object`` / ``all_reduce_sum`` / ``all_reduce_max``: Python objects, counts
+    and extremes across processes.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import glob
 import os
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    gather_object,
+)
 
 from trainers.errors import DistributedError
 
@@ -39,9 +47,14 @@ def _world_size_from_env() -> int:
 
 def build_accelerator(
     gradient_accumulation_steps: int, mixed_precision: str | None = None, use_cpu: bool = False,
-    log_with: list[str] | None = None, project_dir: str | None = None,
+    log_with: list[str] | None = None, project_dir: str | None = None, ddp_kwargs: dict | None = None,
+    backend: str | None = None, timeout_seconds: int = 1800,
 ) -> Accelerator:
     """Build the Accelerator for however this process was launched.
+
+    ``ddp_kwargs`` go to DistributedDataParallel when the model is wrapped in it; ``backend`` (None: Accelerate's
+    pick) and ``timeout_seconds`` to the process group, as transformers passes ``ddp_backend`` and ``ddp_timeout``.
+    The process group is made by the first Accelerator of a process; later ones share it.
 
     Without a GPU, Accelerate needs two nudges that are easy to get wrong (see docs/distributed.md):
       - DeepSpeed on CPU needs an explicit gloo process group, or Accelerate sees one process.
@@ -57,6 +70,9 @@ def build_accelerator(
     if mixed_precision is not None:
         kwargs["mixed_precision"] = mixed_precision
     has_gpu = torch.cuda.is_available() and not use_cpu
+    if backend == "nccl" and not has_gpu:
+        raise DistributedError("ddp_backend='nccl' needs CUDA GPUs; this run has none (or use_cpu=True). Use "
+                               "ddp_backend='gloo', or leave it at None.")
     if not has_gpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         raise RuntimeError(
             "This launch asks for FSDP (fsdp2.yaml), which Accelerate only engages on GPUs; on this machine it would "
@@ -66,10 +82,12 @@ def build_accelerator(
         if _launched_with_deepspeed():
             tune_host_allocator()  # host RAM is the training memory, and ZeRO frees and re-gathers weights
             warn_on_stale_build_locks()  # DeepSpeed compiles its CPU ops on first use
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            backend = backend or "gloo"
         else:
             keep_host_memory()  # every step allocates and frees the same large activations
             kwargs["cpu"] = True
+    group = {"timeout": timedelta(seconds=timeout_seconds)} | ({"backend": backend} if backend else {})
+    kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group), DistributedDataParallelKwargs(**(ddp_kwargs or {}))]
     accelerator = Accelerator(**kwargs)
     if _world_size_from_env() > 1 and accelerator.num_processes == 1:
         raise RuntimeError(
@@ -394,6 +412,14 @@ def all_reduce_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tens
     if accelerator.num_processes == 1:
         return values.clone()
     return accelerator.reduce(values.clone(), reduction="sum")
+
+
+def all_reduce_max(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """The elementwise max of a tensor over processes (returns a new tensor on every process)."""
+    values = values.clone()
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return values
 
 
 def unwrap(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -21,7 +21,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers import engine
-from trainers.base import BaseTrainer, Stats
+from trainers.base import BaseTrainer, Extreme, Stats
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
 from trainers.entropy_control import EntropyControl
@@ -38,7 +38,7 @@ from trainers.modeling import (
 from trainers.rewards import (
     Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, completion_text, resolve_reward,
 )
-from trainers.samplers import GlobalBatchSampler, group_slots
+from trainers.samplers import group_slots
 from trainers.sft import as_dataset
 
 
@@ -162,8 +162,7 @@ class GRPOTrainer(BaseTrainer):
         self.eval_rows = self.eval_prompt_ids = None
         if eval_dataset is not None:
             self._eval_prompts(eval_dataset)  # its context check waits for the model (after_load)
-        self.prompt_sampler = GlobalBatchSampler(len(self.train_rows), self.prompts_per_round, args.data_order_seed,
-                                                 args.shuffle_dataset)
+        self.prompt_sampler = self.batch_sampler(len(self.train_rows), self.prompts_per_round, "generation round")
         eos = {self.processing_class.eos_token_id}
         self.eos_ids = {i for i in eos if i is not None}
         self.sampling = SamplingParams(
@@ -478,6 +477,9 @@ class GRPOTrainer(BaseTrainer):
             stats["clip_ratio/low_mean"] = ((low * weight).sum(), weight.sum())
             stats["clip_ratio/high_mean"] = ((high * weight).sum(), weight.sum())
             stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
+            # TRL's: this micro-batch's ratio, its min (low) or max (high) over processes
+            stats["clip_ratio/low_min"] = Extreme((low * weight).sum() / weight.sum(), "min")
+            stats["clip_ratio/high_max"] = Extreme((high * weight).sum() / weight.sum(), "max")
         if cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
             stats["cispo_clip_ratio"] = ((cispo_clipped.float() * weight).sum(), weight.sum())
         if phi is not None:  # TRL's name: the mean weight over every completion row

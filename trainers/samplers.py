@@ -24,15 +24,20 @@ class GlobalBatchSampler:
 
     When the row count is not a multiple of the global batch, the last batch of an epoch is topped up with the
     first rows of the same epoch's order, so every row is trained on at least once per epoch and every
-    micro-batch has the same size (which DDP and DeepSpeed need).
+    micro-batch has the same size (which DDP and DeepSpeed need). With ``drop_last`` it is dropped instead:
+    ``dropped_per_epoch`` rows of each epoch's order go unused (different ones each epoch when shuffled).
     """
 
-    def __init__(self, num_rows: int, global_batch: int, seed: int, shuffle: bool = True):
+    def __init__(self, num_rows: int, global_batch: int, seed: int, shuffle: bool = True, drop_last: bool = False):
         if num_rows <= 0:
             raise ValueError("cannot sample from an empty dataset")
         self.num_rows, self.global_batch, self.seed, self.shuffle = num_rows, global_batch, seed, shuffle
-        self.steps_per_epoch = math.ceil(num_rows / global_batch)
-        self.padding_per_epoch = self.steps_per_epoch * global_batch - num_rows
+        self.steps_per_epoch = num_rows // global_batch if drop_last else math.ceil(num_rows / global_batch)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{num_rows} rows are fewer than one global batch of {global_batch}, and the last "
+                             f"incomplete batch is dropped: nothing would be trained")
+        self.padding_per_epoch = max(0, self.steps_per_epoch * global_batch - num_rows)
+        self.dropped_per_epoch = max(0, num_rows - self.steps_per_epoch * global_batch)
         self._cached: tuple[int, list[int]] | None = None
 
     def epoch_order(self, epoch: int) -> list[int]:

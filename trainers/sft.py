@@ -13,7 +13,7 @@ from trainers.data import (
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import generation_eos_ids, token_logprobs
-from trainers.samplers import GlobalBatchSampler, local_slice
+from trainers.samplers import local_slice
 
 
 def as_dataset(data, name: str):
@@ -76,11 +76,7 @@ class SFTTrainer(BaseTrainer):
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
                         * args.gradient_accumulation_steps)
-        self.sampler = GlobalBatchSampler(len(self.train_rows), global_batch, args.data_order_seed, args.shuffle_dataset)
-        if self.sampler.padding_per_epoch and self.accelerator.is_main_process:
-            logger.info(f"{len(self.train_rows)} training rows are not a multiple of the global batch "
-                        f"({global_batch}); each epoch repeats {self.sampler.padding_per_epoch} rows to fill its "
-                        f"last batch.")
+        self.sampler = self.batch_sampler(len(self.train_rows), global_batch, "global batch")
 
     def _tokenize(self, dataset, name: str) -> list[dict]:
         args = self.args

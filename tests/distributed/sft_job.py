@@ -1,6 +1,6 @@
 """A short SFT job launched by tests/distributed with 2 processes; writes a JSON report per rank.
 
-argv: model_dir output_dir per_device accumulation [extra SFTConfig fields as key=value]
+argv: model_dir output_dir per_device accumulation [extra SFTConfig fields as key=JSON value]
 """
 
 import json
@@ -16,7 +16,7 @@ from trainers.tiny import as_sft_rows, reverse_digits_rows
 
 def main():
     model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    extra = dict(arg.split("=", 1) for arg in sys.argv[5:])
+    extra = {key: json.loads(value) for key, value in (arg.split("=", 1) for arg in sys.argv[5:])}
     rows = as_sft_rows(reverse_digits_rows(40, seed=3))
     rows[0]["completion"] = "a much longer completion than the others"  # uneven token counts per micro-batch
     args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device,

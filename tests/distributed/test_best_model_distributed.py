@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, rank_reports
 
 JOB = os.path.join(REPO, "tests", "distributed", "best_model_job.py")
 
@@ -14,10 +14,7 @@ JOB = os.path.join(REPO, "tests", "distributed", "best_model_job.py")
 @pytest.mark.distributed
 def test_best_model_and_model_only_checkpoints_under_zero3(tiny_model_dir, tmp_path):
     launch("zero3", JOB, tiny_model_dir, str(tmp_path))
-    reports = []
-    for rank in (0, 1):
-        with open(tmp_path / f"report-{rank}.json") as f:
-            reports.append(json.load(f))
+    reports = rank_reports(tmp_path)
     for report in reports:
         evals = report["evals"]
         assert len(evals) == 3 and evals[0] > evals[-1]

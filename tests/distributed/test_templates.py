@@ -55,7 +55,12 @@ def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
     """(per-device 2, accumulation 2, 2 processes) == (8, 1, 1 process): same losses, same final weights,
     identical weights on both ranks; under ZeRO-3 each rank holds half of the parameters."""
     ref_report, ref_weights = reference
-    launch(name, JOB, tiny_model_dir, str(tmp_path), "2", "2")
+    # a DDP option changes nothing under DeepSpeed, and says so
+    extra = ["ddp_find_unused_parameters=true"] if name == "zero2" else []
+    result = launch(name, JOB, tiny_model_dir, str(tmp_path), "2", "2", *extra)
+    if extra:
+        assert "options (ddp_find_unused_parameters) change nothing in this run: it uses DEEPSPEED" in \
+            result.stdout + result.stderr
     reports = []
     for path in sorted(glob.glob(str(tmp_path / "report-*.json"))):
         with open(path) as f:

@@ -5,12 +5,11 @@ tensors each rank actually holds (trainers/memory.py). In fp32 DeepSpeed keeps a
 parameters, so the full set is 4 + 4 + 4 + 8 = 20 bytes per parameter; each of 2 ranks may hold half.
 """
 
-import json
 import os
 
 import pytest
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, rank_reports
 
 JOB = os.path.join(REPO, "benchmarks", "memory_job.py")
 GB = 1024 ** 3
@@ -20,11 +19,7 @@ MARGIN = 0.05  # 5%: replicated small tensors below the persistence threshold (n
 def per_rank_states(template, model, out):
     launch(template, JOB, "--model", model, "--method", "sft", "--steps", "1", "--per_device", "2",
            "--seq_len", "32", "--bf16", "false", "--out", str(out))
-    reports = []
-    for rank in (0, 1):
-        with open(out / f"memory-{rank}.json") as f:
-            reports.append(json.load(f))
-    return reports
+    return rank_reports(out, "memory")
 
 
 @pytest.mark.distributed

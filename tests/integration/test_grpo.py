@@ -36,7 +36,8 @@ def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
                 "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                 "completions/mean_terminated_length", "completions/min_terminated_length",
                 "completions/max_terminated_length", "entropy",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "frac_reward_zero_std", "num_tokens", "step_time",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+                "frac_reward_zero_std", "num_tokens", "step_time",
                 "learning_rate", "grad_norm"):
         assert key in last, key
     assert 0 < last["completions/mean_length"] <= 8
@@ -208,3 +209,17 @@ def test_a_reward_model_folder_serves_as_a_reward_function(tiny_model_dir, token
     record = trainer.state.log_history[0]
     assert record["rewards/rm/std"] > 0  # a real score per completion, not a constant
     assert record["reward"] == pytest.approx(record["rewards/rm/mean"] + record["rewards/digits/mean"], abs=1e-4)
+
+
+def test_clip_ratio_min_and_max_are_the_micro_batch_ratios(tiny_model_dir, tmp_path):
+    """TRL's clip_ratio/low_min and high_max: each micro-batch's ratio, its min / max over processes, averaged
+    over micro-batches. With one process and one micro-batch per step they equal the step's means."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                          args=config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2))
+    trainer.train()
+    history = trainer.state.log_history
+    for record in history:
+        assert record["clip_ratio/low_min"] == pytest.approx(record["clip_ratio/low_mean"], abs=1e-7)
+        assert record["clip_ratio/high_max"] == pytest.approx(record["clip_ratio/high_mean"], abs=1e-7)
+    assert history[0]["clip_ratio/region_mean"] == 0  # first pass over a round: ratio 1
+    assert max(r["clip_ratio/region_mean"] for r in history[1::2]) > 0  # second passes clip

@@ -252,6 +252,9 @@ def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
     _, stats = trainer.compute_loss(trainer.model, batch, counts)
     high, rows = stats["clip_ratio/high_mean"]
     assert (float(high), float(rows)) == (1.0, 4.0)  # by tokens it would be 6 / 18
+    # TRL's per-micro-batch ratios, reduced by min / max over processes
+    assert stats["clip_ratio/high_max"].reduce == "max" and float(stats["clip_ratio/high_max"].value) == 0.25
+    assert stats["clip_ratio/low_min"].reduce == "min" and float(stats["clip_ratio/low_min"].value) == 0.0
 
 
 def donor_tokenizer_folder(path) -> str:

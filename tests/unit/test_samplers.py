@@ -40,6 +40,23 @@ def test_sampler_epoch_coverage_and_padding(num_rows, global_batch, steps, paddi
         assert max(counts) - min(counts) <= 1
 
 
+@pytest.mark.parametrize("num_rows,global_batch,steps,dropped", [(10, 4, 2, 2), (12, 4, 3, 0), (9, 2, 4, 1)])
+def test_sampler_drop_last_leaves_out_the_incomplete_batch(num_rows, global_batch, steps, dropped):
+    sampler = GlobalBatchSampler(num_rows, global_batch, seed=3, drop_last=True)
+    assert (sampler.steps_per_epoch, sampler.dropped_per_epoch, sampler.padding_per_epoch) == (steps, dropped, 0)
+    seen = set()
+    for epoch in range(4):
+        order = sampler.epoch_order(epoch)
+        rows = [r for s in range(steps) for r in sampler.batch(epoch * steps + s)]
+        assert rows == order[:steps * global_batch]  # full batches of the epoch's order, no row twice
+        assert len(set(rows)) == len(rows) == num_rows - dropped
+        seen |= set(rows)
+    if dropped:
+        assert seen == set(range(num_rows))  # reshuffling drops different rows in different epochs
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        GlobalBatchSampler(3, 4, seed=0, drop_last=True)
+
+
 def test_sampler_top_up_uses_first_rows_of_the_epoch_order():
     sampler = GlobalBatchSampler(10, 4, seed=0, shuffle=True)
     order = sampler.epoch_order(0)

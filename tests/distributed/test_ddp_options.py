@@ -1,0 +1,44 @@
+"""transformers' ddp_* options reach DistributedDataParallel and the process group (2 processes, multi_gpu.yaml
+on CPU: DDP over gloo); a parameter outside the loss gets an error that names ddp_find_unused_parameters; and
+per-micro-batch min/max statistics (TRL's clip_ratio/low_min, high_max) reduce over processes."""
+
+import os
+
+import pytest
+
+from tests.conftest import REPO, launch, rank_reports
+
+JOB = os.path.join(REPO, "tests", "distributed", "ddp_options_job.py")
+EXTREMES_JOB = os.path.join(REPO, "tests", "distributed", "extremes_job.py")
+
+
+@pytest.mark.distributed
+def test_ddp_options_reach_ddp_and_the_process_group(tiny_model_dir, tmp_path):
+    launch("multi_gpu", JOB, tiny_model_dir, str(tmp_path), "options")
+    for report in rank_reports(tmp_path):
+        assert report["wrapper"] == "DistributedDataParallel" and report["steps"] == 3
+        assert report["find_unused_parameters"] is True  # DDP's default is False
+        assert report["bucket_bytes_cap"] == 1024 * 1024  # DDP's default is 25 MiB
+        assert report["broadcast_buffers"] is False
+        assert report["timeout_seconds"] == 123
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["unused", "unused-found"])
+def test_a_parameter_outside_the_loss_names_ddp_find_unused_parameters(tiny_model_dir, tmp_path, mode):
+    launch("multi_gpu", JOB, tiny_model_dir, str(tmp_path), mode)
+    for report in rank_reports(tmp_path):
+        if mode == "unused":
+            assert "steps" not in report
+            assert "Set ddp_find_unused_parameters=True" in report["error"]
+        else:
+            assert report["steps"] == 3 and "error" not in report
+
+
+@pytest.mark.distributed
+def test_min_and_max_statistics_reduce_over_processes_then_average_over_micro_batches(tmp_path):
+    launch("multi_gpu", EXTREMES_JOB, str(tmp_path))
+    for report in rank_reports(tmp_path):
+        # per micro-batch min over ranks: 0.1, 0.4 (rank 0 measured nothing), 0.3, nothing at all -> mean of 3
+        assert report["low_min"] == pytest.approx((0.1 + 0.4 + 0.3) / 3)
+        assert report["high_max"] == pytest.approx((0.7 + 0.1 + 0.6 + 0.2) / 4)
