@@ -28,7 +28,7 @@ from trainers.configs import ConfigError, TrainingConfig, tf32_available
 from trainers.errors import CheckpointError, DistributedError, NonFiniteError
 from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
-from trainers.logs import RunLog, logger
+from trainers.logs import RunLog, logger, set_log_level
 from trainers.losses import BatchCounts
 from trainers.modeling import (
     check_model_path, clone_chat_template, load_causal_lm, load_tokenizer, match_vocabulary, router_aux_loss_coef,
@@ -98,6 +98,7 @@ class BaseTrainer:
             # a model-only checkpoint holds the gathered full weights, which a sharded engine cannot load back
             raise ConfigError(f"{type(args).__name__}: `save_only_model=True` with `load_best_model_at_end=True` "
                               f"does not work under DeepSpeed (as in transformers); drop one of them.")
+        set_log_level(args.log_level if self.accelerator.is_main_process else args.log_level_replica)
         self.health = HealthMonitor()
         if args.full_determinism:
             enable_full_determinism(args.seed)  # seeds too
@@ -478,7 +479,8 @@ class BaseTrainer:
         args, state = self.args, self.state
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
-        if step % args.logging_steps == 0 or last or (step == 1 and args.logging_first_step) or force_log:
+        log_due = {"steps": step % args.logging_steps == 0 or last, "epoch": epoch_end or last, "no": False}
+        if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log:
             record = {"step": step, "epoch": round(state.epoch, 4)}
             for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]
@@ -494,6 +496,8 @@ class BaseTrainer:
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
             self.on_log(record)
+        elif args.logging_strategy == "no":
+            window.clear()  # nothing will log these steps
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
                     and step >= args.eval_delay) or (
             args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay)

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError
+from trainers.logs import LOG_LEVELS
 from trainers.schedules import check_scheduler_kwargs
 
 
@@ -143,7 +144,16 @@ class TrainingConfig:
     )
     warmup_steps: float = opt(0, "Linear warmup length in optimizer steps; a value below 1 is a fraction of all steps.")
     warmup_ratio: float = opt(0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).")
-    logging_steps: int = opt(10, "Log metrics every this many optimizer steps (and at the last step).")
+    logging_strategy: str = opt(
+        "steps", f"When to log metrics: one of {STRATEGIES}. 'steps': every logging_steps and at the last step; "
+        "'epoch': at the end of each epoch and at the last step; 'no': never (logging_first_step still logs step 1)."
+    )
+    logging_steps: int = opt(10, "Log metrics every this many optimizer steps (logging_strategy='steps').")
+    log_level: str = opt(
+        "passive", f"Level of this project's and transformers' loggers on the main process: one of {LOG_LEVELS}; "
+        "'passive' leaves them as they are."
+    )
+    log_level_replica: str = opt("warning", "log_level for the other processes.")
     logging_first_step: bool = opt(
         True, "Also log the first step (TRL's default is False; here the first loss is shown unless you turn it off).")
     eval_strategy: str = opt("no", f"When to evaluate on eval_dataset: one of {STRATEGIES}.")
@@ -270,6 +280,10 @@ class TrainingConfig:
         _check(0 <= self.warmup_ratio < 1, name, "warmup_ratio", self.warmup_ratio, "it must be in [0, 1)")
         _check(not (self.warmup_steps and self.warmup_ratio), name, "warmup_ratio", self.warmup_ratio,
                "set warmup_steps or warmup_ratio, not both")
+        for f in ("log_level", "log_level_replica"):
+            _check(getattr(self, f) in LOG_LEVELS, name, f, getattr(self, f), f"valid: {LOG_LEVELS}")
+        _check(self.logging_strategy in STRATEGIES, name, "logging_strategy", self.logging_strategy,
+               f"valid: {STRATEGIES}")
         _check(self.eval_strategy in STRATEGIES, name, "eval_strategy", self.eval_strategy, f"valid: {STRATEGIES}")
         _check(self.save_strategy in SAVE_STRATEGIES, name, "save_strategy", self.save_strategy,
                f"valid: {SAVE_STRATEGIES}")

@@ -16,6 +16,21 @@ if not logger.handlers:
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
+LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")  # transformers' log_level choices
+
+
+def set_log_level(level: str) -> None:
+    """transformers' ``log_level`` (main process) / ``log_level_replica`` (the others): "passive" leaves the levels
+    as they are; any other level applies to this project's logger and to transformers' (whose Trainer does that)."""
+    if level == "passive":
+        return
+    from transformers.utils import logging as hf_logging
+
+    value = getattr(logging, level.upper())
+    logger.setLevel(value)
+    hf_logging.set_verbosity(value)
+
+
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "training_args.json"
 # The console line shows these (when present); metrics.jsonl and trackers get every metric.

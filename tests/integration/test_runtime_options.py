@@ -1,5 +1,5 @@
-"""transformers' run-time options, one CPU process: dataloader_drop_last (SFT and GRPO), full_determinism,
-tf32 and the process-group checks of ddp_backend / ddp_timeout. The DDP options themselves are tested with 2
+"""transformers' run-time options, one CPU process: dataloader_drop_last (SFT and GRPO), logging_strategy,
+log_level, full_determinism, tf32 and the process-group checks of ddp_backend / ddp_timeout. The DDP options themselves are tested with 2
 processes in tests/distributed/test_ddp_options.py."""
 
 import os
@@ -56,6 +56,46 @@ def test_grpo_drop_last_drops_the_incomplete_generation_round_as_trl(tiny_model_
     assert len(set(first)) == 4
     if not drop_last:  # the second round holds the 2 prompts left and 2 from the epoch's start
         assert sorted(set(first) | set(trainer.prompt_sampler.batch(1))) == list(range(6))
+
+
+@pytest.mark.parametrize("strategy,first,logged", [
+    ("steps", True, [1, 3, 6, 7]), ("epoch", False, [3, 6, 7]), ("epoch", True, [1, 3, 6, 7]), ("no", False, []),
+    ("no", True, [1])])
+def test_logging_strategy_picks_the_logged_steps(tiny_model_dir, tmp_path, strategy, first, logged):
+    """20 rows in global batches of 8: 3 steps per epoch; 7 steps end mid-epoch, and the last step is logged
+    unless logging_strategy="no". Each record averages the steps since the previous one."""
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=sft_config(
+        tmp_path, max_steps=7, logging_strategy=strategy, logging_steps=3, logging_first_step=first))
+    trainer.train()
+    history = trainer.state.log_history
+    assert [r["step"] for r in history] == logged
+    if strategy == "epoch":
+        assert [r["epoch"] for r in history][-3:] == [1.0, 2.0, pytest.approx(7 / 3, abs=1e-4)]
+    assert trainer.state.global_step == 7
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        assert len(f.readlines()) == len(logged)
+    with pytest.raises(ConfigError, match="`logging_strategy='best'`"):
+        SFTConfig(logging_strategy="best")
+
+
+def test_log_level_sets_this_projects_and_transformers_loggers(tiny_model_dir, tmp_path):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    ours, theirs = logging.getLogger("trainers").level, hf_logging.get_verbosity()
+    try:
+        SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=sft_config(tmp_path))  # "passive": unchanged
+        assert (logging.getLogger("trainers").level, hf_logging.get_verbosity()) == (ours, theirs)
+        # the main process takes log_level; log_level_replica is for the others
+        SFTTrainer(model=tiny_model_dir, train_dataset=ROWS,
+                   args=sft_config(tmp_path, log_level="error", log_level_replica="debug"))
+        assert logging.getLogger("trainers").level == hf_logging.get_verbosity() == logging.ERROR
+    finally:
+        logging.getLogger("trainers").setLevel(ours)
+        hf_logging.set_verbosity(theirs)
+    with pytest.raises(ConfigError, match="`log_level='loud'`"):
+        GRPOConfig(log_level="loud")
 
 
 @pytest.fixture

@@ -237,7 +237,7 @@ def test_option_of_another_config_is_unknown():
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", False), ("hub_model_id", None), ("label_smoothing_factor", 0.0), ("include_for_metrics", []),
-     ("logging_strategy", "steps"), ("dataloader_num_workers", 0), ("vllm_mode", "colocate")],
+     ("save_on_each_node", False), ("dataloader_num_workers", 0), ("vllm_mode", "colocate")],
 )
 def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
     assert TRL_ONLY_OPTIONS[name] == value
@@ -251,7 +251,7 @@ def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", True), ("hub_model_id", "me/model"), ("label_smoothing_factor", 0.1), ("torch_compile", True),
-     ("logging_strategy", "epoch"), ("vllm_mode", "server"), ("include_for_metrics", ["inputs"])],
+     ("save_on_each_node", True), ("vllm_mode", "server"), ("include_for_metrics", ["inputs"])],
 )
 def test_trl_only_option_at_other_value_is_refused(cls, name, value):
     with pytest.raises(ConfigError) as info:
