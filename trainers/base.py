@@ -22,10 +22,10 @@ from transformers.utils.import_utils import enable_tf32
 from trainers import distributed as dist
 from trainers.checkpoint import (
     TrainerState, load_checkpoint, load_model_only_checkpoint, resolve_resume_path, rotate_checkpoints,
-    save_checkpoint, verify_checkpoint,
+    save_checkpoint, update_best, verify_checkpoint,
 )
 from trainers.configs import ConfigError, TrainingConfig, tf32_available
-from trainers.errors import CheckpointError, DistributedError, NonFiniteError
+from trainers.errors import CheckpointError, NonFiniteError
 from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger, set_log_level
@@ -36,6 +36,7 @@ from trainers.modeling import (
 )
 from trainers.samplers import GlobalBatchSampler
 from trainers.schedules import build_scheduler
+from trainers.stats import Stats, StepStats, reduce_pairs
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
 
@@ -43,34 +44,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict
-
-
-class Extreme(NamedTuple):
-    """A micro-batch statistic reduced by its min or max over processes, then averaged over the step's
-    micro-batches (TRL's clip_ratio/low_min and high_max). A NaN value (nothing to measure) is left out."""
-    value: torch.Tensor  # a scalar
-    reduce: str  # "min" or "max"
-
-
-# name -> (numerator, denominator), each summed over micro-batches and processes; or an Extreme
-Stats = dict[str, tuple[torch.Tensor, torch.Tensor] | Extreme]
-
-
-def reduce_extremes(accelerator, extremes: dict[str, list[Extreme]]) -> dict[str, float]:
-    """Each Extreme statistic (one per micro-batch): per micro-batch, the min or max over processes; then the
-    mean over the step's micro-batches (every process has the same number). One collective for all of them."""
-    if not extremes:
-        return {}
-    names = sorted(extremes)
-    # min(x) = -max(-x): one max-reduce serves both; NaN (nothing measured) becomes -inf so it never wins
-    sign = torch.tensor([[-1.0 if extremes[n][0].reduce == "min" else 1.0] for n in names], device=accelerator.device)
-    # [names, micro-batches]
-    values = torch.stack([torch.stack([e.value.detach().float() for e in extremes[n]]) for n in names])
-    signed = values.to(accelerator.device) * sign
-    signed = torch.where(torch.isnan(signed), -math.inf, signed)
-    reduced = dist.all_reduce_max(accelerator, signed)
-    reduced = torch.where(torch.isneginf(reduced), torch.nan, reduced) * sign
-    return {name: float(torch.nanmean(row)) for name, row in zip(names, reduced)}
 
 
 class BaseTrainer:
@@ -406,29 +379,14 @@ class BaseTrainer:
         # our losses are already normalized by global counts, so undo both.
         scale = acc.num_processes * self.args.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=acc.device)
-        totals: dict[str, list[torch.Tensor]] = {}
-        extremes: dict[str, list[Extreme]] = {}  # name -> one per micro-batch
+        step_stats = StepStats(acc.device)
         grad_norm = None
         for index, batch in enumerate(batches):
-            with acc.accumulate(self.model):
-                try:
-                    loss, stats = self.compute_loss(self.model, batch, counts)
-                except RuntimeError as error:
-                    if "find_unused_parameters=True" not in str(error):
-                        raise
-                    raise DistributedError(
-                        "DistributedDataParallel found parameters that got no gradient in the previous step (a "
-                        "branch the model did not take, or a parameter outside the loss). Set "
-                        "ddp_find_unused_parameters=True, or freeze those parameters (requires_grad=False).") from error
+            with acc.accumulate(self.model), dist.explained_ddp_errors():
+                loss, stats = self.compute_loss(self.model, batch, counts)
                 acc.backward(loss * scale)
                 loss_sum += loss.detach().float()
-                for name, entry in stats.items():
-                    if isinstance(entry, Extreme):
-                        extremes.setdefault(name, []).append(entry)
-                        continue
-                    num, den = entry
-                    pair = torch.stack([num.detach().float().sum(), torch.as_tensor(den, device=acc.device).float().sum()])
-                    totals[name] = totals[name] + pair if name in totals else pair
+                step_stats.add(stats)
                 if acc.sync_gradients:
                     assert index == len(batches) - 1, "gradient sync must happen on the last micro-batch"
                     norm = self._clip_gradients()
@@ -438,17 +396,10 @@ class BaseTrainer:
                     self.optimizer.zero_grad(set_to_none=True)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
-        names = sorted(totals)
-        head = [loss_sum, torch.as_tensor(local_input_tokens, device=acc.device),
-                torch.as_tensor(local_padded_tokens, device=acc.device),
-                torch.as_tensor(float(stop_requested), device=acc.device)]
-        packed = dist.all_reduce_sum(acc, torch.stack(head + [v for n in names for v in totals[n]])).tolist()
-        metrics = {"loss": packed[0], "num_input_tokens": packed[1], "num_padded_tokens": packed[2],
-                   "stop_requested": packed[3]}
-        for i, name in enumerate(names):
-            num, den = packed[4 + 2 * i], packed[5 + 2 * i]
-            metrics[name] = num / den if den else float("nan")
-        metrics.update(reduce_extremes(acc, extremes))
+        head = {"loss": loss_sum, "num_input_tokens": local_input_tokens, "num_padded_tokens": local_padded_tokens,
+                "stop_requested": float(stop_requested)}  # summed over processes with the statistics
+        sums, stats_metrics = step_stats.reduce(acc, [torch.as_tensor(v, device=acc.device) for v in head.values()])
+        metrics = dict(zip(head, sums)) | stats_metrics
         metrics["learning_rate"] = learning_rate
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))
@@ -518,26 +469,10 @@ class BaseTrainer:
         run_log.record(state.log_history, record)
         if self.trackers:
             self.accelerator.log(numeric_metrics(record), step=state.global_step)
-        return self._track_best(metrics)
-
-    def _track_best(self, metrics: dict) -> bool:
-        """Update the best metric_for_best_model value and its step (as transformers: strictly better only)."""
-        args, state = self.args, self.state
+        args = self.args
         if args.metric_for_best_model is None:
             return False
-        name = args.metric_for_best_model
-        name = name if name.startswith("eval_") else f"eval_{name}"
-        if name not in metrics:
-            raise ConfigError(f"{type(args).__name__}: `metric_for_best_model={args.metric_for_best_model!r}` is not "
-                              f"among the evaluation metrics: {sorted(metrics)}.")
-        value = metrics[name]
-        if not math.isfinite(value):
-            return False  # a NaN never becomes the best
-        better = state.best_metric is None or (value > state.best_metric if args.greater_is_better
-                                               else value < state.best_metric)
-        if better:
-            state.best_metric, state.best_global_step = value, state.global_step
-        return better
+        return update_best(state, metrics, args.metric_for_best_model, args.greater_is_better, type(args).__name__)
 
     def _load_best_model(self) -> None:
         """load_best_model_at_end: a whole checkpoint is restored as on resume (weights, optimizer, schedule; as
@@ -579,12 +514,7 @@ class BaseTrainer:
         with torch.no_grad():
             stats = self.evaluation_stats()
         self.model.train()
-        names = sorted(stats)
-        packed = torch.stack([torch.stack([n.float().sum(), torch.as_tensor(d, device=self.accelerator.device).float().sum()])
-                              for n, d in (stats[k] for k in names)])
-        packed = dist.all_reduce_sum(self.accelerator, packed).tolist()
-        return {f"{metric_key_prefix}_{name}": num / den if den else float("nan")
-                for name, (num, den) in zip(names, packed)}
+        return reduce_pairs(self.accelerator, stats, prefix=f"{metric_key_prefix}_")
 
     def save_checkpoint(self, whole: bool = False) -> str:
         """Write ``output_dir/checkpoint-<step>`` (model-only with save_only_model, unless ``whole``) and

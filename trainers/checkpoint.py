@@ -15,13 +15,14 @@ A model-only checkpoint (``save_only_model``) holds the model in Hugging Face fo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 
-from trainers.errors import CheckpointError
+from trainers.errors import CheckpointError, ConfigError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -42,6 +43,23 @@ class TrainerState:
     best_global_step: int | None = None  # the step of that evaluation
     best_model_checkpoint: str | None = None  # the checkpoint written at that step, once there is one
     log_history: list[dict] = field(default_factory=list)
+
+
+def update_best(state: TrainerState, metrics: dict, metric: str, greater_is_better: bool, config_name: str) -> bool:
+    """Record ``metrics[metric]`` (``eval_`` prefixed when missing) in ``state`` as the best value and its step
+    when it is strictly better, as transformers does; a NaN never is. Returns whether it was."""
+    name = metric if metric.startswith("eval_") else f"eval_{metric}"
+    if name not in metrics:
+        raise ConfigError(f"{config_name}: `metric_for_best_model={metric!r}` is not among the evaluation "
+                          f"metrics: {sorted(metrics)}.")
+    value = metrics[name]
+    if not math.isfinite(value):
+        return False
+    better = state.best_metric is None or (value > state.best_metric if greater_is_better
+                                           else value < state.best_metric)
+    if better:
+        state.best_metric, state.best_global_step = value, state.global_step
+    return better
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:

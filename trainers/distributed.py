@@ -414,6 +414,21 @@ def all_reduce_sum(accelerator: Accelerator, values: torch.Tensor) -> torch.Tens
     return accelerator.reduce(values.clone(), reduction="sum")
 
 
+@contextlib.contextmanager
+def explained_ddp_errors():
+    """DDP's failure on a parameter that got no gradient, raised again as an error that names the option to set
+    (DDP's own message names its keyword argument, not ours)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "find_unused_parameters=True" not in str(error):
+            raise
+        raise DistributedError(
+            "DistributedDataParallel found parameters that got no gradient in the previous step (a branch the "
+            "model did not take, or a parameter outside the loss). Set ddp_find_unused_parameters=True, or freeze "
+            "those parameters (requires_grad=False).") from error
+
+
 def all_reduce_max(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     """The elementwise max of a tensor over processes (returns a new tensor on every process)."""
     values = values.clone()

@@ -21,7 +21,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers import engine
-from trainers.base import BaseTrainer, Extreme, Stats
+from trainers.base import BaseTrainer
 from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
 from trainers.entropy_control import EntropyControl
@@ -40,6 +40,7 @@ from trainers.rewards import (
 )
 from trainers.samplers import group_slots
 from trainers.sft import as_dataset
+from trainers.stats import Extreme, Stats
 
 
 @dataclass(frozen=True)

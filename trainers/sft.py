@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
-from trainers.base import BaseTrainer, Stats
+from trainers.base import BaseTrainer
 from trainers.configs import ConfigError, SFTConfig
 from trainers.data import (
     IGNORE, Collator, DatasetFormatError, detect_format, pack_samples, shift_targets, tokenize_row, truncate,
@@ -14,6 +14,7 @@ from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import generation_eos_ids, token_logprobs
 from trainers.samplers import local_slice
+from trainers.stats import Stats
 
 
 def as_dataset(data, name: str):

@@ -1,4 +1,4 @@
-"""trainers.base.reduce_extremes over 2 processes (no model): each rank reports what it got back.
+"""trainers.stats.reduce_extremes over 2 processes (no model): each rank reports what it got back.
 
 argv: output_dir
 """
@@ -10,7 +10,7 @@ import sys
 import torch
 
 from trainers import distributed as dist
-from trainers.base import Extreme, reduce_extremes
+from trainers.stats import Extreme, reduce_extremes
 
 
 def main():
