@@ -30,7 +30,6 @@ TRL_ONLY_OPTIONS = {
     'enable_jit_checkpoint': False,
     'eval_accumulation_steps': None,
     'eval_do_concat_batches': True,
-    'eval_packing': None,
     'eval_use_gather_object': False,
     'fp16_full_eval': False,
     'fsdp': None,

@@ -382,6 +382,10 @@ class SFTConfig(TrainingConfig):
         "with no attention across samples."
     )
     packing_strategy: str = opt("bfd", "Packing algorithm: 'bfd' (best-fit decreasing).")
+    eval_packing: bool | None = opt(
+        None, "Pack eval_dataset as well (None: as packing). The loss is the same either way; packing changes "
+        "the speed and memory of evaluation."
+    )
     padding_free: bool = opt(False, "Concatenate a micro-batch into one row without padding (implied by packing).")
     pad_to_multiple_of: int | None = opt(None, "Pad each batch's length up to a multiple of this.")
     completion_only_loss: bool | None = opt(
@@ -408,8 +412,8 @@ class SFTConfig(TrainingConfig):
                name, "neftune_noise_alpha", self.neftune_noise_alpha, "it must be a positive number, or None")
         _check(self.max_length is None or (isinstance(self.max_length, int) and self.max_length > 0), name,
                "max_length", self.max_length, "it must be a positive integer or None")
-        _check(not (self.packing and self.max_length is None), name, "max_length", self.max_length,
-               "packing=True needs a max_length (the length of a packed row)")
+        _check(not ((self.packing or self.eval_packing) and self.max_length is None), name, "max_length",
+               self.max_length, "packing needs a max_length (the length of a packed row)")
         _check(self.truncation_mode in TRUNCATION_MODES, name, "truncation_mode", self.truncation_mode,
                f"valid: {TRUNCATION_MODES}")
         _check(self.packing_strategy == "bfd", name, "packing_strategy", self.packing_strategy, "valid: ('bfd',)")

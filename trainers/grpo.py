@@ -26,6 +26,7 @@ from trainers.configs import ConfigError, GRPOConfig
 from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
 from trainers.entropy_control import EntropyControl
 from trainers.generation import SamplingParams, generate, left_pad, right_pad
+from trainers.grpo_logs import round_metrics, sample_records, write_completions
 from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
@@ -36,7 +37,7 @@ from trainers.modeling import (
     generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
 )
 from trainers.rewards import (
-    Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, completion_text, resolve_reward,
+    Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
 )
 from trainers.samplers import group_slots
 from trainers.sft import as_dataset
@@ -363,20 +364,8 @@ class GRPOTrainer(BaseTrainer):
 
         lengths = acc.gather(torch.tensor([len(c) for c in completion_ids], device=acc.device)).float().cpu()
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
-        zero = torch.isclose(std_in_use, torch.zeros_like(std_in_use))
-        metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
-                   "frac_reward_zero_std": float(zero.float().mean()),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(all_truncated.mean())}
-        terminated = lengths[all_truncated == 0]  # the completions that ended with EOS; TRL logs 0 when none did
-        terminated = terminated if len(terminated) else torch.zeros(1)
-        metrics.update({"completions/mean_terminated_length": float(terminated.mean()),
-                        "completions/min_terminated_length": float(terminated.min()),
-                        "completions/max_terminated_length": float(terminated.max())})
-        for name in dict.fromkeys(r.name for r in self.rewards):  # functions of one name: their mean, as in TRL
-            columns = [rewards_per_func[:, i] for i, r in enumerate(self.rewards) if r.name == name]
-            metrics[f"rewards/{name}/mean"] = sum(float(torch.nanmean(c)) for c in columns) / len(columns)
-            metrics[f"rewards/{name}/std"] = sum(float(nanstd(c)) for c in columns) / len(columns)
+        names = [r.name for r in self.rewards]
+        metrics = round_metrics(rewards, rewards_per_func, names, std_in_use, lengths, all_truncated)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
         logged = self._logged_metrics(logs)  # what reward functions passed to log_metric, by name
@@ -385,9 +374,10 @@ class GRPOTrainer(BaseTrainer):
             for name, (total, count) in zip(logged, totals.tolist()):
                 metrics[name] = total / count
         self._round_metrics.append(metrics)
-        if args.log_completions:
-            self._keep_samples(prompts, completions, rewards_per_func[start:start + n], rewards[start:start + n],
-                               local_advantages, logs.extra)
+        if args.log_completions:  # as in TRL, the last round of a step is what gets logged
+            local = sample_records(prompts, completions, names, rewards_per_func[start:start + n],
+                                   rewards[start:start + n], local_advantages, logs.extra)
+            self._samples = dist.gather_objects(acc, local)
         return rollout
 
     def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
@@ -552,33 +542,10 @@ class GRPOTrainer(BaseTrainer):
             pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
         return pooled
 
-    def _keep_samples(self, prompts, completions, rewards_per_func, rewards, advantages, extra: dict) -> None:
-        """This round's samples from every process, for ``log_completions`` (as in TRL, the last round of a step
-        is what gets logged): the total and each function's reward (None where it returned None), the
-        advantage, and the columns reward functions added with log_extra."""
-        names = [r.name for r in self.rewards]
-        samples = []
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            per_func = {name: None if math.isnan(v) else v for name, v in zip(names, rewards_per_func[i].tolist())}
-            samples.append({"prompt": p, "completion": completion_text(c), "reward": float(rewards[i]),
-                            "rewards": per_func, "advantage": float(advantages[i]),
-                            **{column: values[i] for column, values in extra.items()}})
-        self._samples = dist.gather_objects(self.accelerator, samples)
-
     def on_log(self, record: dict) -> None:
-        if not (self.args.log_completions and self._samples and self.accelerator.is_main_process):
-            return
-        shown = self._samples[: self.args.num_completions_to_print or len(self._samples)]
-        path = os.path.join(self.args.output_dir, "completions.jsonl")
-        with open(path, "a") as f:
-            for sample in self._samples:
-                f.write(json.dumps({"step": record["step"], **sample}, default=str) + "\n")
-        lines = [f"{'reward':>7} {'adv':>6}  prompt -> completion"]
-        for s in shown:
-            prompt = completion_text(s["prompt"]) if not isinstance(s["prompt"], str) else s["prompt"]
-            lines.append(f"{s['reward']:7.3f} {s['advantage']:6.2f}  {prompt[-40:]!r} -> {s['completion'][:60]!r}")
-        logger.info("completions at step %d:\n%s", record["step"], "\n".join(lines))
-        self._samples = []
+        if self.args.log_completions and self._samples and self.accelerator.is_main_process:
+            write_completions(self.args.output_dir, record["step"], self._samples, self.args.num_completions_to_print)
+            self._samples = []
 
     # ------------------------------------------------------------------ resume
 

@@ -71,15 +71,20 @@ class SFTTrainer(BaseTrainer):
             tokenizer.eos_token = args.eos_token
         if train_dataset is None:
             raise DatasetFormatError("SFTTrainer needs a train_dataset.")
-        self.train_rows = self._tokenize(train_dataset, "train_dataset")
-        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.train_rows = self._tokenize(train_dataset, "train_dataset", args.packing)
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset", self.eval_packing) \
+            if eval_dataset is not None else None
         self.collator = Collator(tokenizer.pad_token_id, padding_free=args.padding_free,
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
                         * args.gradient_accumulation_steps)
         self.sampler = self.batch_sampler(len(self.train_rows), global_batch, "global batch")
 
-    def _tokenize(self, dataset, name: str) -> list[dict]:
+    @property
+    def eval_packing(self) -> bool:
+        return self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+
+    def _tokenize(self, dataset, name: str, pack: bool) -> list[dict]:
         args = self.args
         dataset = as_dataset(dataset, name)
         fmt = detect_format(dataset.column_names, args.dataset_text_field, name)
@@ -100,7 +105,7 @@ class SFTTrainer(BaseTrainer):
             logger.warning(f"{len(samples) - len(trainable)} rows of {name} have no token to train on after "
                            f"truncation to max_length={args.max_length}; they are skipped.")
         samples = trainable
-        if args.packing:
+        if pack:
             samples = pack_samples(samples, args.max_length)
         return samples
 
@@ -127,12 +132,12 @@ class SFTTrainer(BaseTrainer):
         longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
         if context and longest is not None and len(rows[longest]["input_ids"]) > context:
             raise ConfigError(
-                f"{name}: a {'packed row' if self.args.packing else 'sample'} has "
+                f"{name}: a {'packed row' if 'position_ids' in rows[longest] else 'sample'} has "
                 f"{len(rows[longest]['input_ids'])} tokens, more than the model's context of {context}. "
                 f"Set max_length <= {context} (now {self.args.max_length}).")
 
     def load_eval_dataset(self, dataset) -> None:
-        self.eval_rows = self._tokenize(dataset, "eval_dataset")
+        self.eval_rows = self._tokenize(dataset, "eval_dataset", self.eval_packing)
         self._check_fit(self.unwrapped_model, "eval_dataset", self.eval_rows)
 
     def optimizer_steps_per_epoch(self) -> int:

@@ -1,6 +1,6 @@
 """transformers' checkpoint and evaluation options, end to end on a tiny model (one CPU process):
 metric_for_best_model / greater_is_better / load_best_model_at_end, save_strategy="best", save_only_model,
-include_num_input_tokens_seen, eval_delay, data_seed and torch_empty_cache_steps."""
+include_num_input_tokens_seen, eval_delay, data_seed, torch_empty_cache_steps and eval_packing."""
 
 import json
 import os
@@ -219,3 +219,15 @@ def test_a_best_evaluation_without_a_checkpoint_is_said_not_skipped(tiny_model_d
     trainer.train()
     assert trainer.state.best_global_step == 0 and trainer.state.best_model_checkpoint is None
     assert "no checkpoint holds the best evaluation (loss" in caplog.text
+
+
+@pytest.mark.parametrize("packing,eval_packing,packed", [(True, None, True), (True, False, False),
+                                                        (False, True, True), (False, None, False)])
+def test_eval_packing_packs_the_eval_rows_for_the_same_loss(tiny_model_dir, tmp_path, packing, eval_packing, packed):
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:24],
+                         args=config(tmp_path, packing=packing, eval_packing=eval_packing, max_length=64))
+    assert all(("position_ids" in row) == packed for row in trainer.eval_rows)
+    assert (len(trainer.eval_rows) < 24) == packed  # several short rows per packed row
+    unpacked = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:24],
+                          args=config(tmp_path, max_length=64)).evaluate()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(unpacked["eval_loss"], rel=1e-5)
