@@ -6,8 +6,6 @@ nothing, so it is accepted); any other value is refused with an error that names
 
 TRL_ONLY_OPTIONS = {
     'accelerator_config': None,
-    'activation_checkpointing': None,
-    'activation_checkpointing_kwargs': None,
     'activation_offloading': False,
     'auto_find_batch_size': False,
     'average_tokens_across_devices': True,
@@ -51,7 +49,6 @@ TRL_ONLY_OPTIONS = {
     'log_multimodal': True,
     'log_on_each_node': True,
     'log_unique_prompts': False,
-    'logging_nan_inf_filter': True,
     'max_tool_calling_iterations': None,
     'neftune_noise_alpha': None,
     'optim_args': None,
@@ -72,7 +69,6 @@ TRL_ONLY_OPTIONS = {
     'trackio_static_space_id': None,
     'train_sampling_strategy': 'random',
     'transformers_continuous_batching_config': None,
-    'use_bias_correction_kl': True,
     'use_cache': False,
     'use_liger_kernel': False,
     'use_transformers_continuous_batching': False,

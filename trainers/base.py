@@ -31,8 +31,8 @@ from trainers.health import HealthMonitor
 from trainers.logs import RunLog, logger, set_log_level
 from trainers.losses import BatchCounts
 from trainers.modeling import (
-    check_model_path, clone_chat_template, load_causal_lm, load_tokenizer, match_vocabulary, router_aux_loss_coef,
-    train_added_tokens,
+    check_model_path, clone_chat_template, enable_activation_checkpointing, load_causal_lm, load_tokenizer,
+    match_vocabulary, router_aux_loss_coef, train_added_tokens,
 )
 from trainers.samplers import GlobalBatchSampler
 from trainers.schedules import build_scheduler
@@ -103,9 +103,7 @@ class BaseTrainer:
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
-            model.config.use_cache = False
+            enable_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
         self.is_peft = peft_config is not None
         # A Mixture-of-Experts model's router load-balancing loss joins the training loss (as in TRL)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
@@ -293,7 +291,8 @@ class BaseTrainer:
                 step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
                 stop_requested = step_stats.pop("stop_requested") > 0
                 window.append(step_stats)
-                step_losses.append(step_stats["loss"])
+                if math.isfinite(step_stats["loss"]) or not args.logging_nan_inf_filter:
+                    step_losses.append(step_stats["loss"])
                 run_log.advance(self._progress(step_stats))
                 self._log_eval_save(window, run_log, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
@@ -435,6 +434,8 @@ class BaseTrainer:
             record = {"step": step, "epoch": round(state.epoch, 4)}
             for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]
+                if name == "loss" and args.logging_nan_inf_filter:  # as transformers: the finite steps' mean
+                    values = [v for v in values if math.isfinite(v)] or values
                 record[name] = sum(values) / len(values)
             record["num_tokens"] = state.num_tokens
             if args.include_num_input_tokens_seen != "no":

@@ -149,6 +149,10 @@ class TrainingConfig:
         "'epoch': at the end of each epoch and at the last step; 'no': never (logging_first_step still logs step 1)."
     )
     logging_steps: int = opt(10, "Log metrics every this many optimizer steps (logging_strategy='steps').")
+    logging_nan_inf_filter: bool = opt(
+        True, "Leave a non-finite step's loss out of the logged loss and train()'s training_loss (the step itself is "
+        "skipped either way, and counted in nonfinite_steps)."
+    )
     log_level: str = opt(
         "passive", f"Level of this project's and transformers' loggers on the main process: one of {LOG_LEVELS}; "
         "'passive' leaves them as they are."
@@ -198,7 +202,17 @@ class TrainingConfig:
     )
     fp16: bool = opt(False, "Train in float16 mixed precision.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (slower).")
-    gradient_checkpointing_kwargs: dict | None = opt(None, "Keyword arguments for gradient_checkpointing_enable().")
+    gradient_checkpointing_kwargs: dict | None = opt(
+        None, "Keyword arguments for torch.utils.checkpoint.checkpoint (default {'use_reentrant': False}), plus "
+        "transformers' 'every_n_layers' (checkpoint every n-th decoder layer only) and 'offload' (keep the saved "
+        "activations in host memory)."
+    )
+    activation_checkpointing: bool | None = opt(
+        None, "transformers 5's name for gradient_checkpointing: either may be given (if both, they must agree)."
+    )
+    activation_checkpointing_kwargs: dict | None = opt(
+        None, "transformers 5's name for gradient_checkpointing_kwargs (if both are given, they must agree)."
+    )
     report_to: str | list[str] = opt(
         "none", "Trackers to log to: 'none', 'all', or names such as 'tensorboard', 'wandb'. metrics.jsonl is always written."
     )
@@ -306,6 +320,16 @@ class TrainingConfig:
         _check(self.include_num_input_tokens_seen in TOKEN_COUNTS, name, "include_num_input_tokens_seen",
                self.include_num_input_tokens_seen, f"valid: {TOKEN_COUNTS}, True or False")
         self._check_best_model(name)
+        # transformers 5 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); the old
+        # names still work there. Either is accepted; afterwards both hold the same value.
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            given, before = getattr(self, new), getattr(self, old)
+            if given is not None:
+                _check(before in (None, False) or before == given, name, new, given,
+                       f"it disagrees with {old}={before!r}; give one of the two")
+                setattr(self, old, given)
+            setattr(self, new, getattr(self, old))
         _check(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
         _check(self.router_aux_loss_coef is None or (self.router_aux_loss_coef >= 0
                                                      and math.isfinite(self.router_aux_loss_coef)),
@@ -455,6 +479,10 @@ class GRPOConfig(TrainingConfig):
     generation_kwargs: dict | None = opt(None, "Extra keyword arguments for the generation call.")
     chat_template_kwargs: dict | None = opt(None, "Extra keyword arguments for apply_chat_template on prompts.")
     beta: float = opt(0.0, "Weight of the k3 KL penalty to the frozen reference model; 0 loads no reference model.")
+    use_bias_correction_kl: bool = opt(
+        True, "Multiply the per-token KL by the importance ratio (differentiable), which makes its gradient the "
+        "unbiased reverse-KL gradient (DeepSeek-V3.2), as TRL does by default; False uses the plain k3 term."
+    )
     sync_ref_model: bool = opt(
         False, "Move the reference model toward the policy every ref_model_sync_steps steps (TR-DPO, "
         "arXiv:2404.09656): ref = (1 - ref_model_mixup_alpha) x ref + ref_model_mixup_alpha x policy. Needs beta > 0 "

@@ -450,8 +450,11 @@ class GRPOTrainer(BaseTrainer):
             per_token = per_token * kept
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
-            # k3 KL, importance-weighted so it estimates KL(pi || ref) under the current policy (as TRL does).
-            kl = k3_kl(logps, batch["ref_logps"]) * torch.exp(log_weights)
+            kl = k3_kl(logps, batch["ref_logps"])
+            if args.use_bias_correction_kl:
+                # importance-weighted, so it estimates KL(pi || ref) under the current policy (TRL's default); the
+                # ratio is differentiable, so the gradient changes even where its value is 1
+                kl = kl * torch.exp(log_weights)
             per_token = per_token + args.beta * kl
             stats["kl"] = ((kl.detach() * mask).sum(), mask.sum())
         loss = self.add_router_loss(AGGREGATIONS[args.loss_type](per_token, mask, counts), out, counts, stats)

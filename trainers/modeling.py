@@ -49,6 +49,22 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
+def enable_activation_checkpointing(model, kwargs: dict | None) -> None:
+    """transformers' activation checkpointing, as its Trainer turns it on: ``every_n_layers`` and ``offload`` are
+    taken out of ``kwargs``; the rest go to torch.utils.checkpoint (default ``use_reentrant=False``)."""
+    kwargs = dict(kwargs or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                              every_n_layers=every_n_layers, offload=offload)
+    elif every_n_layers != 1 or offload:
+        raise ConfigError("gradient_checkpointing_kwargs: 'every_n_layers' and 'offload' need a transformers with "
+                          "activation_checkpointing_enable (5.x, recent); upgrade transformers or drop them.")
+    else:  # transformers before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def generation_eos_ids(model) -> list[int]:
     """The end ids of the model's generation config as a list (it holds None, one id, or several)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -223,3 +223,29 @@ def test_clip_ratio_min_and_max_are_the_micro_batch_ratios(tiny_model_dir, tmp_p
         assert record["clip_ratio/high_max"] == pytest.approx(record["clip_ratio/high_mean"], abs=1e-7)
     assert history[0]["clip_ratio/region_mean"] == 0  # first pass over a round: ratio 1
     assert max(r["clip_ratio/region_mean"] for r in history[1::2]) > 0  # second passes clip
+
+
+def test_use_bias_correction_kl_changes_the_gradient_not_the_value(tiny_model_dir, tmp_path):
+    """TRL's use_bias_correction_kl: the KL term times the importance ratio. On policy the ratio is 1, so the
+    loss is the same, but the ratio's own gradient makes the KL gradient the unbiased reverse-KL one."""
+    from trainers.losses import BatchCounts
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                          args=config(tmp_path, beta=0.5, per_device_train_batch_size=8))
+    batch = trainer.micro_batch(0, 0)
+    with torch.no_grad():  # the policy moves away from the reference, so the KL and its gradient are not zero
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    batch = {**batch, "advantages": torch.zeros_like(batch["advantages"])}  # the KL term alone
+    counts = BatchCounts(tokens=float(batch["loss_mask"].sum()), sequences=8.0, micro_batches=1)
+    results = {}
+    for correction in (True, False):
+        trainer.args.use_bias_correction_kl = correction
+        trainer.model.zero_grad()
+        loss, stats = trainer.compute_loss(trainer.model, batch, counts)
+        loss.backward()
+        results[correction] = (float(loss.detach()), [p.grad.clone() for p in trainer.model.parameters()])
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-6) and results[True][0] > 0
+    assert not all(torch.allclose(a, b) for a, b in zip(results[True][1], results[False][1]))
+    with pytest.raises(Exception, match="use_bias_correction_kl"):
+        GRPOConfig(use_bias_correction_kl="yes")

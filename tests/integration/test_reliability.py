@@ -1,6 +1,7 @@
 """Crash-safe checkpoints, graceful stops, and skipped non-finite steps."""
 
 import json
+import math
 import os
 import random
 import shutil
@@ -162,6 +163,29 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_di
     history = trainer.state.log_history
     assert [r["nonfinite_steps"] for r in history] == [0, 0, 1, 1]
     assert trainer.state.total_nonfinite == 1 and trainer.state.consecutive_nonfinite == 0
+    assert math.isnan(history[2]["loss"])  # a record of that step alone has nothing finite to show
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_logging_nan_inf_filter_keeps_a_non_finite_loss_out_of_the_logged_loss(tiny_model_dir, tmp_path, nan_filter):
+    trainer = small_trainer(tiny_model_dir, tmp_path, save_strategy="no", logging_steps=2,
+                            logging_first_step=False, logging_nan_inf_filter=nan_filter)
+    compute_loss, losses = trainer.compute_loss, []
+
+    def poisoned(model, batch, counts):
+        loss, stats = compute_loss(model, batch, counts)
+        losses.append(float(loss.detach()))
+        return (loss * float("inf") if trainer.state.global_step == 2 else loss), stats  # the third step
+
+    trainer.compute_loss = poisoned
+    output = trainer.train()
+    last = trainer.state.log_history[-1]  # steps 3 and 4
+    assert last["nonfinite_steps"] == 1
+    if nan_filter:  # transformers' default: the finite steps' mean
+        assert last["loss"] == pytest.approx(losses[3])
+        assert output.training_loss == pytest.approx((losses[0] + losses[1] + losses[3]) / 3)
+    else:
+        assert not math.isfinite(last["loss"]) and not math.isfinite(output.training_loss)
 
 
 def test_too_many_non_finite_steps_stop_with_a_checkpoint_and_an_explanation(tiny_model_dir, tmp_path):

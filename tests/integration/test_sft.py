@@ -217,14 +217,21 @@ def test_checkpoints_rotate_and_resume(tiny_model_dir, tmp_path):
     assert [r["step"] for r in resumed.state.log_history] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("options,checkpointed", [
+    ({"gradient_checkpointing": True}, [True, True]),
+    # transformers 5's names, with its every_n_layers: the tiny model's first of 2 layers only
+    ({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"every_n_layers": 2}}, [True, False]),
+])
+def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, tmp_path, options, checkpointed):
     rows = as_sft_rows(reverse_digits_rows(16))
     finals = []
-    for checkpointing in (False, True):
-        trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / str(checkpointing), max_steps=2,
-                                                               gradient_checkpointing=checkpointing),
+    for name, extra in (("plain", {}), ("checkpointed", options)):
+        trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / name, max_steps=2, **extra),
                              train_dataset=rows)
+        layers = trainer.unwrapped_model.model.layers
+        assert [layer.gradient_checkpointing for layer in layers] == ([False, False] if not extra else checkpointed)
         trainer.train()
         finals.append(weights(trainer))
+    assert trainer.args.gradient_checkpointing and trainer.args.activation_checkpointing  # the names agree
     for key in finals[0]:
         torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-5, atol=1e-6)

@@ -378,3 +378,14 @@ def test_best_model_defaults_follow_transformers():
 @pytest.mark.parametrize("value,expected", [(True, "all"), (False, "no"), ("non_padding", "non_padding")])
 def test_include_num_input_tokens_seen_accepts_booleans(value, expected):
     assert TrainingConfig(include_num_input_tokens_seen=value).include_num_input_tokens_seen == expected
+
+
+def test_activation_checkpointing_is_transformers_5s_name_for_gradient_checkpointing():
+    config = SFTConfig(activation_checkpointing=True, activation_checkpointing_kwargs={"every_n_layers": 2})
+    assert config.gradient_checkpointing is True and config.gradient_checkpointing_kwargs == {"every_n_layers": 2}
+    config = GRPOConfig(gradient_checkpointing=True)
+    assert config.activation_checkpointing is True and config.activation_checkpointing_kwargs is None
+    assert SFTConfig().activation_checkpointing is False
+    assert SFTConfig(**SFTConfig(activation_checkpointing=True).to_dict()).gradient_checkpointing is True
+    with pytest.raises(ConfigError, match="`activation_checkpointing=False`.*disagrees with gradient_checkpointing"):
+        SFTConfig(gradient_checkpointing=True, activation_checkpointing=False)
