@@ -67,7 +67,6 @@ TRL_ONLY_OPTIONS = {
     'trackio_bucket_id': None,
     'trackio_space_id': None,
     'trackio_static_space_id': None,
-    'train_sampling_strategy': 'random',
     'transformers_continuous_batching_config': None,
     'use_cache': False,
     'use_liger_kernel': False,

@@ -126,17 +126,21 @@ class BaseTrainer:
         # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
         set_seed(args.seed + self.accelerator.process_index)
 
-    def batch_sampler(self, num_rows: int, batch: int, unit: str) -> GlobalBatchSampler:
-        """The training order in batches of ``batch`` rows (``unit`` names such a batch in messages): reshuffled
-        every epoch, the last incomplete batch filled up from the epoch's start or, with dataloader_drop_last,
-        dropped."""
-        args, name = self.args, type(self.args).__name__
+    def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
+        """The training order of rows of these ``lengths`` in batches of ``batch`` rows (``unit`` names such a batch
+        in messages): reshuffled every epoch (train_sampling_strategy="random" with shuffle_dataset), in dataset
+        order ("sequential"), or in batches of similar lengths ("group_by_length"); the last incomplete batch
+        filled up from the epoch's start or, with dataloader_drop_last, dropped."""
+        args, name, num_rows = self.args, type(self.args).__name__, len(lengths)
         if args.dataloader_drop_last and num_rows < batch:
             raise ConfigError(f"{name}: `dataloader_drop_last=True` drops each epoch's last incomplete {unit}, and "
                               f"train_dataset's {num_rows} rows are fewer than one {unit} ({batch} rows): nothing "
                               f"would be trained. Use a smaller batch, or dataloader_drop_last=False.")
-        sampler = GlobalBatchSampler(num_rows, batch, args.data_order_seed, args.shuffle_dataset,
-                                     args.dataloader_drop_last)
+        strategy = args.train_sampling_strategy
+        sampler = GlobalBatchSampler(num_rows, batch, args.data_order_seed,
+                                     shuffle=args.shuffle_dataset and strategy != "sequential",
+                                     drop_last=args.dataloader_drop_last,
+                                     lengths=lengths if strategy == "group_by_length" else None)
         if self.accelerator.is_main_process and (sampler.padding_per_epoch or sampler.dropped_per_epoch):
             what = (f"leaves out {sampler.dropped_per_epoch} rows (dataloader_drop_last=True)"
                     if args.dataloader_drop_last else f"repeats {sampler.padding_per_epoch} rows to fill its last one")

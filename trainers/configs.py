@@ -32,6 +32,7 @@ STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = STRATEGIES + ("best",)
 TOKEN_COUNTS = ("no", "all", "non_padding")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl")  # transformers' choices
 
 
@@ -226,6 +227,11 @@ class TrainingConfig:
         None, "Weight of a Mixture-of-Experts model's router load-balancing loss, added to the training loss. None "
         "takes the model config's; 0 turns it off. An error with a model that has no router."
     )
+    train_sampling_strategy: str = opt(
+        "random", f"Training order: one of {SAMPLING_STRATEGIES}. 'random' reshuffles every epoch (unless "
+        "shuffle_dataset=False), 'sequential' keeps the dataset order, 'group_by_length' puts rows of similar length "
+        "in the same batch (transformers' mega-batches; less padding; GRPO: by prompt length)."
+    )
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
     use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
@@ -296,6 +302,9 @@ class TrainingConfig:
                "set warmup_steps or warmup_ratio, not both")
         for f in ("log_level", "log_level_replica"):
             _check(getattr(self, f) in LOG_LEVELS, name, f, getattr(self, f), f"valid: {LOG_LEVELS}")
+        _check(self.train_sampling_strategy in SAMPLING_STRATEGIES, name, "train_sampling_strategy",
+               self.train_sampling_strategy, f"valid: {SAMPLING_STRATEGIES} (transformers' 'batch_rebalance' is not "
+               f"supported)")
         _check(self.logging_strategy in STRATEGIES, name, "logging_strategy", self.logging_strategy,
                f"valid: {STRATEGIES}")
         _check(self.eval_strategy in STRATEGIES, name, "eval_strategy", self.eval_strategy, f"valid: {STRATEGIES}")

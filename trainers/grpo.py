@@ -164,7 +164,8 @@ class GRPOTrainer(BaseTrainer):
         self.eval_rows = self.eval_prompt_ids = None
         if eval_dataset is not None:
             self._eval_prompts(eval_dataset)  # its context check waits for the model (after_load)
-        self.prompt_sampler = self.batch_sampler(len(self.train_rows), self.prompts_per_round, "generation round")
+        self.prompt_sampler = self.batch_sampler([len(ids) for ids in self.train_prompt_ids], self.prompts_per_round,
+                                                 "generation round")
         eos = {self.processing_class.eos_token_id}
         self.eos_ids = {i for i in eos if i is not None}
         self.sampling = SamplingParams(

@@ -8,6 +8,7 @@ micro-batch ``a`` of process ``p`` is rows ``[(a * P + p) * B, (a * P + p + 1) *
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -28,10 +29,12 @@ class GlobalBatchSampler:
     ``dropped_per_epoch`` rows of each epoch's order go unused (different ones each epoch when shuffled).
     """
 
-    def __init__(self, num_rows: int, global_batch: int, seed: int, shuffle: bool = True, drop_last: bool = False):
+    def __init__(self, num_rows: int, global_batch: int, seed: int, shuffle: bool = True, drop_last: bool = False,
+                 lengths: Sequence[int] | None = None):
         if num_rows <= 0:
             raise ValueError("cannot sample from an empty dataset")
         self.num_rows, self.global_batch, self.seed, self.shuffle = num_rows, global_batch, seed, shuffle
+        self.lengths = lengths  # given: batches of similar lengths (group_by_length)
         self.steps_per_epoch = num_rows // global_batch if drop_last else math.ceil(num_rows / global_batch)
         if self.steps_per_epoch == 0:
             raise ValueError(f"{num_rows} rows are fewer than one global batch of {global_batch}, and the last "
@@ -47,6 +50,8 @@ class GlobalBatchSampler:
                 order = torch.randperm(self.num_rows, generator=generator).tolist()
             else:
                 order = list(range(self.num_rows))
+            if self.lengths is not None:
+                order = length_grouped_order(order, self.lengths, self.global_batch)
             needed = self.steps_per_epoch * self.global_batch
             while len(order) < needed:  # top up (possibly several times when rows < one global batch)
                 order += order[: needed - len(order)]
@@ -58,6 +63,20 @@ class GlobalBatchSampler:
         epoch, offset = divmod(step, self.steps_per_epoch)
         order = self.epoch_order(epoch)
         return order[offset * self.global_batch : (offset + 1) * self.global_batch]
+
+
+def length_grouped_order(order: list[int], lengths: Sequence[int], batch: int) -> list[int]:
+    """transformers' group_by_length (get_length_grouped_indices) on a given order: cut it into mega-batches of
+    ``mult x batch`` rows (mult = 50, or fewer to make at least 4 mega-batches), sort each by length, longest
+    first, and move the longest row of all to the front, so that running out of memory happens at the first step.
+    Consecutive slices of ``batch`` rows, and so the micro-batches within them, then hold rows of similar length
+    (less padding)."""
+    size = max(1, min(len(order) // (batch * 4), 50)) * batch
+    megabatches = [sorted(order[i:i + size], key=lambda row: lengths[row], reverse=True)
+                   for i in range(0, len(order), size)]
+    longest = max(range(len(megabatches)), key=lambda m: lengths[megabatches[m][0]])
+    megabatches[0][0], megabatches[longest][0] = megabatches[longest][0], megabatches[0][0]
+    return [row for megabatch in megabatches for row in megabatch]
 
 
 def group_slots(prompts: list[int], num_generations: int, num_processes: int, process_index: int) -> list[int]:

@@ -78,7 +78,7 @@ class SFTTrainer(BaseTrainer):
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
                         * args.gradient_accumulation_steps)
-        self.sampler = self.batch_sampler(len(self.train_rows), global_batch, "global batch")
+        self.sampler = self.batch_sampler([len(r["input_ids"]) for r in self.train_rows], global_batch, "global batch")
 
     @property
     def eval_packing(self) -> bool:

@@ -1,4 +1,5 @@
-"""transformers' run-time options, one CPU process: dataloader_drop_last (SFT and GRPO), logging_strategy,
+"""transformers' run-time options, one CPU process: dataloader_drop_last and train_sampling_strategy (SFT and
+GRPO), logging_strategy,
 log_level, full_determinism, tf32 and the process-group checks of ddp_backend / ddp_timeout. The DDP options themselves are tested with 2
 processes in tests/distributed/test_ddp_options.py."""
 
@@ -56,6 +57,33 @@ def test_grpo_drop_last_drops_the_incomplete_generation_round_as_trl(tiny_model_
     assert len(set(first)) == 4
     if not drop_last:  # the second round holds the 2 prompts left and 2 from the epoch's start
         assert sorted(set(first) | set(trainer.prompt_sampler.batch(1))) == list(range(6))
+
+
+def test_train_sampling_strategy_orders_the_rows(tiny_model_dir, tmp_path):
+    rows = [{"text": "x" * (1 + (i * 7) % 60)} for i in range(256)]  # mixed lengths
+
+    def padded_positions(trainer):  # over one epoch: what the micro-batches hold, padding included
+        return sum(int(trainer.micro_batch(step, 0)["input_ids"].numel()) for step in range(trainer.steps_per_epoch))
+
+    trainers = {strategy: SFTTrainer(model=tiny_model_dir, train_dataset=rows, args=sft_config(
+        tmp_path / strategy, train_sampling_strategy=strategy, max_steps=2))
+        for strategy in ("random", "sequential", "group_by_length")}
+    assert trainers["sequential"].sampler.batch(0) == list(range(8))
+    assert trainers["random"].sampler.batch(0) != list(range(8))
+    grouped, shuffled = padded_positions(trainers["group_by_length"]), padded_positions(trainers["random"])
+    assert grouped < 0.75 * shuffled, (grouped, shuffled)
+    trainers["group_by_length"].train()  # and it trains
+    # GRPO groups prompts by their length
+    prompts = [{"prompt": "n" * (1 + (i * 5) % 30)} for i in range(32)]
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=16, num_generations=4,
+                      max_completion_length=4, max_steps=1, disable_tqdm=True, save_strategy="no",
+                      train_sampling_strategy="group_by_length")
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_length, args=args, train_dataset=prompts)
+    assert trainer.prompt_sampler.lengths == [len(ids) for ids in trainer.train_prompt_ids]  # tokenized prompts
+    first = [len(trainer.train_prompt_ids[i]) for i in trainer.prompt_sampler.batch(0)]
+    assert max(first) == max(trainer.prompt_sampler.lengths)  # the longest round first, as transformers
+    with pytest.raises(ConfigError, match="`train_sampling_strategy='batch_rebalance'`"):
+        SFTConfig(train_sampling_strategy="batch_rebalance")
 
 
 @pytest.mark.parametrize("strategy,first,logged", [

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainers.samplers import GlobalBatchSampler, local_slice
+from trainers.samplers import GlobalBatchSampler, length_grouped_order, local_slice
 
 # ------------------------------------------------------------------------------------------------------------
 # GlobalBatchSampler and local_slice
@@ -55,6 +55,31 @@ def test_sampler_drop_last_leaves_out_the_incomplete_batch(num_rows, global_batc
         assert seen == set(range(num_rows))  # reshuffling drops different rows in different epochs
     with pytest.raises(ValueError, match="fewer than one global batch"):
         GlobalBatchSampler(3, 4, seed=0, drop_last=True)
+
+
+def test_length_grouped_order_sorts_mega_batches_longest_first():
+    lengths = [(i * 37) % 101 + 1 for i in range(100)]
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+    grouped = length_grouped_order(order, lengths, batch=4)  # mega-batches of min(100 // 16, 50) x 4 = 24 rows
+    assert sorted(grouped) == list(range(100))
+    assert lengths[grouped[0]] == max(lengths)  # the longest row comes first
+    for start in range(0, 100, 24):  # each mega-batch sorted, longest first (its head may be the swapped one)
+        chunk = grouped[start:start + 24]
+        assert [lengths[r] for r in chunk[1:]] == sorted((lengths[r] for r in chunk[1:]), reverse=True)
+        assert set(chunk[1:]) <= set(order[start:start + 24])  # rows stay in their mega-batch
+
+    def padding(rows):  # padded positions when each batch of 4 is padded to its longest row
+        return sum(4 * max(lengths[r] for r in rows[i:i + 4]) - sum(lengths[r] for r in rows[i:i + 4])
+                   for i in range(0, len(rows), 4))
+    assert padding(grouped) < padding(order) / 4
+
+
+def test_sampler_with_lengths_groups_each_epoch_differently():
+    lengths = [i % 17 for i in range(40)]
+    sampler = GlobalBatchSampler(40, 8, seed=1, lengths=lengths)
+    first, second = sampler.epoch_order(0), sampler.epoch_order(1)
+    assert sorted(first) == sorted(second) == list(range(40)) and first != second
+    assert GlobalBatchSampler(40, 8, seed=1, lengths=lengths).epoch_order(0) == first  # a function of the seed
 
 
 def test_sampler_top_up_uses_first_rows_of_the_epoch_order():
