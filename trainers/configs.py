@@ -271,7 +271,7 @@ class TrainingConfig:
         _check_types(self)
         name = type(self).__name__
         for f in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                  "logging_steps", "save_steps", "max_consecutive_nonfinite_steps"):
+                  "logging_steps", "save_steps", "max_consecutive_nonfinite_steps", "ddp_timeout"):
             value = getattr(self, f)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f, value,
                    "it must be a positive integer")
@@ -315,15 +315,13 @@ class TrainingConfig:
         _check(self.eval_delay >= 0, name, "eval_delay", self.eval_delay, "it must be >= 0")
         _check(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
                self.save_total_limit, "it must be a positive integer or None")
-        for f in ("ddp_bucket_cap_mb", "ddp_timeout"):
-            value = getattr(self, f)
-            _check(value is None or value > 0, name, f, value, "it must be a positive integer")
         _check(self.ddp_backend is None or self.ddp_backend in DDP_BACKENDS, name, "ddp_backend", self.ddp_backend,
                f"valid: {DDP_BACKENDS} or None")
         _check(not self.tf32 or tf32_available(), name, "tf32", self.tf32,
                "TF32 needs an Ampere or newer NVIDIA GPU, and none is visible here; leave tf32 at None")
-        _check(self.torch_empty_cache_steps is None or self.torch_empty_cache_steps > 0, name,
-               "torch_empty_cache_steps", self.torch_empty_cache_steps, "it must be a positive integer or None")
+        for f in ("torch_empty_cache_steps", "ddp_bucket_cap_mb"):
+            value = getattr(self, f)
+            _check(value is None or value > 0, name, f, value, "it must be a positive integer or None")
         if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' mapping
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         _check(self.include_num_input_tokens_seen in TOKEN_COUNTS, name, "include_num_input_tokens_seen",

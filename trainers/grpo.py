@@ -468,13 +468,14 @@ class GRPOTrainer(BaseTrainer):
         per_completion = args.importance_sampling_level == "sequence"  # clip masks: [B, 1]; else [B, T]
         weight = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device) if per_completion else mask
         if low is not None:
-            low, high = low.float(), high.float()
-            stats["clip_ratio/low_mean"] = ((low * weight).sum(), weight.sum())
-            stats["clip_ratio/high_mean"] = ((high * weight).sum(), weight.sum())
-            stats["clip_ratio/region_mean"] = (((low + high) * weight).sum(), weight.sum())
+            low_clipped, high_clipped = (low.float() * weight).sum(), (high.float() * weight).sum()
+            counted = weight.sum()
+            stats["clip_ratio/low_mean"] = (low_clipped, counted)
+            stats["clip_ratio/high_mean"] = (high_clipped, counted)
+            stats["clip_ratio/region_mean"] = (low_clipped + high_clipped, counted)
             # TRL's: this micro-batch's ratio, its min (low) or max (high) over processes
-            stats["clip_ratio/low_min"] = Extreme((low * weight).sum() / weight.sum(), "min")
-            stats["clip_ratio/high_max"] = Extreme((high * weight).sum() / weight.sum(), "max")
+            stats["clip_ratio/low_min"] = Extreme(low_clipped / counted, "min")
+            stats["clip_ratio/high_max"] = Extreme(high_clipped / counted, "max")
         if cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
             stats["cispo_clip_ratio"] = ((cispo_clipped.float() * weight).sum(), weight.sum())
         if phi is not None:  # TRL's name: the mean weight over every completion row
