@@ -31,8 +31,6 @@ def main(argv=None):
     parser.add_argument("--reward_funcs", nargs="+", default=["accuracy"],
                         help="Built-in names, module:function, or reward-model folders (default: accuracy).")
     parser.add_argument("--lora_r", type=int, default=0, help="Train a LoRA adapter of this rank (0: full fine-tuning).")
-    parser.add_argument("--resume_from_checkpoint", default=None,
-                        help="'true' resumes from the newest complete checkpoint in output_dir; a path, from that one.")
     add_config_arguments(parser, GRPOConfig)
     cli = parser.parse_args(argv)
     overrides = config_overrides(cli)
@@ -50,8 +48,8 @@ def main(argv=None):
                                  task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=cli.model, reward_funcs=cli.reward_funcs, args=GRPOConfig(**overrides),
                           train_dataset=train, eval_dataset=evaluation, peft_config=peft_config)
-    resume = {"true": True, "false": None}.get(str(cli.resume_from_checkpoint).lower(), cli.resume_from_checkpoint)
-    trainer.train(resume_from_checkpoint=resume)
+    # --resume_from_checkpoint is a config field: 'true' (the newest checkpoint in output_dir) or a folder
+    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
 
 

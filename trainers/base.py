@@ -52,7 +52,10 @@ class BaseTrainer:
     config_class: type[TrainingConfig] = TrainingConfig
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None):
+                 processing_class=None, peft_config=None, quantization_config=None):
+        if quantization_config is not None:  # TRL's scripts pass None unless asked to quantize
+            raise ConfigError(f"{type(self).__name__}: quantization_config is not supported (no quantized loading "
+                              f"or QLoRA here); pass None, or leave it out.")
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{type(self).__name__}")
@@ -248,6 +251,8 @@ class BaseTrainer:
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         args, acc = self.args, self.accelerator
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
         resume_path = resolve_resume_path(resume_from_checkpoint, args.output_dir)
         if resume_path is not None:
             self.state = load_checkpoint(acc, resume_path)
@@ -317,8 +322,8 @@ class BaseTrainer:
             # rotation kept the newest checkpoint beside the best for resuming; training is over (transformers)
             rotate_checkpoints(args.output_dir, 1, best=self.state.best_model_checkpoint, keep_newest=False)
         acc.wait_for_everyone()
-        if self.trackers:
-            acc.end_training()
+        for tracker in acc.trackers:  # flushed and closed; the process group stays for save_model/evaluate
+            tracker.finish()
         return TrainOutput(self.state.global_step, sum(step_losses) / max(len(step_losses), 1),
                            dict(self.state.log_history[-1]) if self.state.log_history else {})
 
@@ -536,6 +541,11 @@ class BaseTrainer:
             rotate_checkpoints(args.output_dir, args.save_total_limit, best=state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
         return path
+
+    def end(self) -> None:
+        """Finish the trackers and destroy the distributed process group (transformers' Trainer.end). Call it
+        once, at the very end of a script: train, evaluate and save_model need the other processes."""
+        self.accelerator.end_training()
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the model in Hugging Face format (safetensors) with its tokenizer; under ZeRO-3 the full weights

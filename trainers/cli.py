@@ -33,7 +33,6 @@ RUN_KEYS = {
     "dataset": "Training data file (.json/.jsonl/.parquet/.csv). Absent: the embedded default's generated rows.",
     "eval_dataset": "Optional evaluation data file.",
     "lora_r": "Train a LoRA adapter of this rank on all linear layers (0: full fine-tuning).",
-    "resume_from_checkpoint": "'true': the newest complete checkpoint in output_dir; or a checkpoint folder.",
     "accelerate_config": "Launch through `accelerate launch` with this shipped template (name) or config file (path).",
     "num_processes": "Processes to launch (through `accelerate launch`; with no accelerate_config: multi_gpu).",
     "main_process_port": "Port of the launched processes' rendezvous (default: accelerate's).",
@@ -174,9 +173,7 @@ def run_training(method: str, options: dict) -> None:
 
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              peft_config=peft_config)
-    resume = options.get("resume_from_checkpoint")
-    resume = {"true": True, "false": None, "none": None}.get(str(resume).lower(), resume)
-    trainer.train(resume_from_checkpoint=resume)
+    trainer.train()  # resumes from args.resume_from_checkpoint when it is set
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
 
 

@@ -6,8 +6,10 @@ generated from it. Errors name the field and what would be valid.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import os
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,24 +59,45 @@ def _reject_unknown_options(cls):
             if name in known:
                 continue
             if name in TRL_ONLY_OPTIONS:
-                trl_default = TRL_ONLY_OPTIONS[name]
-                value = kwargs.pop(name)
-                if value == trl_default or (value is None and trl_default is None):
-                    continue  # TRL's default: it changes nothing, so accepting it loses nothing.
-                raise ConfigError(
-                    f"{cls.__name__}: `{name}={value!r}` is a TRL option that this project does not support "
-                    f"(only its default {trl_default!r} is accepted). Remove it; docs/migrating-from-trl.md lists "
-                    f"what is supported."
-                )
+                _check_trl_only(cls.__name__, name, kwargs.pop(name))
+                continue  # TRL's default: it changes nothing, so accepting it loses nothing.
             close = difflib.get_close_matches(name, sorted(known), n=3)
             hint = f" Did you mean {', '.join('`' + c + '`' for c in close)}?" if close else ""
             raise ConfigError(f"{cls.__name__} has no option `{name}`.{hint}")
         dataclass_init(self, *args, **kwargs)
 
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: a TRL-only option reads as TRL's default, so a TRL script's
+        # `if training_args.push_to_hub:` works unchanged.
+        if name in TRL_ONLY_OPTIONS:
+            return copy.deepcopy(TRL_ONLY_OPTIONS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in TRL_ONLY_OPTIONS and name not in known_fields:
+            _check_trl_only(type(self).__name__, name, value)
+            return  # setting TRL's default changes nothing
+        object.__setattr__(self, name, value)
+
+    known_fields = {f.name for f in dataclasses.fields(cls)}
     __init__.__doc__ = dataclass_init.__doc__
     __init__.__signature__ = __import__("inspect").signature(dataclass_init)
     cls.__init__ = __init__
+    cls.__getattr__ = __getattr__
+    cls.__setattr__ = __setattr__
     return cls
+
+
+def _check_trl_only(config_name: str, name: str, value: Any) -> None:
+    """A TRL option this project does not implement: its TRL default is accepted, any other value refused."""
+    trl_default = TRL_ONLY_OPTIONS[name]
+    if value == trl_default or (value is None and trl_default is None):
+        return
+    raise ConfigError(
+        f"{config_name}: `{name}={value!r}` is a TRL option that this project does not support "
+        f"(only its default {trl_default!r} is accepted). Remove it; docs/migrating-from-trl.md lists "
+        f"what is supported."
+    )
 
 
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "dict": dict, "None": type(None)}
@@ -235,6 +258,21 @@ class TrainingConfig:
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
     use_cpu: bool = opt(False, "Train on CPU even when a GPU is present.")
+    resume_from_checkpoint: str | bool | None = opt(
+        None, "A checkpoint folder to resume from, or True for the newest complete one in output_dir. TRL's "
+        "scripts pass it to trainer.train(resume_from_checkpoint=...); train() called without that argument uses "
+        "it too (transformers' Trainer ignores it there)."
+    )
+    do_train: bool = opt(False, "For your script, as in transformers: whether it should train. The trainer does not read it.")
+    do_eval: bool = opt(
+        False, "For your script, as in transformers: whether it should evaluate (set to True when eval_strategy "
+        "is not 'no'). The trainer evaluates by eval_strategy."
+    )
+    do_predict: bool = opt(False, "For your script, as in transformers: whether it should predict. The trainer does not read it.")
+    local_rank: int = opt(
+        -1, "The --local_rank that the deepspeed and torch.distributed.launch launchers pass to the script. Only "
+        "checked: it must match the LOCAL_RANK the launcher sets; the process's place comes from the launcher."
+    )
     torch_empty_cache_steps: int | None = opt(
         None, "Return the accelerator's cached memory to the device every this many steps (torch.cuda.empty_cache "
         "and the like; nothing on CPU): lower peak memory for a few percent of speed."
@@ -308,6 +346,13 @@ class TrainingConfig:
         _check(self.logging_strategy in STRATEGIES, name, "logging_strategy", self.logging_strategy,
                f"valid: {STRATEGIES}")
         _check(self.eval_strategy in STRATEGIES, name, "eval_strategy", self.eval_strategy, f"valid: {STRATEGIES}")
+        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
+            self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true" or None  # from a flag
+        if self.eval_strategy != "no":
+            self.do_eval = True  # transformers' rule, for scripts that read do_eval
+        launcher_rank = os.environ.get("LOCAL_RANK")
+        _check(self.local_rank == -1 or launcher_rank is None or str(self.local_rank) == launcher_rank, name,
+               "local_rank", self.local_rank, f"the launcher set LOCAL_RANK={launcher_rank} for this process")
         _check(self.save_strategy in SAVE_STRATEGIES, name, "save_strategy", self.save_strategy,
                f"valid: {SAVE_STRATEGIES}")
         _check(self.eval_steps is None or self.eval_steps > 0, name, "eval_steps", self.eval_steps,

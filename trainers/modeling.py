@@ -39,9 +39,10 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         if dtype not in DTYPES:
             raise ModelLoadError(f"model_init_kwargs['dtype']={dtype!r} is invalid; valid: {sorted(DTYPES)} or 'auto'.")
         dtype = DTYPES[dtype]
+    kwargs.setdefault("trust_remote_code", trust_remote_code)  # TRL's scripts put it in model_init_kwargs too
     check_model_path(model)
     try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **kwargs)
     except OSError as error:
         raise ModelLoadError(
             f"Could not load a model from '{model}': it is not a local model folder, and fetching it as a Hub id "

@@ -44,6 +44,7 @@ def main():
     }
     with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
         json.dump(report, f)
+    trainer.end()  # the trackers and the process group, once everything that needs the other processes is done
 
 
 if __name__ == "__main__":

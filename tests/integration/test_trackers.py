@@ -112,3 +112,21 @@ def test_health_warnings_are_raised_once_during_training(tiny_model_dir, tmp_pat
     truncated = [w for w in warnings if w.startswith("health:") and "truncated" in w]
     assert len(truncated) == 1, warnings
     assert "max_completion_length" in truncated[0]  # says what to try
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
+def test_train_keeps_the_process_group_and_end_releases_it(tiny_model_dir, tmp_path, monkeypatch):
+    """train() finishes the trackers but keeps the process group, which save_model and evaluate still need
+    under DDP and ZeRO (it used to call Accelerate's end_training, which destroys the group); end() releases it."""
+    trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, report_to="tensorboard", run_name="tb"),
+                         train_dataset=ROWS, eval_dataset=ROWS[:8])
+    destroyed, finished = [], []
+    monkeypatch.setattr(type(trainer.accelerator.state), "destroy_process_group",
+                        lambda self, group=None: destroyed.append(group))
+    trainer.train()
+    tracker = trainer.accelerator.trackers[0]
+    monkeypatch.setattr(type(tracker), "finish", lambda self: finished.append(self.name))
+    assert destroyed == []
+    assert trainer.evaluate()["eval_loss"] > 0
+    trainer.end()
+    assert destroyed == [None] and finished == ["tensorboard"]

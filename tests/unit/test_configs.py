@@ -244,7 +244,20 @@ def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
     config = cls(**{name: value}, learning_rate=3e-4)
     assert config.learning_rate == 3e-4  # the other options still apply
     assert name not in {f.name for f in dataclasses.fields(config)}
-    assert not hasattr(config, name)
+    assert getattr(config, name) == value  # a TRL script may read it (`if training_args.push_to_hub:`)
+    assert getattr(cls(), name) == value  # also when it was not given
+    setattr(config, name, value)  # setting TRL's default changes nothing
+
+
+def test_trl_only_option_set_after_construction_is_refused():
+    config = SFTConfig()
+    with pytest.raises(ConfigError, match="`push_to_hub=True` is a TRL option"):
+        config.push_to_hub = True
+    assert config.push_to_hub is False
+    config.include_for_metrics.append("inputs")  # a fresh copy of the default each time: TRL's stays as it was
+    assert config.include_for_metrics == [] and TRL_ONLY_OPTIONS["include_for_metrics"] == []
+    with pytest.raises(AttributeError, match="no attribute 'not_an_option'"):
+        config.not_an_option
 
 
 @pytest.mark.parametrize("cls", ALL_CONFIGS)

@@ -1,0 +1,118 @@
+"""TRL 1.16's own scripts (trl/scripts/sft.py and grpo.py) port by changing the import.
+
+Each test runs the body of the script's ``main`` as TRL ships it, from the model arguments to ``trainer.end()``,
+with ``trl`` replaced by ``trainers`` and the dataset loading replaced by rows (no network). The values come in as
+strings where TRL's parser gives strings (``--resume_from_checkpoint true``).
+"""
+
+import pytest
+
+from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers.errors import ConfigError
+from trainers.tiny import as_sft_rows, reverse_digits_rows
+
+SFT_ROWS = as_sft_rows(reverse_digits_rows(32, seed=1))
+GRPO_ROWS = [{"prompt": f"Reverse the digits {i}{i + 1}{i + 2}:"} for i in range(8)]
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def run_trl_sft_main(model_name_or_path, training_args, dataset):
+    """trl/scripts/sft.py main(), TRL 1.16, from "model_init_kwargs" on (ModelConfig at its defaults)."""
+    model_init_kwargs = dict(revision="main", trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=None, dtype="float32")
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+    trainer = SFTTrainer(
+        model=model_name_or_path,
+        args=training_args,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["test"] if training_args.eval_strategy != "no" else None,
+        quantization_config=None,  # get_quantization_config(model_args) without --load_in_4bit/8bit
+        peft_config=None,  # get_peft_config(model_args) without --use_peft
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("✅ Training completed.")
+    trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:
+        raise AssertionError("push_to_hub reads as TRL's default, False")
+    trainer.end()
+    return trainer
+
+
+def sft_args(tmp_path, **overrides):
+    return SFTConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "learning_rate": 1e-3,
+                        "logging_steps": 1, "save_steps": 2, "disable_tqdm": True, "report_to": "none", "seed": 0,
+                        **overrides})
+
+
+def test_trl_sft_script_trains_saves_and_resumes(tiny_model_dir, tmp_path):
+    dataset = {"train": SFT_ROWS, "test": SFT_ROWS[:8]}
+    first = run_trl_sft_main(tiny_model_dir, sft_args(tmp_path, max_steps=2), dataset)
+    assert first.state.global_step == 2
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+    # `--resume_from_checkpoint true` as TRL's parser hands it over: a string
+    args = sft_args(tmp_path, max_steps=4, resume_from_checkpoint="true", eval_strategy="steps", eval_steps=4)
+    assert args.resume_from_checkpoint is True and args.do_eval is True
+    second = run_trl_sft_main(tiny_model_dir, args, dataset)
+    steps = [r["step"] for r in second.state.log_history if "loss" in r]
+    assert second.state.global_step == 4
+    assert steps == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's history, 3-4 were trained now
+    assert [r["step"] for r in second.state.log_history if "eval_loss" in r] == [4]
+
+
+def test_train_without_an_argument_resumes_from_the_config(tiny_model_dir, tmp_path):
+    run_trl_sft_main(tiny_model_dir, sft_args(tmp_path, max_steps=2), {"train": SFT_ROWS, "test": []})
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=SFT_ROWS,
+                         args=sft_args(tmp_path, max_steps=3, resume_from_checkpoint=checkpoint))
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert len([r for r in trainer.state.log_history if "loss" in r]) == 3
+
+
+def test_trl_grpo_script_trains(tiny_model_dir, tmp_path):
+    """trl/scripts/grpo.py main(), TRL 1.16, from the trainer on (reward functions resolved by the script)."""
+    training_args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                               max_completion_length=4, max_steps=2, save_strategy="no", disable_tqdm=True,
+                               report_to="none", resume_from_checkpoint=None, do_train=True, local_rank=-1)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[length_reward],
+        args=training_args,
+        train_dataset=GRPO_ROWS,
+        eval_dataset=None,
+        quantization_config=None,
+        peft_config=None,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    assert not training_args.push_to_hub
+    trainer.end()
+    assert trainer.state.global_step == 2
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_quantization_config_is_refused_by_name(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="quantization_config is not supported"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=SFT_ROWS, args=sft_args(tmp_path, max_steps=1),
+                   quantization_config={"load_in_4bit": True})
+
+
+def test_script_only_fields_follow_transformers(monkeypatch):
+    assert SFTConfig().do_eval is False
+    assert SFTConfig(eval_strategy="epoch").do_eval is True  # transformers sets it for scripts that read it
+    assert GRPOConfig(do_train=True, do_predict=True).do_train is True
+    assert SFTConfig(resume_from_checkpoint="False").resume_from_checkpoint is None
+    assert SFTConfig(resume_from_checkpoint="out/checkpoint-3").resume_from_checkpoint == "out/checkpoint-3"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert SFTConfig(local_rank=1).local_rank == 1  # what the deepspeed launcher passes with --local_rank=1
+    with pytest.raises(ConfigError, match="local_rank=0.*LOCAL_RANK=1"):
+        SFTConfig(local_rank=0)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert SFTConfig(local_rank=0).local_rank == 0  # no launcher variable: nothing to check against
