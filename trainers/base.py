@@ -20,6 +20,7 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
+from trainers.callbacks import CallbackHandler
 from trainers.checkpoint import (
     TrainerState, load_checkpoint, load_model_only_checkpoint, resolve_resume_path, rotate_checkpoints,
     save_checkpoint, update_best, verify_checkpoint,
@@ -52,7 +53,8 @@ class BaseTrainer:
     config_class: type[TrainingConfig] = TrainingConfig
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, quantization_config=None):
+                 processing_class=None, peft_config=None, quantization_config=None, callbacks=None):
+        self.callback_handler = CallbackHandler(callbacks, self)  # a wrong type fails before anything slow
         if quantization_config is not None:  # TRL's scripts pass None unless asked to quantize
             raise ConfigError(f"{type(self).__name__}: quantization_config is not supported (no quantized loading "
                               f"or QLoRA here); pass None, or leave it out.")
@@ -128,6 +130,29 @@ class BaseTrainer:
         self.after_prepare()
         # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
         set_seed(args.seed + self.accelerator.process_index)
+        self.callback_handler.fire("init_end")
+
+    # ------------------------------------------------------------------ callbacks (transformers' contract)
+
+    def add_callback(self, callback) -> None:
+        """Add a transformers.TrainerCallback (an instance or its class) after the existing ones."""
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        """Remove and return the first callback that is ``callback`` (or an instance of that class); None if none."""
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def _describe_run(self) -> None:
+        """The TrainerState fields transformers' callbacks read, set at the start of each train()."""
+        args, acc, state = self.args, self.accelerator, self.state
+        state.max_steps, state.num_train_epochs = self.max_steps, math.ceil(self.max_steps / self.steps_per_epoch)
+        state.logging_steps, state.save_steps = args.logging_steps, args.save_steps
+        state.eval_steps = args.eval_steps or args.logging_steps
+        state.train_batch_size = args.per_device_train_batch_size
+        state.is_world_process_zero, state.is_local_process_zero = acc.is_main_process, acc.is_local_main_process
 
     def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
         """The training order of rows of these ``lengths`` in batches of ``batch`` rows (``unit`` names such a batch
@@ -279,11 +304,20 @@ class BaseTrainer:
         window: list[dict] = []
         step_losses: list[float] = []  # every step of this call, whatever logging_steps is (TrainOutput's mean)
         self.model.train()
+        self._describe_run()
+        callbacks = self.callback_handler
+        callbacks.new_training()
+        callbacks.fire("train_begin")
         if args.eval_on_start:  # as transformers: also when resuming, logged at the step it starts from
             self._record_evaluation(run_log)
+        first_step = self.state.global_step
         with StopOnSignal() as stop:
             while self.state.global_step < self.max_steps:
                 step = self.state.global_step
+                callbacks.new_step()
+                if step % self.steps_per_epoch == 0 or step == first_step:  # a resumed run starts mid-epoch
+                    callbacks.fire("epoch_begin")
+                callbacks.fire("step_begin")
                 started = time.perf_counter()
                 batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
                 step_stats = self._optimizer_step(batches, stop_requested=bool(stop.received))
@@ -303,6 +337,9 @@ class BaseTrainer:
                 if math.isfinite(step_stats["loss"]) or not args.logging_nan_inf_filter:
                     step_losses.append(step_stats["loss"])
                 run_log.advance(self._progress(step_stats))
+                callbacks.fire("step_end")
+                if self.state.global_step % self.steps_per_epoch == 0:
+                    callbacks.fire("epoch_end")
                 self._log_eval_save(window, run_log, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
                 if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
@@ -310,6 +347,10 @@ class BaseTrainer:
                 if stop_requested:
                     run_log.close()
                     self._stop_on_signal(stop.received)
+                if callbacks.requested("should_training_stop"):  # e.g. transformers' EarlyStoppingCallback
+                    if acc.is_main_process:
+                        logger.info(f"a callback stopped training at step {self.state.global_step}")
+                    break
         run_log.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -322,6 +363,7 @@ class BaseTrainer:
             # rotation kept the newest checkpoint beside the best for resuming; training is over (transformers)
             rotate_checkpoints(args.output_dir, 1, best=self.state.best_model_checkpoint, keep_newest=False)
         acc.wait_for_everyone()
+        callbacks.fire("train_end")
         for tracker in acc.trackers:  # flushed and closed; the process group stays for save_model/evaluate
             tracker.finish()
         return TrainOutput(self.state.global_step, sum(step_losses) / max(len(step_losses), 1),
@@ -399,9 +441,13 @@ class BaseTrainer:
                     assert index == len(batches) - 1, "gradient sync must happen on the last micro-batch"
                     norm = self._clip_gradients()
                     grad_norm = None if norm is None else float(norm)
+                    self.callback_handler.fire("pre_optimizer_step")
                     if grad_norm is None or math.isfinite(grad_norm):
                         self.optimizer.step()
+                    self.callback_handler.fire("optimizer_step")
                     self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    self.callback_handler.fire("substep_end")
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         head = {"loss": loss_sum, "num_input_tokens": local_input_tokens, "num_padded_tokens": local_padded_tokens,
@@ -439,7 +485,9 @@ class BaseTrainer:
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
         log_due = {"steps": step % args.logging_steps == 0 or last, "epoch": epoch_end or last, "no": False}
-        if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log:
+        callbacks = self.callback_handler  # a callback may ask for a log, an evaluation or a checkpoint
+        if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log \
+                or callbacks.requested("should_log"):
             record = {"step": step, "epoch": round(state.epoch, 4)}
             for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
                 values = [w[name] for w in window if name in w]
@@ -457,14 +505,17 @@ class BaseTrainer:
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
             self.on_log(record)
+            callbacks.fire("log", logs={k: v for k, v in record.items() if k != "step"})
         elif args.logging_strategy == "no":
             window.clear()  # nothing will log these steps
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
                     and step >= args.eval_delay) or (
-            args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay)
+            args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay) \
+            or callbacks.requested("should_evaluate")
         new_best = self._record_evaluation(run_log) if eval_due else False
         save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
-            args.save_strategy == "epoch" and (epoch_end or last)) or (args.save_strategy == "best" and new_best)
+            args.save_strategy == "epoch" and (epoch_end or last)) or (args.save_strategy == "best" and new_best) \
+            or callbacks.requested("should_save")
         if save_due:
             self.save_checkpoint()
 
@@ -479,6 +530,7 @@ class BaseTrainer:
         run_log.record(state.log_history, record)
         if self.trackers:
             self.accelerator.log(numeric_metrics(record), step=state.global_step)
+        self.callback_handler.fire("log", logs={k: v for k, v in record.items() if k != "step"})
         args = self.args
         if args.metric_for_best_model is None:
             return False
@@ -524,7 +576,9 @@ class BaseTrainer:
         with torch.no_grad():
             stats = self.evaluation_stats()
         self.model.train()
-        return reduce_pairs(self.accelerator, stats, prefix=f"{metric_key_prefix}_")
+        metrics = reduce_pairs(self.accelerator, stats, prefix=f"{metric_key_prefix}_")
+        self.callback_handler.fire("evaluate", metrics=metrics)  # before the best metric is updated, as transformers
+        return metrics
 
     def save_checkpoint(self, whole: bool = False) -> str:
         """Write ``output_dir/checkpoint-<step>`` (model-only with save_only_model, unless ``whole``) and
@@ -540,6 +594,7 @@ class BaseTrainer:
         if self.accelerator.is_main_process:
             rotate_checkpoints(args.output_dir, args.save_total_limit, best=state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
+        self.callback_handler.fire("save")
         return path
 
     def end(self) -> None:

@@ -43,6 +43,15 @@ class TrainerState:
     best_global_step: int | None = None  # the step of that evaluation
     best_model_checkpoint: str | None = None  # the checkpoint written at that step, once there is one
     log_history: list[dict] = field(default_factory=list)
+    # What transformers' TrainerState also tells callbacks about the run; set at the start of each train()
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: int = 0
+    eval_steps: int = 0
+    save_steps: int = 0
+    train_batch_size: int = 0  # per process
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
 
 
 def update_best(state: TrainerState, metrics: dict, metric: str, greater_is_better: bool, config_name: str) -> bool:

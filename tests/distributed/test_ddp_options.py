@@ -1,6 +1,7 @@
 """transformers' ddp_* options reach DistributedDataParallel and the process group (2 processes, multi_gpu.yaml
 on CPU: DDP over gloo); a parameter outside the loss gets an error that names ddp_find_unused_parameters; and
-per-micro-batch min/max statistics (TRL's clip_ratio/low_min, high_max) reduce over processes."""
+per-micro-batch min/max statistics (TRL's clip_ratio/low_min, high_max) reduce over processes; and a callback's
+request (a checkpoint, the end of training) made on one rank is served on both."""
 
 import os
 
@@ -10,6 +11,7 @@ from tests.conftest import REPO, launch, rank_reports
 
 JOB = os.path.join(REPO, "tests", "distributed", "ddp_options_job.py")
 EXTREMES_JOB = os.path.join(REPO, "tests", "distributed", "extremes_job.py")
+CALLBACKS_JOB = os.path.join(REPO, "tests", "distributed", "callbacks_job.py")
 
 
 @pytest.mark.distributed
@@ -42,3 +44,11 @@ def test_min_and_max_statistics_reduce_over_processes_then_average_over_micro_ba
         # per micro-batch min over ranks: 0.1, 0.4 (rank 0 measured nothing), 0.3, nothing at all -> mean of 3
         assert report["low_min"] == pytest.approx((0.1 + 0.4 + 0.3) / 3)
         assert report["high_max"] == pytest.approx((0.7 + 0.1 + 0.6 + 0.2) / 4)
+
+
+@pytest.mark.distributed
+def test_a_callbacks_request_on_one_rank_is_served_on_every_rank(tiny_model_dir, tmp_path):
+    launch("multi_gpu", CALLBACKS_JOB, tiny_model_dir, str(tmp_path), timeout=180)  # alone, a rank would hang
+    for report in rank_reports(tmp_path):
+        assert report["global_step"] == 2 and report["steps_seen"] == [1, 2]  # rank 0 asked to stop at step 2
+        assert "checkpoint-1" in report["checkpoints"]  # rank 1 asked for it
