@@ -47,14 +47,58 @@ class TrainOutput(NamedTuple):
     metrics: dict
 
 
+def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> tuple:
+    """transformers' ``optimizers=(optimizer, lr_scheduler)`` and ``optimizer_cls_and_kwargs``, checked before
+    anything slow. Returns (optimizer or None, scheduler or None)."""
+    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
+        raise ConfigError(f"optimizers must be a pair (optimizer, lr_scheduler), either may be None; got {optimizers!r}.")
+    optimizer, scheduler = optimizers
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizers: {type(optimizer).__name__} is not a torch.optim.Optimizer.")
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ConfigError("optimizers: the lr_scheduler must be built on the optimizer given beside it (a scheduler "
+                          "alone would move the learning rate of an optimizer that does not train).")
+    if optimizer is not None and optimizer_cls_and_kwargs is not None:
+        raise ConfigError("optimizers and optimizer_cls_and_kwargs both give an optimizer (as in transformers, "
+                          "pass one of them).")
+    if optimizer_cls_and_kwargs is not None:
+        ok = isinstance(optimizer_cls_and_kwargs, (tuple, list)) and len(optimizer_cls_and_kwargs) == 2 \
+            and isinstance(optimizer_cls_and_kwargs[0], type) and isinstance(optimizer_cls_and_kwargs[1], dict)
+        if not ok:
+            raise ConfigError(f"optimizer_cls_and_kwargs must be (an optimizer class, a dict of its keyword "
+                              f"arguments); got {optimizer_cls_and_kwargs!r}.")
+    return optimizer, scheduler
+
+
+def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model, accelerator) -> None:
+    """A given optimizer must train this model: each of its parameters is one of the model's, and some are
+    trainable. (It is built on the model before the trainer sees it, so the model must be an instance.)"""
+    if accelerator.distributed_type.value == "FSDP":
+        raise ConfigError("optimizers: a ready-made optimizer cannot be used with FSDP (as in transformers), which "
+                          "replaces the parameters; use optimizer_cls_and_kwargs instead.")
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in own for p in params):
+        raise ConfigError("optimizers: the optimizer holds parameters that are not the model's. Build it on the "
+                          "model instance you pass as `model` (with peft_config, on the PEFT model), not on a path.")
+    if not any(p.requires_grad for p in params):
+        raise ConfigError("optimizers: none of the optimizer's parameters is trainable (requires_grad).")
+
+
 class BaseTrainer:
     """Owns the model, tokenizer, optimizer, schedule, loop, logging, evaluation and checkpoints."""
 
     config_class: type[TrainingConfig] = TrainingConfig
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, quantization_config=None, callbacks=None):
+                 processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None):
         self.callback_handler = CallbackHandler(callbacks, self)  # a wrong type fails before anything slow
+        self._given_optimizer, self._given_scheduler = check_optimizers(optimizers, optimizer_cls_and_kwargs)
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        if self._given_optimizer is not None and isinstance(model, str):
+            raise ConfigError("optimizers: an optimizer is built on a model's parameters, so `model` must be that "
+                              "model instance, not a path.")
         if quantization_config is not None:  # TRL's scripts pass None unless asked to quantize
             raise ConfigError(f"{type(self).__name__}: quantization_config is not supported (no quantized loading "
                               f"or QLoRA here); pass None, or leave it out.")
@@ -114,7 +158,9 @@ class BaseTrainer:
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
         self.after_load(model)
 
-        optimizer = self._build_optimizer(model)
+        optimizer = self._given_optimizer or self._build_optimizer(model)
+        if self._given_optimizer is not None:
+            check_optimizer_parameters(optimizer, model, self.accelerator)
         dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
                                  args.gradient_accumulation_steps, args.max_grad_norm, model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -124,7 +170,7 @@ class BaseTrainer:
             logger.warning(f"DistributedDataParallel options ({names}) change nothing in this run: it uses "
                            f"{self.accelerator.distributed_type.value}, which syncs gradients itself.")
         # Stepped by the loop, once per optimizer step (Accelerate would step it once per process).
-        self.lr_scheduler = build_scheduler(self.optimizer, args, self.max_steps)
+        self.lr_scheduler = self._given_scheduler or build_scheduler(self.optimizer, args, self.max_steps)
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
         self.state = TrainerState()
         self.after_prepare()
@@ -264,6 +310,9 @@ class BaseTrainer:
         groups = [{"params": decay, "weight_decay": self.args.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
+        if self.optimizer_cls_and_kwargs is not None:  # transformers': the class gets these groups and its kwargs
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+            return optimizer_cls(groups, **kwargs)
         # optim="adamw_torch_fused" (TRL's default) selects torch's fused kernel; same speed as foreach on CPU.
         return torch.optim.AdamW(groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                                  eps=self.args.adam_epsilon, fused=self.args.optim == "adamw_torch_fused")

@@ -97,7 +97,7 @@ class GRPOTrainer(BaseTrainer):
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, peft_config=None, quantization_config=None,
-                 callbacks=None):
+                 callbacks=None, optimizers=(None, None)):
         self._reward_specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not self._reward_specs:
             raise ConfigError("reward_funcs is empty; give at least one reward function.")
@@ -112,7 +112,7 @@ class GRPOTrainer(BaseTrainer):
             raise ConfigError("GRPOConfig: `sync_ref_model=True` does not work with a PEFT model (as in TRL): its "
                               "reference is the base model with the adapters off, not a copy to move.")
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
-                         callbacks)
+                         callbacks, optimizers)
 
     # ------------------------------------------------------------------ batches and data
 

@@ -50,6 +50,16 @@ class SFTTrainer(BaseTrainer):
 
     config_class = SFTConfig
 
+    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, formatting_func=None):
+        # TRL's formatting_func: row -> text, applied before tokenization (also to datasets given to evaluate())
+        if formatting_func is not None and not callable(formatting_func):
+            raise ConfigError(f"formatting_func must be a function (row -> str), got {type(formatting_func).__name__}.")
+        self.formatting_func = formatting_func
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
+                         callbacks, optimizers, optimizer_cls_and_kwargs)
+
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """BaseTrainer.train, with NEFTune's embedding noise on while it runs when neftune_noise_alpha is set."""
         if self.args.neftune_noise_alpha is None:
@@ -86,7 +96,7 @@ class SFTTrainer(BaseTrainer):
 
     def _tokenize(self, dataset, name: str, pack: bool) -> list[dict]:
         args = self.args
-        dataset = as_dataset(dataset, name)
+        dataset = self._formatted(as_dataset(dataset, name), name)
         fmt = detect_format(dataset.column_names, args.dataset_text_field, name)
         kwargs = dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
                       eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
@@ -108,6 +118,33 @@ class SFTTrainer(BaseTrainer):
         if pack:
             samples = pack_samples(samples, args.max_length)
         return samples
+
+    def _formatted(self, dataset, name: str):
+        """The dataset as formatting_func's texts in the dataset_text_field column (TRL's language-modeling type)."""
+        func, field = self.formatting_func, self.args.dataset_text_field
+        if func is None:
+            return dataset
+        if "input_ids" in dataset.column_names:  # as TRL: the rows are already tokens
+            if self.accelerator.is_main_process:
+                logger.warning(f"{name} is already tokenized (it has input_ids): formatting_func is not applied.")
+            return dataset
+        completion_only = self.args.completion_only_loss
+        if completion_only or (completion_only is None and {"prompt", "completion"} <= set(dataset.column_names)):
+            raise ConfigError(
+                "formatting_func turns each row into one text, so there is no completion to restrict the loss to, "
+                f"but completion_only_loss is {completion_only} ({name} has prompt and completion columns). Format "
+                "the rows before passing them, or set completion_only_loss=False (as TRL requires).")
+
+        def format_row(row, index):
+            text = func(row)
+            if not isinstance(text, str):
+                raise DatasetFormatError(f"formatting_func returned {type(text).__name__} for row {index} of {name}; "
+                                         f"it must return the row's text as a string.")
+            return {field: text}
+
+        with self.accelerator.main_process_first():
+            return dataset.map(format_row, with_indices=True, remove_columns=dataset.column_names,
+                               desc=f"formatting {name}")
 
     def after_load(self, model) -> None:
         if self.args.eos_token is not None:

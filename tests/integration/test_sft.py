@@ -235,3 +235,37 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, tmp_path, op
     assert trainer.args.gradient_checkpointing and trainer.args.activation_checkpointing  # the names agree
     for key in finals[0]:
         torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-5, atol=1e-6)
+
+
+def test_formatting_func_trains_what_a_text_column_would(tiny_model_dir, tmp_path):
+    """TRL's formatting_func: each row becomes one text; the same as passing that text column, eval included."""
+    raw = [{"question": f"{i}+{i}", "answer": str(2 * i)} for i in range(16)]
+    texts = [{"text": f"Q: {r['question']} A: {r['answer']}"} for r in raw]
+    formatted = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / "f", max_steps=2, eval_strategy="steps",
+                                                              eval_steps=2),
+                           train_dataset=raw, eval_dataset=raw[:4],
+                           formatting_func=lambda row: f"Q: {row['question']} A: {row['answer']}")
+    plain = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / "p", max_steps=2, eval_strategy="steps",
+                                                          eval_steps=2),
+                       train_dataset=texts, eval_dataset=texts[:4])
+    assert [r["input_ids"] for r in formatted.train_rows] == [r["input_ids"] for r in plain.train_rows]
+    formatted.train()
+    plain.train()
+    losses = [[r.get("loss", r.get("eval_loss")) for r in t.state.log_history] for t in (formatted, plain)]
+    assert losses[0] == losses[1]
+    # a dataset given to evaluate() is formatted too
+    assert formatted.evaluate(eval_dataset=raw[4:8])["eval_loss"] == pytest.approx(
+        plain.evaluate(eval_dataset=texts[4:8])["eval_loss"])
+
+
+def test_formatting_func_errors_name_it(tiny_model_dir, tmp_path):
+    from trainers.data import DatasetFormatError
+
+    raw = [{"question": "1+1", "answer": "2"}] * 8
+    with pytest.raises(DatasetFormatError, match="formatting_func returned NoneType for row 0 of train_dataset"):
+        SFTTrainer(model=tiny_model_dir, args=config(tmp_path), train_dataset=raw, formatting_func=lambda row: None)
+    with pytest.raises(ConfigError, match="completion_only_loss"):  # TRL refuses the pair too
+        SFTTrainer(model=tiny_model_dir, args=config(tmp_path), formatting_func=lambda row: row["prompt"],
+                   train_dataset=[{"prompt": "1+1=", "completion": "2"}] * 8)
+    with pytest.raises(ConfigError, match="formatting_func must be a function"):
+        SFTTrainer(model=tiny_model_dir, args=config(tmp_path), train_dataset=raw, formatting_func="text")

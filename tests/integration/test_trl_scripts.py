@@ -116,3 +116,80 @@ def test_script_only_fields_follow_transformers(monkeypatch):
         SFTConfig(local_rank=0)
     monkeypatch.delenv("LOCAL_RANK")
     assert SFTConfig(local_rank=0).local_rank == 0  # no launcher variable: nothing to check against
+
+
+def test_given_optimizer_and_scheduler_train_the_model(tiny_model_dir, tmp_path):
+    """transformers' optimizers=(optimizer, lr_scheduler): plain SGD at a constant rate moves each weight by
+    exactly -lr x its gradient, and the scheduler's rate is the one logged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)  # 0.05 throughout
+    grads = {}
+    trainer = SFTTrainer(model=model, train_dataset=SFT_ROWS, optimizers=(optimizer, scheduler),
+                         args=sft_args(tmp_path, max_steps=1, max_grad_norm=None, save_strategy="no"))
+    assert trainer.lr_scheduler is scheduler
+    original = trainer._clip_gradients
+
+    def keep_gradients():
+        grads.update({n: p.grad.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()})
+        return original()
+
+    trainer._clip_gradients = keep_gradients
+    trainer.train()
+    assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.05)
+    for name, param in trainer.unwrapped_model.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name] - 0.05 * grads[name])
+
+
+def test_optimizer_cls_and_kwargs_and_the_optimizer_checks(tiny_model_dir, tmp_path):
+    import torch
+
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=SFT_ROWS, args=sft_args(tmp_path, max_steps=1),
+                         optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}))
+    inner = trainer.optimizer.optimizer
+    assert isinstance(inner, torch.optim.SGD) and inner.param_groups[0]["momentum"] == 0.9
+    assert [g["weight_decay"] for g in inner.param_groups] == [0.0, 0.0]  # the decay split, as transformers
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="must be that model instance, not a path"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=SFT_ROWS, args=sft_args(tmp_path),
+                   optimizers=(torch.optim.SGD(other.parameters(), lr=0.1), None))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match="parameters that are not the model's"):
+        SFTTrainer(model=model, train_dataset=SFT_ROWS, args=sft_args(tmp_path),
+                   optimizers=(torch.optim.SGD(other.parameters(), lr=0.1), None))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="the lr_scheduler must be built on the optimizer"):
+        SFTTrainer(model=model, train_dataset=SFT_ROWS, args=sft_args(tmp_path), optimizers=(
+            None, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)))
+    with pytest.raises(ConfigError, match="pass one of them"):
+        SFTTrainer(model=model, train_dataset=SFT_ROWS, args=sft_args(tmp_path), optimizers=(optimizer, None),
+                   optimizer_cls_and_kwargs=(torch.optim.SGD, {}))
+
+
+def test_given_optimizer_resumes_exactly(tiny_model_dir, tmp_path):
+    """Momentum (the optimizer's state) and a decaying schedule come back from the checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def run(out, max_steps, resume=None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        trainer = SFTTrainer(model=model, train_dataset=SFT_ROWS, optimizers=(optimizer, scheduler),
+                             args=sft_args(tmp_path / out, max_steps=max_steps, save_steps=2))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run("straight", 4)
+    run("split", 2)
+    resumed = run("split", 4, resume=True)
+    assert [r["learning_rate"] for r in resumed.state.log_history] == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025],
+                                                                                    rel=1e-5)
+    for (name, a), b in zip(straight.unwrapped_model.named_parameters(), resumed.unwrapped_model.parameters()):
+        assert torch.equal(a, b), name
