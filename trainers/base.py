@@ -35,6 +35,7 @@ from trainers.modeling import (
     check_model_path, clone_chat_template, enable_activation_checkpointing, load_causal_lm, load_tokenizer,
     match_vocabulary, router_aux_loss_coef, train_added_tokens,
 )
+from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
 from trainers.samplers import GlobalBatchSampler
 from trainers.schedules import build_scheduler
 from trainers.stats import Stats, StepStats, reduce_pairs
@@ -45,44 +46,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict
-
-
-def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> tuple:
-    """transformers' ``optimizers=(optimizer, lr_scheduler)`` and ``optimizer_cls_and_kwargs``, checked before
-    anything slow. Returns (optimizer or None, scheduler or None)."""
-    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
-        raise ConfigError(f"optimizers must be a pair (optimizer, lr_scheduler), either may be None; got {optimizers!r}.")
-    optimizer, scheduler = optimizers
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optimizers: {type(optimizer).__name__} is not a torch.optim.Optimizer.")
-    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
-        raise ConfigError("optimizers: the lr_scheduler must be built on the optimizer given beside it (a scheduler "
-                          "alone would move the learning rate of an optimizer that does not train).")
-    if optimizer is not None and optimizer_cls_and_kwargs is not None:
-        raise ConfigError("optimizers and optimizer_cls_and_kwargs both give an optimizer (as in transformers, "
-                          "pass one of them).")
-    if optimizer_cls_and_kwargs is not None:
-        ok = isinstance(optimizer_cls_and_kwargs, (tuple, list)) and len(optimizer_cls_and_kwargs) == 2 \
-            and isinstance(optimizer_cls_and_kwargs[0], type) and isinstance(optimizer_cls_and_kwargs[1], dict)
-        if not ok:
-            raise ConfigError(f"optimizer_cls_and_kwargs must be (an optimizer class, a dict of its keyword "
-                              f"arguments); got {optimizer_cls_and_kwargs!r}.")
-    return optimizer, scheduler
-
-
-def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model, accelerator) -> None:
-    """A given optimizer must train this model: each of its parameters is one of the model's, and some are
-    trainable. (It is built on the model before the trainer sees it, so the model must be an instance.)"""
-    if accelerator.distributed_type.value == "FSDP":
-        raise ConfigError("optimizers: a ready-made optimizer cannot be used with FSDP (as in transformers), which "
-                          "replaces the parameters; use optimizer_cls_and_kwargs instead.")
-    own = {id(p) for p in model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(id(p) not in own for p in params):
-        raise ConfigError("optimizers: the optimizer holds parameters that are not the model's. Build it on the "
-                          "model instance you pass as `model` (with peft_config, on the PEFT model), not on a path.")
-    if not any(p.requires_grad for p in params):
-        raise ConfigError("optimizers: none of the optimizer's parameters is trainable (requires_grad).")
 
 
 class BaseTrainer:
@@ -158,9 +121,11 @@ class BaseTrainer:
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
         self.after_load(model)
 
-        optimizer = self._given_optimizer or self._build_optimizer(model)
         if self._given_optimizer is not None:
+            optimizer = self._given_optimizer
             check_optimizer_parameters(optimizer, model, self.accelerator)
+        else:
+            optimizer = build_optimizer(model, args, self.optimizer_cls_and_kwargs)
         dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
                                  args.gradient_accumulation_steps, args.max_grad_norm, model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -190,6 +155,14 @@ class BaseTrainer:
 
     def remove_callback(self, callback) -> None:
         self.callback_handler.pop(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of the run (transformers' Trainer method)."""
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine (transformers' Trainer method)."""
+        return self.accelerator.is_local_main_process
 
     def _describe_run(self) -> None:
         """The TrainerState fields transformers' callbacks read, set at the start of each train()."""
@@ -298,24 +271,6 @@ class BaseTrainer:
         from peft import get_peft_model
 
         return get_peft_model(model, peft_config)
-
-    def _build_optimizer(self, model) -> torch.optim.Optimizer:
-        """AdamW; weight decay on matrices only (not on biases and norm weights), as in transformers."""
-        decay, no_decay = [], []
-        for param in model.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-        if not decay and not no_decay:
-            raise ConfigError("The model has no trainable parameters.")
-        groups = [{"params": decay, "weight_decay": self.args.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        if self.optimizer_cls_and_kwargs is not None:  # transformers': the class gets these groups and its kwargs
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-            return optimizer_cls(groups, **kwargs)
-        # optim="adamw_torch_fused" (TRL's default) selects torch's fused kernel; same speed as foreach on CPU.
-        return torch.optim.AdamW(groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
-                                 eps=self.args.adam_epsilon, fused=self.args.optim == "adamw_torch_fused")
 
     @property
     def unwrapped_model(self):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import os
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 

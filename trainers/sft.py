@@ -129,11 +129,12 @@ class SFTTrainer(BaseTrainer):
                 logger.warning(f"{name} is already tokenized (it has input_ids): formatting_func is not applied.")
             return dataset
         completion_only = self.args.completion_only_loss
-        if completion_only or (completion_only is None and {"prompt", "completion"} <= set(dataset.column_names)):
+        pairs = {"prompt", "completion"} <= set(dataset.column_names)
+        if completion_only or (completion_only is None and pairs):  # None means True for prompt/completion rows
+            why = f"completion_only_loss={completion_only}" + (f" with {name}'s prompt/completion rows" if pairs else "")
             raise ConfigError(
-                "formatting_func turns each row into one text, so there is no completion to restrict the loss to, "
-                f"but completion_only_loss is {completion_only} ({name} has prompt and completion columns). Format "
-                "the rows before passing them, or set completion_only_loss=False (as TRL requires).")
+                f"formatting_func turns each row into one text, with no completion to restrict the loss to ({why}). "
+                "Format the rows before passing them, or set completion_only_loss=False (as TRL requires).")
 
         def format_row(row, index):
             text = func(row)

@@ -92,6 +92,7 @@ def test_trl_grpo_script_trains(tiny_model_dir, tmp_path):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()  # transformers' methods, one process
     assert not training_args.push_to_hub
     trainer.end()
     assert trainer.state.global_step == 2
