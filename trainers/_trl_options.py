@@ -53,7 +53,6 @@ TRL_ONLY_OPTIONS = {
     'prediction_loss_only': False,
     'project': 'huggingface',
     'push_to_hub': False,
-    'restore_callback_states_from_checkpoint': False,
     'save_on_each_node': False,
     'skip_memory_metrics': True,
     'torch_compile': False,

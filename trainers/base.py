@@ -286,6 +286,8 @@ class BaseTrainer:
         if resume_path is not None:
             self.state = load_checkpoint(acc, resume_path)
             self.load_extra_state(resume_path)
+            if args.restore_callback_states_from_checkpoint:
+                self.callback_handler.restore(self.state.stateful_callbacks)
             if acc.is_main_process:
                 logger.info(f"resumed from {resume_path} at step {self.state.global_step}")
             best = self.state.best_model_checkpoint
@@ -592,6 +594,7 @@ class BaseTrainer:
             best = os.path.join(args.output_dir, f"checkpoint-{state.best_global_step}")
             if state.best_global_step == state.global_step or os.path.isdir(best):
                 state.best_model_checkpoint = best
+        state.stateful_callbacks = self.callback_handler.states()
         model_only = args.save_only_model and not whole
         path = save_checkpoint(self.accelerator, args.output_dir, state.global_step, state, args.to_dict(),
                                write_extra=self.save_extra_state, write_model=self.save_model if model_only else None)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl
+from transformers.trainer_callback import ExportableState
 
 from trainers import distributed as dist
 from trainers.errors import ConfigError
@@ -53,6 +54,38 @@ class CallbackHandler:
         if found is not None:
             self.callbacks.remove(found)
         return found
+
+    def states(self) -> dict:
+        """The state() of every callback that has one (transformers' ExportableState), by class name; a list
+        when there are several of one class. What a checkpoint keeps (TrainerState.stateful_callbacks)."""
+        states: dict = {}
+        for callback in self.callbacks:
+            if isinstance(callback, ExportableState):
+                name = type(callback).__name__
+                if name in states:
+                    states[name] = (states[name] if isinstance(states[name], list) else [states[name]])
+                    states[name].append(callback.state())
+                else:
+                    states[name] = callback.state()
+        return states
+
+    def restore(self, saved: dict) -> None:
+        """Rebuild the callbacks saved in a checkpoint from their states (transformers' _load_callback_state):
+        each one of the same class, in order, is replaced where it stands."""
+        missing = []
+        for name, data in saved.items():
+            data = data if isinstance(data, list) else [data]
+            same = [i for i, cb in enumerate(self.callbacks) if type(cb).__name__ == name]
+            if not same:
+                missing.append(name)
+            for index, state in zip(same, data):
+                rebuilt = type(self.callbacks[index])(**state.get("args", {}))
+                for attribute, value in state.get("attributes", {}).items():
+                    setattr(rebuilt, attribute, value)
+                self.callbacks[index] = rebuilt
+        if missing and self.trainer.accelerator.is_main_process:
+            logger.warning(f"the checkpoint holds the state of callbacks this trainer does not have: "
+                           f"{', '.join(missing)}; not restored.")
 
     def fire(self, event: str, **kwargs: Any) -> TrainerControl:
         """Call ``on_<event>`` of every callback, in order; returns the (possibly replaced) control."""

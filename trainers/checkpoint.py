@@ -52,6 +52,7 @@ class TrainerState:
     train_batch_size: int = 0  # per process
     is_world_process_zero: bool = True
     is_local_process_zero: bool = True
+    stateful_callbacks: dict = field(default_factory=dict)  # callback class name -> its state() (list if several)
 
 
 def update_best(state: TrainerState, metrics: dict, metric: str, greater_is_better: bool, config_name: str) -> bool:

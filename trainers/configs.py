@@ -269,6 +269,10 @@ class TrainingConfig:
         "is not 'no'). The trainer evaluates by eval_strategy."
     )
     do_predict: bool = opt(False, "For your script, as in transformers: whether it should predict. The trainer does not read it.")
+    restore_callback_states_from_checkpoint: bool = opt(
+        False, "On resume, rebuild the callbacks that keep a state (transformers' ExportableState, e.g. "
+        "EarlyStoppingCallback's patience counter) from the checkpoint; checkpoints always hold those states."
+    )
     local_rank: int = opt(
         -1, "The --local_rank that the deepspeed and torch.distributed.launch launchers pass to the script. Only "
         "checked: it must match the LOCAL_RANK the launcher sets; the process's place comes from the launcher."

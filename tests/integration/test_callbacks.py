@@ -124,3 +124,24 @@ def test_grpo_fires_callbacks_with_its_metrics(tiny_model_dir, tmp_path):
     assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [2]
     assert "eval_reward" in requests.metrics[0] and "reward" in requests.logs[1]
     assert (tmp_path / "out" / "checkpoint-3").is_dir()
+
+
+@pytest.mark.parametrize("restore,stops_at", [(True, 6), (False, 8)])
+def test_early_stopping_patience_resumes_with_restore_callback_states(tiny_model_dir, tmp_path, restore, stops_at):
+    """Evaluations every 2 steps never improve by the threshold: patience 2 runs out at the third evaluation.
+    Stopped after 2 of them (counter 1 in checkpoint-4), a resumed run stops at step 6 when the counter comes
+    back, at step 8 when it starts again from 0."""
+    def run(max_steps, resume):
+        stopper = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=100.0)
+        trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:4], callbacks=[stopper],
+                             args=config(tmp_path, max_steps=max_steps, eval_strategy="steps", eval_steps=2,
+                                         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                                         restore_callback_states_from_checkpoint=restore))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    first = run(4, None)
+    assert first.state.stateful_callbacks["EarlyStoppingCallback"]["attributes"] == {
+        "early_stopping_patience_counter": 1}
+    resumed = run(20, str(tmp_path / "out" / "checkpoint-4"))
+    assert resumed.state.global_step == stops_at
