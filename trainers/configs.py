@@ -52,16 +52,16 @@ def _reject_unknown_options(cls):
     any other value is refused with a message that says so.
     """
     dataclass_init = cls.__init__
+    known_fields = {f.name for f in dataclasses.fields(cls)}
 
     def __init__(self, *args, **kwargs):
-        known = {f.name for f in dataclasses.fields(cls)}
         for name in list(kwargs):
-            if name in known:
+            if name in known_fields:
                 continue
             if name in TRL_ONLY_OPTIONS:
                 _check_trl_only(cls.__name__, name, kwargs.pop(name))
                 continue  # TRL's default: it changes nothing, so accepting it loses nothing.
-            close = difflib.get_close_matches(name, sorted(known), n=3)
+            close = difflib.get_close_matches(name, sorted(known_fields), n=3)
             hint = f" Did you mean {', '.join('`' + c + '`' for c in close)}?" if close else ""
             raise ConfigError(f"{cls.__name__} has no option `{name}`.{hint}")
         dataclass_init(self, *args, **kwargs)
@@ -79,7 +79,6 @@ def _reject_unknown_options(cls):
             return  # setting TRL's default changes nothing
         object.__setattr__(self, name, value)
 
-    known_fields = {f.name for f in dataclasses.fields(cls)}
     __init__.__doc__ = dataclass_init.__doc__
     __init__.__signature__ = __import__("inspect").signature(dataclass_init)
     cls.__init__ = __init__

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from accelerate.utils import DistributedType
 
 from trainers.errors import ConfigError
 
@@ -53,7 +54,7 @@ def check_optimizers(optimizers, optimizer_cls_and_kwargs) -> tuple:
 def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model, accelerator) -> None:
     """A given optimizer must train this model: each of its parameters is one of the model's, and some are
     trainable. (It is built on the model before the trainer sees it, so the model must be an instance.)"""
-    if accelerator.distributed_type.value == "FSDP":
+    if accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError("optimizers: a ready-made optimizer cannot be used with FSDP (as in transformers), which "
                           "replaces the parameters; use optimizer_cls_and_kwargs instead.")
     own = {id(p) for p in model.parameters()}
