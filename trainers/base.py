@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from accelerate.utils import set_seed
 from accelerate.utils.memory import clear_device_cache
-from transformers.trainer_utils import enable_full_determinism
+from transformers import trainer_pt_utils
+from transformers.trainer_utils import enable_full_determinism, speed_metrics
 from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
@@ -138,6 +139,9 @@ class BaseTrainer:
         self.lr_scheduler = self._given_scheduler or build_scheduler(self.optimizer, args, self.max_steps)
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
         self.state = TrainerState()
+        # metrics.jsonl and the console; train() replaces it with one that drives the progress bar
+        self.run_log = RunLog(self.accelerator, args.output_dir, 0, disable_tqdm=True)
+        self._trackers_open = False  # between init_trackers and finish, inside train()
         self.after_prepare()
         # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
         set_seed(args.seed + self.accelerator.process_index)
@@ -213,6 +217,10 @@ class BaseTrainer:
 
     def evaluation_stats(self) -> Stats:
         """This process's share of evaluation statistics over ``eval_dataset``."""
+        raise NotImplementedError
+
+    def eval_rows_per_batch(self) -> int:
+        """How many eval rows one evaluation batch holds on each process (eval_steps_per_second)."""
         raise NotImplementedError
 
     def after_load(self, model) -> None:
@@ -300,13 +308,15 @@ class BaseTrainer:
                 f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "
                 f"x {acc.num_processes} processes x {args.gradient_accumulation_steps} accumulation steps; "
                 f"{self.max_steps} optimizer steps ({self.steps_per_epoch} per epoch)")
-        run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)
+        run_log = self.run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)
         run_log.start(self.state.log_history, self.state.global_step)
         info = self.run_info()
         run_log.write_run_info(info)
         if self.trackers:
             project = args.run_name or os.path.basename(os.path.normpath(args.output_dir))
             acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
+            self._trackers_open = True
+        started_at, first_step = time.time(), self.state.global_step
         window: list[dict] = []
         step_losses: list[float] = []  # every step of this call, whatever logging_steps is (TrainOutput's mean)
         self.model.train()
@@ -315,8 +325,7 @@ class BaseTrainer:
         callbacks.new_training()
         callbacks.fire("train_begin")
         if args.eval_on_start:  # as transformers: also when resuming, logged at the step it starts from
-            self._record_evaluation(run_log)
-        first_step = self.state.global_step
+            self._record_evaluation()
         with StopOnSignal() as stop:
             while self.state.global_step < self.max_steps:
                 step = self.state.global_step
@@ -346,7 +355,7 @@ class BaseTrainer:
                 callbacks.fire("step_end")
                 if self.state.global_step % self.steps_per_epoch == 0:
                     callbacks.fire("epoch_end")
-                self._log_eval_save(window, run_log, force_log=stop_requested)
+                self._log_eval_save(window, force_log=stop_requested)
                 self._check_nonfinite(step_stats["grad_norm"])
                 if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
                     clear_device_cache()  # nothing to return on CPU
@@ -372,8 +381,18 @@ class BaseTrainer:
         callbacks.fire("train_end")
         for tracker in acc.trackers:  # flushed and closed; the process group stays for save_model/evaluate
             tracker.finish()
-        return TrainOutput(self.state.global_step, sum(step_losses) / max(len(step_losses), 1),
-                           dict(self.state.log_history[-1]) if self.state.log_history else {})
+        self._trackers_open = False
+        training_loss = sum(step_losses) / max(len(step_losses), 1)
+        return TrainOutput(self.state.global_step, training_loss,
+                           self._train_summary(training_loss, time.time() - started_at, first_step))
+
+    def _train_summary(self, training_loss: float, runtime: float, first_step: int) -> dict:
+        """transformers' TrainOutput.metrics for this call of train(): its runtime and rates, the mean loss, the epoch."""
+        steps, runtime = self.state.global_step - first_step, max(runtime, 1e-9)
+        return {"train_runtime": round(runtime, 4),
+                "train_samples_per_second": round(steps * self.effective_batch_size / runtime, 3),
+                "train_steps_per_second": round(steps / runtime, 3),
+                "train_loss": training_loss, "epoch": self.state.epoch}
 
     def _progress(self, step_stats: dict) -> dict:
         """What the progress bar shows beside step and time left: loss, reward (GRPO), tokens/s."""
@@ -486,7 +505,7 @@ class BaseTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         return self.accelerator.clip_grad_norm_(params, max_norm)
 
-    def _log_eval_save(self, window: list[dict], run_log: RunLog, force_log: bool = False) -> None:
+    def _log_eval_save(self, window: list[dict], force_log: bool = False) -> None:
         args, state = self.args, self.state
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
@@ -503,10 +522,8 @@ class BaseTrainer:
             record["num_tokens"] = state.num_tokens
             if args.include_num_input_tokens_seen != "no":
                 record["num_input_tokens_seen"] = state.num_input_tokens_seen
-            run_log.record(state.log_history, record)
+            self._publish(record)
             window.clear()
-            if self.trackers:
-                self.accelerator.log(numeric_metrics(record), step=step)
             for warning in self.health.check(state.log_history):
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
@@ -518,7 +535,7 @@ class BaseTrainer:
                     and step >= args.eval_delay) or (
             args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay) \
             or callbacks.requested("should_evaluate")
-        new_best = self._record_evaluation(run_log) if eval_due else False
+        new_best = self._record_evaluation() if eval_due else False
         save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
             args.save_strategy == "epoch" and (epoch_end or last)) or (args.save_strategy == "best" and new_best) \
             or callbacks.requested("should_save")
@@ -527,20 +544,40 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints, saving
 
-    def _record_evaluation(self, run_log: RunLog) -> bool:
-        """Evaluate, and log the metrics to metrics.jsonl, log_history and the trackers. Returns whether
-        metric_for_best_model improved."""
-        state = self.state
+    def _record_evaluation(self) -> bool:
+        """Evaluate (which logs the metrics). Returns whether metric_for_best_model improved."""
         metrics = self.evaluate()
-        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **metrics}
-        run_log.record(state.log_history, record)
-        if self.trackers:
-            self.accelerator.log(numeric_metrics(record), step=state.global_step)
-        self.callback_handler.fire("log", logs={k: v for k, v in record.items() if k != "step"})
         args = self.args
         if args.metric_for_best_model is None:
             return False
-        return update_best(state, metrics, args.metric_for_best_model, args.greater_is_better, type(args).__name__)
+        return update_best(self.state, metrics, args.metric_for_best_model, args.greater_is_better,
+                           type(args).__name__)
+
+    # ------------------------------------------------------------------ logging (transformers' methods)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """transformers' Trainer.log: record ``logs`` at the current step (with ``epoch``, and
+        ``num_input_tokens_seen`` when counted) in log_history, metrics.jsonl, the trackers while train() runs,
+        and the callbacks' on_log. Call it on every process, as the trainer's own records are (the main process
+        writes the file and the trackers). ``start_time`` is accepted for transformers' signature; records carry
+        their own timing (step_time, tokens_per_second)."""
+        record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
+        if self.args.include_num_input_tokens_seen != "no":
+            record.setdefault("num_input_tokens_seen", self.state.num_input_tokens_seen)
+        self._publish(record)
+        self.callback_handler.fire("log", logs={k: v for k, v in record.items() if k != "step"})
+
+    def _publish(self, record: dict) -> None:
+        """A metrics record into log_history, metrics.jsonl and the console, and to the trackers while open (train()
+        finishes them at its end: a record after it stays in the history and the file)."""
+        self.run_log.record(self.state.log_history, record)
+        if self.trackers and self._trackers_open:
+            self.accelerator.log(numeric_metrics(record), step=record["step"])
+
+    # transformers' functions, bound as in its Trainer: they read is_world_process_zero, args.output_dir, state
+    log_metrics = trainer_pt_utils.log_metrics  # "***** eval metrics *****" on the main process
+    save_metrics = trainer_pt_utils.save_metrics  # output_dir/<split>_results.json and all_results.json
+    save_state = trainer_pt_utils.save_state  # output_dir/trainer_state.json
 
     def _load_best_model(self) -> None:
         """load_best_model_at_end: a whole checkpoint is restored as on resume (weights, optimizer, schedule; as
@@ -564,27 +601,51 @@ class BaseTrainer:
 
     EVAL_STATE: tuple[str, ...] = ("eval_rows",)  # the attributes load_eval_dataset replaces
 
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
-        """Evaluation metrics over eval_dataset, named ``<metric_key_prefix>_<metric>``; the model returns to
-        training mode after. As in transformers, an ``eval_dataset`` given here is evaluated instead of the
-        trainer's, which is kept for later evaluations."""
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict:
+        """Evaluation metrics over eval_dataset, named ``<metric_key_prefix>_<metric>``, logged (log_history,
+        metrics.jsonl, the trackers during training, on_log) and given to on_evaluate; the model returns to training
+        mode after. As in transformers, an ``eval_dataset`` given here is evaluated instead of the trainer's, which
+        is kept for later evaluations. ``ignore_keys`` changes nothing: only the logits are ever collected."""
+        metrics = self.evaluate_metrics(eval_dataset, metric_key_prefix)
+        self.log(metrics)  # then on_evaluate, before the best metric is updated: transformers' order
+        self.callback_handler.fire("evaluate", metrics=metrics)
+        return metrics
+
+    def evaluate_metrics(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict:
+        """evaluate()'s metrics, neither logged nor given to callbacks (predict() uses it too)."""
         if eval_dataset is not None:
             kept = {name: getattr(self, name) for name in self.EVAL_STATE}
             try:
                 self.load_eval_dataset(eval_dataset)
-                return self.evaluate(metric_key_prefix=metric_key_prefix)
+                return self.evaluate_metrics(metric_key_prefix=metric_key_prefix)
             finally:
                 for name, value in kept.items():
                     setattr(self, name, value)
         if not self.has_eval_data():
             raise ConfigError("evaluate() needs an eval_dataset: give one to the trainer or to evaluate().")
+        started = time.time()
         self.model.eval()
         with torch.no_grad():
             stats = self.evaluation_stats()
         self.model.train()
-        metrics = reduce_pairs(self.accelerator, stats, prefix=f"{metric_key_prefix}_")
-        self.callback_handler.fire("evaluate", metrics=metrics)  # before the best metric is updated, as transformers
+        prefix = f"{metric_key_prefix}_"
+        metrics = reduce_pairs(self.accelerator, stats, prefix=prefix)
+        for name, value in self.computed_metrics().items():  # compute_metrics' (SFT), prefixed as transformers does
+            key = name if name.startswith(prefix) else prefix + name
+            if key in metrics:
+                raise ConfigError(f"compute_metrics returned {name!r}, which is also the trainer's own {key!r}; "
+                                  f"give it another name.")
+            metrics[key] = value
+        rows = len(self.eval_rows)
+        per_process = -(-rows // self.accelerator.num_processes)
+        steps = -(-per_process // self.eval_rows_per_batch())  # forward batches, each process the same number
+        metrics.update(speed_metrics(metric_key_prefix, started, num_samples=rows, num_steps=steps))
         return metrics
+
+    def computed_metrics(self) -> dict:
+        """What the user's compute_metrics made of the last evaluation (SFT), before prefixing; {} if nothing."""
+        return {}
 
     def save_checkpoint(self, whole: bool = False) -> str:
         """Write ``output_dir/checkpoint-<step>`` (model-only with save_only_model, unless ``whole``) and

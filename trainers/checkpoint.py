@@ -54,6 +54,11 @@ class TrainerState:
     is_local_process_zero: bool = True
     stateful_callbacks: dict = field(default_factory=dict)  # callback class name -> its state() (list if several)
 
+    def save_to_json(self, path: str) -> None:
+        """transformers' TrainerState.save_to_json (trainer.save_state() writes output_dir/trainer_state.json)."""
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2, sort_keys=True)
+
 
 def update_best(state: TrainerState, metrics: dict, metric: str, greater_is_better: bool, config_name: str) -> bool:
     """Record ``metrics[metric]`` (``eval_`` prefixed when missing) in ``state`` as the best value and its step

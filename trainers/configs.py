@@ -482,6 +482,19 @@ class SFTConfig(TrainingConfig):
         None, "NEFTune (arXiv:2310.05914): add uniform noise of scale alpha / sqrt(tokens x width) to the input "
         "embeddings of every training forward (not in evaluation), as transformers does. The paper uses 5."
     )
+    # What the trainer's compute_metrics receives (transformers' evaluation options)
+    prediction_loss_only: bool = opt(
+        False, "Evaluate the loss and the token accuracy only: compute_metrics is not called and predict() returns "
+        "no predictions."
+    )
+    include_for_metrics: list[str] = opt(
+        [], "Also give compute_metrics the batches' 'inputs' (input ids) and/or 'loss' (each row's batch loss).")
+    eval_do_concat_batches: bool = opt(
+        True, "compute_metrics gets the batches concatenated into one array, padded with -100 (False: a list of them).")
+    batch_eval_metrics: bool = opt(
+        False, "Call compute_metrics on every evaluation batch, with compute_result=True on the last one (whose "
+        "return is the metrics), instead of once on every prediction held in memory."
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -499,6 +512,9 @@ class SFTConfig(TrainingConfig):
         _check(self.loss_type in SFT_LOSS_TYPES, name, "loss_type", self.loss_type, f"valid: {SFT_LOSS_TYPES}")
         _check(self.pad_to_multiple_of is None or self.pad_to_multiple_of > 0, name, "pad_to_multiple_of",
                self.pad_to_multiple_of, "it must be a positive integer or None")
+        _check(isinstance(self.include_for_metrics, list) and all(v in ("inputs", "loss")
+                                                                  for v in self.include_for_metrics),
+               name, "include_for_metrics", self.include_for_metrics, "it must be a list of 'inputs' and 'loss'")
 
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")

@@ -507,6 +507,11 @@ class GRPOTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ evaluation and logging
 
+    def eval_rows_per_batch(self) -> int:
+        """Prompts per evaluation batch: per_device_eval_batch_size counts completions."""
+        per_prompt = self.args.num_generations_eval or self.args.num_generations
+        return max(1, self.args.per_device_eval_batch_size // per_prompt)
+
     def evaluation_stats(self) -> Stats:
         """Mean reward (and each function's) of num_generations_eval (default num_generations) sampled
         completions per eval prompt."""
@@ -518,7 +523,7 @@ class GRPOTrainer(BaseTrainer):
         sums = torch.zeros(len(self.rewards) + 1, device=device)
         counts = torch.zeros(len(self.rewards) + 1, device=device)
         per_prompt = args.num_generations_eval or args.num_generations
-        size = max(1, args.per_device_eval_batch_size // per_prompt)
+        size = self.eval_rows_per_batch()
         logged = RewardLogs()  # log_metric calls of every chunk
         for start in range(0, per_process, size):
             chunk = mine[start:start + size]
@@ -534,6 +539,7 @@ class GRPOTrainer(BaseTrainer):
             for name, values in logs.metrics.items():
                 logged.metrics[name].extend(values)
             dist.raise_together(acc, error)
+            self.callback_handler.fire("prediction_step")
             if per_func is None:
                 continue
             total = combine_rewards(per_func, self.reward_weights.to(device))

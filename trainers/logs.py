@@ -86,6 +86,7 @@ class RunLog:
         history.append(record)
         if not self.is_main:
             return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)  # trainer.log() before train()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         line = " ".join(f"{k}={v}" for k, v in record.items() if k in CONSOLE_KEYS or k.startswith("eval_"))

@@ -199,8 +199,10 @@ def token_logprobs(
     with_accuracy: bool = False,
     with_router_loss: bool = False,
     entropy_grad: bool = False,
+    with_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit).
+    """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit, and the
+    model's logits themselves as "logits", [B, K, V]).
 
     input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
     are don't-care (their values are meaningless; mask them). Returns tensors of shape [B, K], and with
@@ -220,6 +222,8 @@ def token_logprobs(
     scores = _scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
     if with_router_loss:
         scores["aux_loss"] = outputs.aux_loss
+    if with_logits:
+        scores["logits"] = logits
     return scores
 
 

@@ -13,6 +13,7 @@ from trainers.data import (
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import generation_eos_ids, token_logprobs
+from trainers.predictions import Predictions, check_metric_functions
 from trainers.samplers import local_slice
 from trainers.stats import Stats
 
@@ -52,11 +53,19 @@ class SFTTrainer(BaseTrainer):
 
     def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
-                 optimizers=(None, None), optimizer_cls_and_kwargs=None, formatting_func=None):
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, formatting_func=None, compute_metrics=None,
+                 preprocess_logits_for_metrics=None):
         # TRL's formatting_func: row -> text, applied before tokenization (also to datasets given to evaluate())
         if formatting_func is not None and not callable(formatting_func):
             raise ConfigError(f"formatting_func must be a function (row -> str), got {type(formatting_func).__name__}.")
         self.formatting_func = formatting_func
+        # transformers' compute_metrics(EvalPrediction) -> dict, over the logits of every evaluation
+        # (trainers/predictions.py); preprocess_logits_for_metrics(logits, labels) shrinks each batch's logits first
+        check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args or self.config_class())
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self._predictions: Predictions | None = None  # the last evaluation's, when it kept them
+        self._predicting = False  # predict() runs the evaluation
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
                          callbacks, optimizers, optimizer_cls_and_kwargs)
 
@@ -196,9 +205,10 @@ class SFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ loss
 
-    def _forward(self, model, batch: dict, with_router_loss: bool = False) -> dict:
+    def _forward(self, model, batch: dict, with_router_loss: bool = False, with_logits: bool = False) -> dict:
         return token_logprobs(model, batch["input_ids"], batch["target_ids"], attention_mask=batch["attention_mask"],
-                              position_ids=batch["position_ids"], with_accuracy=True, with_router_loss=with_router_loss)
+                              position_ids=batch["position_ids"], with_accuracy=True, with_router_loss=with_router_loss,
+                              with_logits=with_logits)
 
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
@@ -208,23 +218,63 @@ class SFTTrainer(BaseTrainer):
         stats: Stats = {"mean_token_accuracy": (correct, mask.sum())}
         return self.add_router_loss(loss, out, counts, stats), stats
 
+    def eval_rows_per_batch(self) -> int:
+        return self.args.per_device_eval_batch_size
+
     def evaluation_stats(self) -> Stats:
         """Token-level NLL and accuracy over eval_dataset. Every process runs the same number of forward passes
-        (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight."""
+        (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight. With
+        compute_metrics (or in predict()) each batch's logits are also collected for it."""
         args, acc = self.args, self.accelerator
         n, size = len(self.eval_rows), args.per_device_eval_batch_size
         per_process = -(-n // acc.num_processes)
         mine = list(range(acc.process_index, n, acc.num_processes))
+        collect = not args.prediction_loss_only and (self._predicting or self.compute_metrics is not None)
+        predictions = self._predictions = Predictions(
+            acc, args, self.compute_metrics, self.preprocess_logits_for_metrics, keep_all=self._predicting,
+        ) if collect else None
+        # predictions are per row: a padding-free batch (one flattened row) is evaluated padded instead (same loss)
+        collator = self.collator if not (collect and self.collator.padding_free) else \
+            Collator(self.processing_class.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
         nll = torch.zeros((), device=acc.device)
         correct = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
         for start in range(0, per_process, size):
             chunk = mine[start : start + size]
-            batch = self._to_device(self.collator([self.eval_rows[i] for i in chunk or [0]]))
+            batch = self._to_device(collator([self.eval_rows[i] for i in chunk or [0]]))
             weight = 1.0 if chunk else 0.0
-            out = self._forward(self.model, batch)
+            out = self._forward(self.model, batch, with_logits=collect)
             mask = batch["loss_mask"] * weight
-            nll += (-out["logps"] * mask).sum()
+            batch_nll, batch_tokens = (-out["logps"] * mask).sum(), mask.sum()
+            nll += batch_nll
             correct += (out["correct"] * mask).sum()
-            tokens += mask.sum()
+            tokens += batch_tokens
+            if predictions is not None:
+                predictions.add(chunk, batch, out["logits"], batch_nll / batch_tokens.clamp(min=1),
+                                last=start + size >= per_process)
+            self.callback_handler.fire("prediction_step")
         return {"loss": (nll, tokens), "mean_token_accuracy": (correct, tokens)}
+
+    def computed_metrics(self) -> dict:
+        predictions = self._predictions
+        if predictions is None:
+            return {}
+        if not self._predicting:
+            self._predictions = None  # every row's logits can be large: kept only for predict() to return
+        return predictions.metrics()
+
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
+        """transformers' Trainer.predict: a PredictionOutput of the logits (or what preprocess_logits_for_metrics
+        makes of them) and labels of every row of ``test_dataset``, in its order (with eval packing: per packed
+        row), padded with -100, and the metrics evaluate() would give (``test_loss``, compute_metrics' ...). Not
+        logged; fires on_predict. ``ignore_keys`` changes nothing: only the logits are ever collected."""
+        from transformers.trainer_utils import PredictionOutput
+
+        self._predicting = True
+        try:
+            metrics = self.evaluate_metrics(test_dataset, metric_key_prefix)
+        finally:
+            self._predicting = False
+        predictions, label_ids = self._predictions.arrays() if self._predictions is not None else (None, None)
+        self.callback_handler.fire("predict", metrics=metrics)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)

@@ -192,9 +192,10 @@ def test_eval_on_start_evaluates_the_untrained_model_first(tiny_model_dir, tmp_p
     untrained = trainer.evaluate()["eval_loss"]
     trainer.train()
     evals = [r for r in trainer.state.log_history if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0]  # eval_strategy "no": only the one before training
-    assert evals[0]["eval_loss"] == pytest.approx(untrained, rel=1e-6)
-    assert trainer.state.log_history[1]["step"] == 1  # then training logs as usual
+    # evaluate() logs too (transformers); then eval_strategy "no": only the one before training
+    assert [r["step"] for r in evals] == [0, 0]
+    assert evals[1]["eval_loss"] == pytest.approx(untrained, rel=1e-6)
+    assert trainer.state.log_history[2]["step"] == 1 and "loss" in trainer.state.log_history[2]  # then training
 
 
 @pytest.mark.parametrize("option", [{"eval_strategy": "steps"}, {"eval_strategy": "epoch"}, {"eval_on_start": True}])

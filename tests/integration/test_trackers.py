@@ -24,10 +24,18 @@ def config(tmp_path, **overrides):
 def test_tensorboard_receives_every_logged_loss(tiny_model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from transformers import TrainerCallback
+
+    class UserMetric(TrainerCallback):  # a user's own metric through trainer.log (transformers' method)
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.log({"user_metric": 10.0 * state.global_step})
+
     trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, report_to="tensorboard", run_name="tb",
                                                           eval_strategy="steps", eval_steps=2, eval_on_start=True),
-                         train_dataset=ROWS, eval_dataset=ROWS[:8])
+                         train_dataset=ROWS, eval_dataset=ROWS[:8], callbacks=[UserMetric()])
     trainer.train()
+    trainer.log({"after_training": 1.0})  # the trackers are finished: the history keeps it
+    assert trainer.state.log_history[-1]["after_training"] == 1.0
     files = glob.glob(str(tmp_path / "out" / "tb" / "**" / "events.out.tfevents.*"), recursive=True)
     assert files, list((tmp_path / "out").rglob("*"))
     scalars = {}
@@ -43,6 +51,8 @@ def test_tensorboard_receives_every_logged_loss(tiny_model_dir, tmp_path):
     evaluated = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
     assert [s for s, _ in scalars["eval_loss"]] == [s for s, _ in evaluated] == [0, 2]  # eval_on_start, step 2
     assert [v for _, v in scalars["eval_loss"]] == pytest.approx([v for _, v in evaluated], rel=1e-5)
+    assert scalars["user_metric"] == [(1, 10.0), (2, 20.0), (3, 30.0)] and "after_training" not in scalars
+    assert "eval_runtime" in scalars
 
 
 def test_unknown_tracker_is_an_error_naming_it():

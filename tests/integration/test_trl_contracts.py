@@ -166,8 +166,9 @@ def test_reward_functions_of_one_name_log_their_mean(tiny_model_dir, tmp_path):
                           reward_funcs=[functools.partial(constant, value=1.0), functools.partial(constant, value=3.0)])
     assert trainer.evaluate()["eval_rewards/constant/mean"] == 2.0
     trainer.train()
-    assert trainer.state.log_history[0]["rewards/constant/mean"] == 2.0  # TRL: the mean of both functions' means
-    assert trainer.state.log_history[0]["reward"] == 4.0  # the weighted sum is unchanged
+    first_step = trainer.state.log_history[1]  # [0]: the evaluation above
+    assert first_step["rewards/constant/mean"] == 2.0  # TRL: the mean of both functions' means
+    assert first_step["reward"] == 4.0  # the weighted sum is unchanged
 
 
 def test_num_tokens_counts_a_rollout_once_whatever_num_iterations(tiny_model_dir, tmp_path):
@@ -197,7 +198,7 @@ def test_reward_functions_log_metrics_and_completion_columns(tiny_model_dir, tmp
                           args=grpo_args(tmp_path, log_completions=True))
     assert trainer.evaluate()["eval_judge/calls"] == 2.0
     trainer.train()
-    assert trainer.state.log_history[0]["judge/calls"] == 2.0
+    assert trainer.state.log_history[1]["judge/calls"] == 2.0  # [0]: the evaluation above
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [s["verdict"] for s in samples] == ["v0", "v1", "v2", "v3"]
     assert all(s["rewards"] == {"judged": 0.5, "<lambda>": None} and s["reward"] == 0.5 for s in samples)
@@ -336,7 +337,8 @@ def test_evaluate_takes_a_dataset_and_a_prefix_as_in_transformers(tiny_model_dir
     trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=ROWS[:2], args=sft_args(tmp_path))
     own = trainer.evaluate()["eval_loss"]
     other = trainer.evaluate(eval_dataset=held_out, metric_key_prefix="test")
-    assert set(other) == {"test_loss", "test_mean_token_accuracy"} and other["test_loss"] != own
+    assert set(other) == {"test_loss", "test_mean_token_accuracy", "test_runtime", "test_samples_per_second",
+                          "test_steps_per_second"} and other["test_loss"] != own
     assert trainer.evaluate()["eval_loss"] == own  # the trainer's eval_dataset is back
     with pytest.raises(DatasetFormatError, match="eval_dataset"):
         trainer.evaluate(eval_dataset=[{"prompt_only": "x"}])

@@ -236,7 +236,7 @@ def test_option_of_another_config_is_unknown():
 @pytest.mark.parametrize("cls", ALL_CONFIGS)
 @pytest.mark.parametrize(
     "name,value",
-    [("push_to_hub", False), ("hub_model_id", None), ("label_smoothing_factor", 0.0), ("include_for_metrics", []),
+    [("push_to_hub", False), ("hub_model_id", None), ("label_smoothing_factor", 0.0), ("label_names", None),
      ("save_on_each_node", False), ("dataloader_num_workers", 0), ("vllm_mode", "colocate")],
 )
 def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
@@ -254,8 +254,9 @@ def test_trl_only_option_set_after_construction_is_refused():
     with pytest.raises(ConfigError, match="`push_to_hub=True` is a TRL option"):
         config.push_to_hub = True
     assert config.push_to_hub is False
-    config.include_for_metrics.append("inputs")  # a fresh copy of the default each time: TRL's stays as it was
-    assert config.include_for_metrics == [] and TRL_ONLY_OPTIONS["include_for_metrics"] == []
+    grpo = GRPOConfig()  # include_for_metrics is SFT's own option, and a TRL-only one for GRPO
+    grpo.include_for_metrics.append("inputs")  # a fresh copy of the default each time: TRL's stays as it was
+    assert grpo.include_for_metrics == [] and TRL_ONLY_OPTIONS["include_for_metrics"] == []
     with pytest.raises(AttributeError, match="no attribute 'not_an_option'"):
         config.not_an_option
 
@@ -264,7 +265,7 @@ def test_trl_only_option_set_after_construction_is_refused():
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", True), ("hub_model_id", "me/model"), ("label_smoothing_factor", 0.1), ("torch_compile", True),
-     ("save_on_each_node", True), ("vllm_mode", "server"), ("include_for_metrics", ["inputs"])],
+     ("save_on_each_node", True), ("vllm_mode", "server"), ("eval_accumulation_steps", 4)],
 )
 def test_trl_only_option_at_other_value_is_refused(cls, name, value):
     with pytest.raises(ConfigError) as info:
@@ -277,11 +278,14 @@ def test_trl_only_option_at_other_value_is_refused(cls, name, value):
 
 
 def test_trl_only_options_do_not_shadow_real_fields():
-    """A TRL-only option is a field of no config, except a TrainingArguments option one trainer implements
-    (neftune_noise_alpha, SFT's): the others still accept it only at TRL's default."""
+    """A TRL-only option is a field of no config, except TrainingArguments options only SFT implements
+    (neftune_noise_alpha, and what compute_metrics receives): GRPO still accepts them only at TRL's default."""
     fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in ALL_CONFIGS}
-    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == {"neftune_noise_alpha"}
-    assert "neftune_noise_alpha" in fields[SFTConfig]
+    sft_only = {"neftune_noise_alpha", "prediction_loss_only", "include_for_metrics", "eval_do_concat_batches",
+                "batch_eval_metrics"}
+    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == sft_only <= fields[SFTConfig]
+    with pytest.raises(ConfigError, match="only its default False"):
+        GRPOConfig(batch_eval_metrics=True)
     assert SFTConfig(neftune_noise_alpha=5.0).neftune_noise_alpha == 5.0
     with pytest.raises(ConfigError, match="only its default None"):
         GRPOConfig(neftune_noise_alpha=5.0)

@@ -1,0 +1,45 @@
+"""2 processes (DDP over gloo): compute_metrics and predict() over 5 eval rows in batches of 2 per process, so
+the processes hold 3 and 2 rows and the last batch has a stand-in row. Writes report-<rank>.json with what
+compute_metrics received and what predict() returned; the test compares them with a 1-process run.
+
+argv: model_dir output_dir
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from trainers import SFTConfig, SFTTrainer
+
+EVAL = [{"text": "the quick brown fox " * (i + 1)} for i in range(5)]
+ROWS = [{"text": f"row {i} " + "abc " * (i + 1)} for i in range(8)]
+
+
+def run(model_dir: str, output_dir: str) -> dict:
+    """What compute_metrics and predict() give on this process (the whole evaluation, in dataset order)."""
+    seen = {}
+
+    def compute_metrics(eval_pred):
+        seen["label_ids"] = eval_pred.label_ids.tolist()
+        seen["argmax"] = eval_pred.predictions.argmax(-1).tolist()
+        seen["losses"] = eval_pred.losses.tolist()
+        return {"rows": len(eval_pred.label_ids)}
+
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                     include_for_metrics=["loss"], disable_tqdm=True, report_to="none", save_strategy="no")
+    trainer = SFTTrainer(model=model_dir, args=args, train_dataset=ROWS, eval_dataset=EVAL,
+                         compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    output = trainer.predict(EVAL)
+    return {"rank": trainer.accelerator.process_index, "eval_loss": metrics["eval_loss"], "eval_rows": metrics["eval_rows"],
+            **seen, "predict_argmax": output.predictions.argmax(-1).tolist(), "predict_labels": output.label_ids.tolist(),
+            "test_loss": output.metrics["test_loss"]}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    report = run(sys.argv[1], sys.argv[2])
+    with open(os.path.join(sys.argv[2], f"report-{report['rank']}.json"), "w") as f:
+        json.dump(report, f)

@@ -1,0 +1,35 @@
+"""compute_metrics and predict() under 2 processes (multi_gpu.yaml on CPU: DDP over gloo) see every eval row once,
+in dataset order, as a 1-process run does: the processes' uneven shares are gathered and put back in order."""
+
+import os
+
+import pytest
+
+from tests.conftest import REPO, launch, rank_reports
+from tests.distributed.metrics_job import run
+
+JOB = os.path.join(REPO, "tests", "distributed", "metrics_job.py")
+
+
+def scored(argmax: list, alone: dict) -> list:
+    """The predicted tokens at the positions before a scored label (logits[t] predicts labels[t + 1])."""
+    return [[p for p, label in zip(row[:-1], labels[1:]) if label != -100]
+            for row, labels in zip(argmax, alone["label_ids"])]
+
+
+@pytest.mark.distributed
+def test_compute_metrics_and_predict_see_every_row_in_order_on_two_processes(tiny_model_dir, tmp_path):
+    launch("multi_gpu", JOB, tiny_model_dir, str(tmp_path), timeout=300)
+    alone = run(tiny_model_dir, str(tmp_path / "alone"))
+    assert alone["eval_rows"] == 5 and len(alone["label_ids"]) == 5
+    for report in rank_reports(tmp_path):
+        assert report["eval_rows"] == 5
+        assert report["label_ids"] == alone["label_ids"] == report["predict_labels"]
+        # where a token is scored (padding differs: each process pads its batch to its own rows)
+        assert scored(report["argmax"], alone) == scored(alone["argmax"], alone) == scored(report["predict_argmax"], alone)
+        assert report["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-4)
+        assert report["test_loss"] == pytest.approx(alone["eval_loss"], rel=1e-4)
+        # each row carries its own process's batch loss: rows 0 and 2 were rank 0's first batch, 1 and 3 rank 1's
+        losses = report["losses"]
+        assert len(losses) == 5 and losses[0] == losses[2] != losses[1] == losses[3]
+    assert alone["losses"][0] == alone["losses"][1] != alone["losses"][2]  # alone: rows 0 and 1 were one batch
