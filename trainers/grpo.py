@@ -165,7 +165,7 @@ class GRPOTrainer(BaseTrainer):
             check_accuracy_references(self.train_rows, "train_dataset")
         self.eval_rows = self.eval_prompt_ids = None
         if eval_dataset is not None:
-            self._eval_prompts(eval_dataset)  # its context check waits for the model (after_load)
+            self.tokenize_eval(eval_dataset, "eval_dataset")  # its context check waits for the model (after_load)
         self.prompt_sampler = self.batch_sampler([len(ids) for ids in self.train_prompt_ids], self.prompts_per_round,
                                                  "generation round")
         eos = {self.processing_class.eos_token_id}
@@ -231,15 +231,14 @@ class GRPOTrainer(BaseTrainer):
                     f"{self.args.max_completion_length} that exceeds the model's context of {context} tokens. "
                     f"Shorten the prompt or lower max_completion_length.")
 
-    def _eval_prompts(self, dataset) -> None:
+    def tokenize_eval(self, dataset, name: str) -> None:
         """Validate and tokenize ``dataset`` as the evaluation prompts (all but the model's context check)."""
-        self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, "eval_dataset")
+        self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, name)
         if any(r.func is accuracy_reward for r in self.rewards):
-            check_accuracy_references(self.eval_rows, "eval_dataset")
+            check_accuracy_references(self.eval_rows, name)
 
-    def load_eval_dataset(self, dataset) -> None:
-        self._eval_prompts(dataset)
-        self._check_context(self.unwrapped_model, "eval_dataset", self.eval_prompt_ids)
+    def check_eval_fit(self, model, name: str) -> None:
+        self._check_context(model, name, self.eval_prompt_ids)
 
     def after_prepare(self) -> None:
         args = self.args

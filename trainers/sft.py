@@ -183,9 +183,11 @@ class SFTTrainer(BaseTrainer):
                 f"{len(rows[longest]['input_ids'])} tokens, more than the model's context of {context}. "
                 f"Set max_length <= {context} (now {self.args.max_length}).")
 
-    def load_eval_dataset(self, dataset) -> None:
-        self.eval_rows = self._tokenize(dataset, "eval_dataset", self.eval_packing)
-        self._check_fit(self.unwrapped_model, "eval_dataset", self.eval_rows)
+    def tokenize_eval(self, dataset, name: str) -> None:
+        self.eval_rows = self._tokenize(dataset, name, self.eval_packing)
+
+    def check_eval_fit(self, model, name: str) -> None:
+        self._check_fit(model, name, self.eval_rows)
 
     def optimizer_steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch

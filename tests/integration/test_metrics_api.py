@@ -228,3 +228,45 @@ def test_log_metrics_save_metrics_and_save_state(tiny_model_dir, tmp_path, capsy
     assert {"train_loss", "eval_loss"} <= set(combined) and math.isfinite(combined["eval_loss"])
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["log_history"][-1]["eval_loss"] == pytest.approx(eval_metrics["eval_loss"], rel=1e-3)
+
+
+def test_named_eval_datasets_are_each_evaluated_and_logged(tiny_model_dir, tmp_path):
+    """transformers' dict of eval datasets: each evaluated and logged as eval_<name>_<metric>."""
+    from trainers.errors import DatasetFormatError
+
+    named = {"short": EVAL[:2], "long": EVAL[2:]}
+    trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=named, compute_metrics=Seen(),
+                         args=args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2,
+                                   metric_for_best_model="eval_long_loss"))
+    trainer.train()
+    records = [r for r in trainer.state.log_history if any(k.endswith("_loss") for k in r if k.startswith("eval"))]
+    assert [(r["step"], sorted(k for k in r if k.endswith("_loss"))) for r in records] == [
+        (2, ["eval_short_loss"]), (2, ["eval_long_loss"])]  # one record per dataset, in the dict's order
+    assert records[1]["eval_long_calls"] == 2  # compute_metrics ran on each
+    both = trainer.evaluate()
+    assert both["eval_short_loss"] == pytest.approx(trainer.evaluate(eval_dataset=EVAL[:2])["eval_loss"], rel=1e-5)
+    assert both["eval_long_loss"] == pytest.approx(trainer.evaluate(eval_dataset="long")["eval_loss"], rel=1e-5)
+    assert trainer.state.best_metric == pytest.approx(records[1]["eval_long_loss"], rel=1e-5)
+    given = trainer.evaluate(eval_dataset={"a": EVAL[:1], "b": EVAL[1:2]}, metric_key_prefix="test")
+    assert {"test_a_loss", "test_b_loss"} <= set(given) and given["test_a_loss"] != given["test_b_loss"]
+    with pytest.raises(ConfigError, match=r"eval_dataset='medium'.*\['long', 'short'\]"):
+        trainer.evaluate(eval_dataset="medium")
+    with pytest.raises(DatasetFormatError, match=r"eval_dataset\['bad'\]"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=args(tmp_path),
+                   eval_dataset={"good": EVAL, "bad": [{"nothing": "here"}]})
+    with pytest.raises(DatasetFormatError, match="empty dict"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=args(tmp_path), eval_dataset={})
+
+
+def test_grpo_takes_named_eval_datasets(tiny_model_dir, tmp_path):
+    from trainers import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda prompts, **kw: [float(len(p)) for p in prompts],
+                          train_dataset=[{"prompt": "ab"}] * 4,
+                          eval_dataset={"two": [{"prompt": "cd"}], "five": [{"prompt": "abcde"}] * 3},
+                          args=GRPOConfig(output_dir=str(tmp_path / "g"), per_device_train_batch_size=4,
+                                          num_generations=4, max_completion_length=4, max_steps=1,
+                                          disable_tqdm=True, save_strategy="no", report_to="none"))
+    metrics = trainer.evaluate()
+    assert metrics["eval_two_reward"] == 2.0 and metrics["eval_five_reward"] == 5.0
+    assert [r.get("eval_two_reward", r.get("eval_five_reward")) for r in trainer.state.log_history] == [2.0, 5.0]
