@@ -297,6 +297,14 @@ def shift_targets(sample: dict) -> dict:
     return {"input_ids": sample["input_ids"], "target_ids": list(labels[1:]) + [IGNORE]}
 
 
+def transformers_labels(target_ids: torch.Tensor) -> torch.Tensor:
+    """Our targets (position t's next token) -> transformers' labels (position t's own token, -100 where not
+    trained; position 0 always -100): [B, T] -> [B, T]. What compute_metrics and compute_loss_func receive."""
+    labels = torch.full_like(target_ids, IGNORE)  # IGNORE is transformers' -100
+    labels[:, 1:] = target_ids[:, :-1]
+    return labels
+
+
 def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit decreasing: assign items (by index) to bins of ``capacity`` tokens, each item to the fullest bin
     it still fits in. Returns the bins, each a list of item indices. Every length must be <= capacity."""

@@ -8,9 +8,10 @@ stand-in rows (it had none left) are dropped. The batches then concatenate along
 along the length (``eval_do_concat_batches=False``: a list of batches), and become numpy arrays for
 ``EvalPrediction``, or stay tensors for ``batch_eval_metrics``.
 
-Labels are transformers' unshifted labels: ``labels[t]`` is the token position ``t`` is trained to be (-100
-where it is not trained), so ``logits[:, t]`` predicts ``labels[:, t + 1]``. Position 0 is always -100 here
-(nothing predicts it; transformers' collators leave the token id there, which a shifted metric never reads).
+Labels are transformers' unshifted labels (``data.transformers_labels``): ``labels[t]`` is the token position
+``t`` is trained to be (-100 where it is not trained), so ``logits[:, t]`` predicts ``labels[:, t + 1]``.
+Position 0 is always -100 here (nothing predicts it; transformers' collators leave the token id there, which a
+shifted metric never reads).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from transformers.trainer_pt_utils import EvalLoopContainer
 from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
 
-from trainers.data import IGNORE
+from trainers.data import transformers_labels
 from trainers.errors import ConfigError
 from trainers.logs import logger
 
@@ -52,13 +53,6 @@ def check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args)
             raise ConfigError(f"{name}: with batch_eval_metrics=True, compute_metrics is called once per batch "
                               f"as compute_metrics(eval_prediction, compute_result=<is it the last batch>); "
                               f"it has no `compute_result` parameter.")
-
-
-def shifted_labels(target_ids: torch.Tensor) -> torch.Tensor:
-    """Our targets (position t's next token) -> transformers' labels (position t's own token): [B, T] -> [B, T]."""
-    labels = torch.full_like(target_ids, PAD)
-    labels[:, 1:] = target_ids[:, :-1].masked_fill(target_ids[:, :-1] == IGNORE, PAD)
-    return labels
 
 
 def _apply(tree, fn: Callable):
@@ -91,7 +85,7 @@ class Predictions:
         acc = self.accelerator
         size = logits.shape[0]
         ids = torch.tensor(rows if rows else [-1] * size, device=logits.device)  # [B]
-        labels = acc.pad_across_processes(shifted_labels(batch["target_ids"]), dim=1, pad_index=PAD)  # [B, T*]
+        labels = acc.pad_across_processes(transformers_labels(batch["target_ids"]), dim=1, pad_index=PAD)  # [B, T*]
         logits = acc.pad_across_processes(logits, dim=1, pad_index=PAD)  # [B, T*, V]
         preds = self.preprocess(logits, labels) if self.preprocess is not None else logits
         parts: dict[str, Any] = {"preds": preds, "labels": labels}

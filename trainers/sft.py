@@ -8,7 +8,8 @@ from transformers.integrations.neftune import activate_neftune, deactivate_neftu
 from trainers.base import BaseTrainer
 from trainers.configs import ConfigError, SFTConfig
 from trainers.data import (
-    IGNORE, Collator, DatasetFormatError, detect_format, pack_samples, shift_targets, tokenize_row, truncate,
+    IGNORE, Collator, DatasetFormatError, detect_format, pack_samples, shift_targets, tokenize_row,
+    transformers_labels, truncate,
 )
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
@@ -54,7 +55,7 @@ class SFTTrainer(BaseTrainer):
     def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, formatting_func=None, compute_metrics=None,
-                 preprocess_logits_for_metrics=None):
+                 preprocess_logits_for_metrics=None, compute_loss_func=None):
         # TRL's formatting_func: row -> text, applied before tokenization (also to datasets given to evaluate())
         if formatting_func is not None and not callable(formatting_func):
             raise ConfigError(f"formatting_func must be a function (row -> str), got {type(formatting_func).__name__}.")
@@ -66,6 +67,11 @@ class SFTTrainer(BaseTrainer):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self._predictions: Predictions | None = None  # the last evaluation's, when it kept them
         self._predicting = False  # predict() runs the evaluation
+        # transformers' compute_loss_func(outputs, labels, num_items_in_batch) -> loss, in place of the NLL
+        if compute_loss_func is not None and not callable(compute_loss_func):
+            raise ConfigError(f"compute_loss_func must be a function (outputs, labels, num_items_in_batch) -> loss, "
+                              f"got {type(compute_loss_func).__name__}.")
+        self.compute_loss_func = compute_loss_func
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
                          callbacks, optimizers, optimizer_cls_and_kwargs)
 
@@ -213,12 +219,34 @@ class SFTTrainer(BaseTrainer):
                               with_logits=with_logits)
 
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
-        out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
         mask = batch["loss_mask"]  # [B, T]
-        loss = AGGREGATIONS["nll"](-out["logps"], mask, counts)
+        if self.compute_loss_func is not None:  # the user's loss over the whole step's tokens, as transformers
+            num_items = torch.tensor(counts.tokens, device=mask.device)  # every process and micro-batch
+            loss, out = self._user_loss(model, batch, num_items)
+        else:
+            out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
+            loss = AGGREGATIONS["nll"](-out["logps"], mask, counts)
         correct = (out["correct"] & mask.bool()).sum()
         stats: Stats = {"mean_token_accuracy": (correct, mask.sum())}
+        if self.compute_loss_func is not None:
+            return loss, stats  # as TRL: the function's loss alone (a MoE model's aux_loss is in its outputs)
         return self.add_router_loss(loss, out, counts, stats), stats
+
+    def _user_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """compute_loss_func(outputs, labels, num_items_in_batch) on the model's outputs (logits, and aux_loss for
+        a MoE model) and transformers' labels; num_items_in_batch is None in evaluation, as in transformers."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        router = bool(self.router_aux_loss_coef)
+        out = self._forward(model, batch, with_router_loss=router, with_logits=True)
+        outputs = MoeCausalLMOutputWithPast(logits=out["logits"], aux_loss=out["aux_loss"]) if router \
+            else CausalLMOutputWithPast(logits=out["logits"])
+        loss = self.compute_loss_func(outputs, transformers_labels(batch["target_ids"]),
+                                      num_items_in_batch=num_items_in_batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(f"compute_loss_func must return the loss as a one-element tensor, got "
+                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
+        return loss.reshape(()), out
 
     def eval_rows_per_batch(self) -> int:
         return self.args.per_device_eval_batch_size
@@ -238,24 +266,32 @@ class SFTTrainer(BaseTrainer):
         # predictions are per row: a padding-free batch (one flattened row) is evaluated padded instead (same loss)
         collator = self.collator if not (collect and self.collator.padding_free) else \
             Collator(self.processing_class.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
-        nll = torch.zeros((), device=acc.device)
+        # eval_loss: the token NLL; with compute_loss_func, its per-batch losses averaged over rows (transformers)
+        loss_sum, loss_count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
         correct = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
         for start in range(0, per_process, size):
             chunk = mine[start : start + size]
             batch = self._to_device(collator([self.eval_rows[i] for i in chunk or [0]]))
             weight = 1.0 if chunk else 0.0
-            out = self._forward(self.model, batch, with_logits=collect)
             mask = batch["loss_mask"] * weight
-            batch_nll, batch_tokens = (-out["logps"] * mask).sum(), mask.sum()
-            nll += batch_nll
+            if self.compute_loss_func is not None:
+                batch_loss, out = self._user_loss(self.model, batch, None)
+                rows = float(len(chunk))
+                loss_sum += batch_loss.detach().float() * rows
+                loss_count += rows
+            else:
+                out = self._forward(self.model, batch, with_logits=collect)
+                batch_nll = (-out["logps"] * mask).sum()
+                batch_loss = batch_nll / mask.sum().clamp(min=1)
+                loss_sum += batch_nll
+                loss_count += mask.sum()
             correct += (out["correct"] * mask).sum()
-            tokens += batch_tokens
+            tokens += mask.sum()
             if predictions is not None:
-                predictions.add(chunk, batch, out["logits"], batch_nll / batch_tokens.clamp(min=1),
-                                last=start + size >= per_process)
+                predictions.add(chunk, batch, out["logits"], batch_loss, last=start + size >= per_process)
             self.callback_handler.fire("prediction_step")
-        return {"loss": (nll, tokens), "mean_token_accuracy": (correct, tokens)}
+        return {"loss": (loss_sum, loss_count), "mean_token_accuracy": (correct, tokens)}
 
     def computed_metrics(self) -> dict:
         predictions = self._predictions

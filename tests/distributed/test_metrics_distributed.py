@@ -1,5 +1,6 @@
 """compute_metrics and predict() under 2 processes (multi_gpu.yaml on CPU: DDP over gloo) see every eval row once,
-in dataset order, as a 1-process run does: the processes' uneven shares are gathered and put back in order."""
+in dataset order, as a 1-process run does: the processes' uneven shares are gathered and put back in order. A
+compute_loss_func's num_items_in_batch counts every process's tokens: its NLL trains as the built-in one."""
 
 import os
 
@@ -33,3 +34,6 @@ def test_compute_metrics_and_predict_see_every_row_in_order_on_two_processes(tin
         losses = report["losses"]
         assert len(losses) == 5 and losses[0] == losses[2] != losses[1] == losses[3]
     assert alone["losses"][0] == alone["losses"][1] != alone["losses"][2]  # alone: rows 0 and 1 were one batch
+    for report in rank_reports(tmp_path):
+        assert len(report["losses_user"]) == 2
+        assert report["losses_user"] == pytest.approx(report["losses_builtin"], rel=1e-5)

@@ -270,3 +270,50 @@ def test_grpo_takes_named_eval_datasets(tiny_model_dir, tmp_path):
     metrics = trainer.evaluate()
     assert metrics["eval_two_reward"] == 2.0 and metrics["eval_five_reward"] == 5.0
     assert [r.get("eval_two_reward", r.get("eval_five_reward")) for r in trainer.state.log_history] == [2.0, 5.0]
+
+
+def nll_like_transformers(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func as users write them: shifted cross-entropy, summed over the step's tokens (mean without)."""
+    logits, labels = outputs.logits[:, :-1].float(), labels[:, 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                             reduction=reduction)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def test_compute_loss_func_replaces_the_loss_as_transformers(tiny_model_dir, tmp_path):
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(None if num_items_in_batch is None else float(num_items_in_batch))
+        return nll_like_transformers(outputs, labels, num_items_in_batch)
+
+    runs = {}
+    for name, func in (("builtin", None), ("user", loss_func)):
+        trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=EVAL, compute_loss_func=func,
+                             args=args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, seed=3))
+        trainer.train()
+        runs[name] = trainer
+    history = {name: [r for r in t.state.log_history if "loss" in r] for name, t in runs.items()}
+    # the same loss (the step's token mean, over both micro-batches) and so the same training
+    assert [r["loss"] for r in history["user"]] == pytest.approx([r["loss"] for r in history["builtin"]], rel=1e-5)
+    assert [r["grad_norm"] for r in history["user"]] == pytest.approx([r["grad_norm"] for r in history["builtin"]],
+                                                                       rel=1e-4)
+    # num_items_in_batch: the whole step's trained tokens (its 4 rows' last tokens predict nothing)
+    assert seen[0] == seen[1] == history["user"][0]["num_tokens"] - 4
+    # evaluation: num_items_in_batch None, and eval_loss the rows' mean of the per-batch losses (transformers)
+    seen.clear()
+    metrics = runs["user"].evaluate()
+    assert seen == [None, None, None]
+    builtin = runs["builtin"].evaluate()
+    assert metrics["eval_mean_token_accuracy"] == pytest.approx(builtin["eval_mean_token_accuracy"], abs=1e-4)
+    assert metrics["eval_loss"] == pytest.approx(builtin["eval_loss"], rel=0.05)  # row- vs token-weighted mean
+
+
+def test_compute_loss_func_is_checked(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="compute_loss_func must be a function"):
+        SFTTrainer(model=tiny_model_dir, args=args(tmp_path), train_dataset=ROWS, compute_loss_func="nll")
+    trainer = SFTTrainer(model=tiny_model_dir, args=args(tmp_path), train_dataset=ROWS,
+                         compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 0.5)
+    with pytest.raises(ConfigError, match="one-element tensor, got float"):
+        trainer.train()
