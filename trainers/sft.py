@@ -62,7 +62,8 @@ class SFTTrainer(BaseTrainer):
         self.formatting_func = formatting_func
         # transformers' compute_metrics(EvalPrediction) -> dict, over the logits of every evaluation
         # (trainers/predictions.py); preprocess_logits_for_metrics(logits, labels) shrinks each batch's logits first
-        check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args or self.config_class())
+        if args is None or isinstance(args, SFTConfig):  # another type gets BaseTrainer's error
+            check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args or self.config_class())
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self._predictions: Predictions | None = None  # the last evaluation's, when it kept them
