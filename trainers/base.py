@@ -127,10 +127,13 @@ class BaseTrainer(Evaluation):
         self.is_peft = peft_config is not None
         # A Mixture-of-Experts model's router load-balancing loss joins the training loss (as in TRL)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
-        self.after_load(model)
-        for name, eval_set in self.eval_sets.items():
+        # every eval dataset's model checks (vocabulary, context): the trainer's own, then each named one
+        eval_sets = {"eval_dataset": None} if getattr(self, "eval_rows", None) is not None else {}
+        eval_sets |= {f"eval_dataset[{name!r}]": eval_set for name, eval_set in self.eval_sets.items()}
+        for label, eval_set in eval_sets.items():
             with self._eval_set(eval_set):
-                self.check_eval_fit(model, f"eval_dataset[{name!r}]")
+                self.check_eval_fit(model, label)
+        self.after_load(model)
 
         if self._given_optimizer is not None:
             optimizer = self._given_optimizer

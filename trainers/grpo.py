@@ -210,8 +210,7 @@ class GRPOTrainer(BaseTrainer):
         # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
         # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
         self.eos_ids |= set(generation_eos_ids(model))
-        self._check_context(model, "train_dataset", self.train_prompt_ids)
-        self._check_context(model, "eval_dataset", self.eval_prompt_ids or [])
+        self._check_context(model, "train_dataset", self.train_prompt_ids)  # the eval datasets: check_eval_fit
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from trainers.base import BaseTrainer
 from trainers.configs import ConfigError, SFTConfig
@@ -172,8 +173,7 @@ class SFTTrainer(BaseTrainer):
             old = generation_eos_ids(model)
             if getattr(model, "generation_config", None) is not None and eos not in old:
                 model.generation_config.eos_token_id = [eos, *old]
-        self._check_fit(model, "train_dataset", self.train_rows)
-        self._check_fit(model, "eval_dataset", self.eval_rows or [])
+        self._check_fit(model, "train_dataset", self.train_rows)  # the eval datasets: check_eval_fit
 
     def _check_fit(self, model, name: str, rows: list[dict]) -> None:
         """Every token id is in the model's vocabulary and every row fits its context."""
@@ -236,8 +236,6 @@ class SFTTrainer(BaseTrainer):
     def _user_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """compute_loss_func(outputs, labels, num_items_in_batch) on the model's outputs (logits, and aux_loss for
         a MoE model) and transformers' labels; num_items_in_batch is None in evaluation, as in transformers."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
         router = bool(self.router_aux_loss_coef)
         out = self._forward(model, batch, with_router_loss=router, with_logits=True)
         outputs = MoeCausalLMOutputWithPast(logits=out["logits"], aux_loss=out["aux_loss"]) if router \
@@ -257,7 +255,7 @@ class SFTTrainer(BaseTrainer):
         (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight. With
         compute_metrics (or in predict()) each batch's logits are also collected for it."""
         args, acc = self.args, self.accelerator
-        n, size = len(self.eval_rows), args.per_device_eval_batch_size
+        n, size = len(self.eval_rows), self.eval_rows_per_batch()
         per_process = -(-n // acc.num_processes)
         mine = list(range(acc.process_index, n, acc.num_processes))
         collect = not args.prediction_loss_only and (self._predicting or self.compute_metrics is not None)

@@ -66,6 +66,26 @@ def test_a_prompt_longer_than_the_context(tiny_model_dir, tmp_path):
         sft(tiny_model_dir, [{"text": "x" * 3000}], tmp_path, max_length=4096)
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_an_eval_row_longer_than_the_context_names_its_eval_dataset(tiny_model_dir, tmp_path, named):
+    """The model checks of every eval dataset, the trainer's own and each named one, run when the model loads."""
+    label = r"eval_dataset\['long'\]" if named else "eval_dataset"
+
+    def given(rows):
+        return {"short": rows[:1], "long": rows[1:]} if named else rows
+
+    row = 0 if named else 1  # the long prompt is the first row of its own named dataset
+    with pytest.raises(DatasetFormatError, match=label + rf" row {row}: the prompt has 2000 tokens"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                    train_dataset=[{"prompt": "short"}], eval_dataset=given([{"prompt": "short"}, {"prompt": "x" * 2000}]),
+                    args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                    max_completion_length=100, disable_tqdm=True))
+    with pytest.raises(ConfigError, match=label + r": a sample has 3001 tokens, more than the model's context"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=[{"text": "short"}],
+                   eval_dataset=given([{"text": "short"}, {"text": "x" * 3000}]),
+                   args=SFTConfig(output_dir=str(tmp_path), max_length=4096, disable_tqdm=True))
+
+
 def test_a_raising_reward_is_named_with_the_sample(tiny_model_dir, tmp_path):
     def judge(completions, **kwargs):
         raise KeyError("score")
