@@ -22,6 +22,10 @@ class RewardFunctionError(TrainersError):
     """A reward function is invalid, raised, or returned something unusable."""
 
 
+class RolloutError(TrainersError):
+    """A GRPO rollout_func raised, or returned something the trainer cannot train on."""
+
+
 class CheckpointError(TrainersError):
     """A checkpoint is missing, incomplete or unreadable."""
 

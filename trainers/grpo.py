@@ -39,6 +39,7 @@ from trainers.modeling import (
 from trainers.rewards import (
     Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
 )
+from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap
 from trainers.samplers import group_slots
 from trainers.sft import as_dataset
 from trainers.stats import Extreme, Stats
@@ -90,14 +91,23 @@ def policy_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 class GRPOTrainer(BaseTrainer):
     """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
-    "overlong"), ``module:function`` strings, or reward models (folders or instances)."""
+    "overlong"), ``module:function`` strings, or reward models (folders or instances). ``rollout_func``
+    replaces the trainer's sampling (trainers/rollout_func.py). Arguments in TRL's order."""
 
     config_class = GRPOConfig
     EVAL_STATE = ("eval_rows", "eval_prompt_ids")
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, peft_config=None, quantization_config=None,
-                 callbacks=None, optimizers=(None, None)):
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        for name, value in (("tools", tools), ("environment_factory", environment_factory)):
+            if value:  # TRL's tool-calling loop; a rollout_func can run one (docs/grpo.md, "Custom rollouts")
+                raise ConfigError(f"GRPOTrainer({name}=...) is not supported; write a rollout_func that runs the "
+                                  f"tool calls and marks their tokens with env_mask (docs/grpo.md, 'Custom rollouts').")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ConfigError(f"rollout_func must be a function (prompts, trainer) -> dict, got "
+                              f"{type(rollout_func).__name__}.")
+        self.rollout_func = rollout_func
         self._reward_specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not self._reward_specs:
             raise ConfigError("reward_funcs is empty; give at least one reward function.")
@@ -303,10 +313,13 @@ class GRPOTrainer(BaseTrainer):
         return prompts, completions
 
     def _score(self, rows: list[dict], prompts: list, completions: list, completion_ids: list,
-               logs: RewardLogs | None = None) -> torch.Tensor:
-        """[N, F] rewards of this process's completions (NaN where a function returned None)."""
-        # as in TRL, dataset columns named like the call's own arguments are not passed on
-        columns = {key: [row[key] for row in rows] for key in rows[0]
+               logs: RewardLogs | None = None, extra: dict | None = None) -> torch.Tensor:
+        """[N, F] rewards of this process's completions (NaN where a function returned None). ``extra``: a
+        rollout function's per-row fields, which replace dataset columns of the same name (as in TRL)."""
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        columns.update(extra or {})
+        # as in TRL, columns named like the call's own arguments are not passed on
+        columns = {key: values for key, values in columns.items()
                    if key not in ("prompt", "completion", "completion_ids")}
         return call_rewards(self.rewards, prompts, completions, completion_ids, columns,
                             {"trainer_state": self.state}, logs)
@@ -318,17 +331,31 @@ class GRPOTrainer(BaseTrainer):
         names = sorted({name for part in dist.gather_objects(self.accelerator, [list(local)]) for name in part})
         return {name: local.get(name, (0.0, 0)) for name in names}
 
+    def _sample(self, rows: list[dict], prompt_ids: list[list[int]]) -> UserRollout:
+        """This process's completion of each row: from the rollout function when there is one (every process
+        calls it; a failure on one stops all), else sampled from the policy."""
+        if self.rollout_func is None:
+            return UserRollout(prompt_ids, self.generate(prompt_ids), None, None, {})
+        try:
+            sampled, error = call_rollout_func(self.rollout_func, [row["prompt"] for row in rows], self), None
+        except Exception as caught:
+            sampled, error = None, caught
+        dist.raise_together(self.accelerator, error)
+        return sampled
+
     @torch.no_grad()
     def _generate_round(self, round_index: int) -> Rollout:
         args, acc = self.args, self.accelerator
         slots = self._local_slots(round_index)
         rows = [self.train_rows[i] for i in slots]
-        completion_ids = self.generate([self.train_prompt_ids[i] for i in slots])
+        sampled = self._sample(rows, [self.train_prompt_ids[i] for i in slots])
+        completion_ids = sampled.completion_ids
         prompts, completions = self._decode(rows, completion_ids)
 
         logs = RewardLogs()
         try:  # user code: a failure on one process must stop all of them (see dist.raise_together)
-            local_rewards, error = self._score(rows, prompts, completions, completion_ids, logs), None  # [n, F]
+            local_rewards, error = self._score(rows, prompts, completions, completion_ids, logs,
+                                               sampled.extra), None  # [n, F]
         except Exception as caught:
             local_rewards, error = None, caught
         dist.raise_together(acc, error)
@@ -347,10 +374,14 @@ class GRPOTrainer(BaseTrainer):
         n, start = len(slots), acc.process_index * len(slots)
         local_advantages = advantages[start:start + n]
 
-        prompt_ids, prompt_mask = left_pad([self.train_prompt_ids[i] for i in slots], self.processing_class.pad_token_id)
+        prompt_ids, prompt_mask = left_pad(sampled.prompt_ids, self.processing_class.pad_token_id)
         ids, attention = right_pad(completion_ids, self.processing_class.pad_token_id)
-        truncated = torch.tensor([not (c and c[-1] in self.eos_ids) for c in completion_ids])  # [n]
-        loss_mask = attention.float()
+        # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not be)
+        truncated = torch.tensor([not any(t in self.eos_ids for t in c) for c in completion_ids])
+        model_tokens = attention  # [n, C]: 1 on the tokens the model produced (env_mask leaves out the rest)
+        if sampled.env_mask is not None:
+            model_tokens = right_pad(sampled.env_mask, 0, width=ids.shape[1])[0]
+        loss_mask = model_tokens.float()
         if args.mask_truncated_completions:
             loss_mask[truncated] = 0.0
         dropped_groups = 0
@@ -362,13 +393,16 @@ class GRPOTrainer(BaseTrainer):
         old = self._batched_logps(self.model, rollout) if self.need_old_logps else None
         ref = self._reference_logps(rollout) if args.beta > 0 else None
         rollout = Rollout(**{**rollout.__dict__, "old_logps": old, "ref_logps": ref})
+        gap = self._sampler_gap(rollout, sampled.logprobs, model_tokens.to(acc.device)) \
+            if self.rollout_func is not None else {}
 
-        lengths = acc.gather(torch.tensor([len(c) for c in completion_ids], device=acc.device)).float().cpu()
+        lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
         names = [r.name for r in self.rewards]
         metrics = round_metrics(rewards, rewards_per_func, names, std_in_use, lengths, all_truncated)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+        metrics.update(gap)
         logged = self._logged_metrics(logs)  # what reward functions passed to log_metric, by name
         if logged:
             totals = dist.all_reduce_sum(acc, torch.tensor(list(logged.values()), device=acc.device))  # [names, 2]
@@ -380,6 +414,22 @@ class GRPOTrainer(BaseTrainer):
                                    rewards[start:start + n], local_advantages, logs.extra)
             self._samples = dist.gather_objects(acc, local)
         return rollout
+
+    def _sampler_gap(self, rollout: Rollout, sampler_logps: list[list[float]] | None, mask: torch.Tensor) -> dict:
+        """TRL's sampling/sampling_logp_difference/{mean,max}: how far the rollout function's log-probs are from
+        the trainer's own for the model's tokens (over every process). They should agree to float noise when
+        the rollout sampled from this policy; a gap shows a stale or different sampler. Processes without
+        sampler log-probs take part in the collectives and count nothing."""
+        acc = self.accelerator
+        given = dist.all_reduce_sum(acc, torch.tensor([float(sampler_logps is not None)], device=acc.device))
+        if given.item() == 0:
+            return {}
+        current = rollout.old_logps if rollout.old_logps is not None else self._batched_logps(self.model, rollout)
+        total, count, peak = logprob_gap(current.float(), sampler_logps or [], mask * (sampler_logps is not None))
+        total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
+        peak = dist.all_reduce_max(acc, peak.reshape(1)).item()
+        return {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
+                "sampling/sampling_logp_difference/max": peak}
 
     def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of the round, in micro-batches: [N, C]."""
@@ -527,11 +577,13 @@ class GRPOTrainer(BaseTrainer):
             chunk = mine[start:start + size]
             indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]
             rows = [self.eval_rows[i] for i in indices]
-            completion_ids = self.generate([self.eval_prompt_ids[i] for i in indices])
+            sampled = self._sample(rows, [self.eval_prompt_ids[i] for i in indices])
+            completion_ids = sampled.completion_ids
             per_func, error, logs = None, None, RewardLogs()
             if chunk:  # a process without rows left only kept the others company in the collectives
                 try:
-                    per_func = self._score(rows, *self._decode(rows, completion_ids), completion_ids, logs).to(device)
+                    per_func = self._score(rows, *self._decode(rows, completion_ids), completion_ids, logs,
+                                           sampled.extra).to(device)
                 except Exception as caught:
                     error = caught
             for name, values in logs.metrics.items():

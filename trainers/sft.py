@@ -53,10 +53,17 @@ class SFTTrainer(BaseTrainer):
 
     config_class = SFTConfig
 
-    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
-                 optimizers=(None, None), optimizer_cls_and_kwargs=None, formatting_func=None, compute_metrics=None,
-                 preprocess_logits_for_metrics=None, compute_loss_func=None):
+    def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, peft_config=None, formatting_func=None,
+                 quantization_config=None):
+        # (TRL's argument order; quantization_config is ours.) The batches are built from the trainer's own
+        # tokenized rows (padding-free or length-grouped), which a TRL collator does not read.
+        if data_collator is not None:
+            raise ConfigError("SFTTrainer(data_collator=...) is not supported: the trainer builds its batches from "
+                              "its tokenized rows (padding_free, packing, pad_to_multiple_of, completion_only_loss "
+                              "and assistant_only_loss choose how). Leave data_collator unset.")
         # TRL's formatting_func: row -> text, applied before tokenization (also to datasets given to evaluate())
         if formatting_func is not None and not callable(formatting_func):
             raise ConfigError(f"formatting_func must be a function (row -> str), got {type(formatting_func).__name__}.")

@@ -51,7 +51,18 @@ def main():
         trainers.grpo.high_entropy_mask = recording
     if os.environ.get("GRPO_JOB_SYNC_REF") == "1":  # the reference moves halfway to the policy after the last step
         args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows)
+    rollout_prompts = []  # GRPO_JOB_ROLLOUT_FUNC: what each call of the rollout function was given
+
+    def rollout(prompts, trainer):
+        """The trainer's own sampling (under ZeRO-3, generate gathers the weights: every process calls it), with
+        made-up sampler log-probs so the trainer's comparison runs its collectives."""
+        rollout_prompts.append(prompts)
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        completions = trainer.generate(prompt_ids)
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": [[0.0] * len(c) for c in completions]}
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows,
+                          rollout_func=rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None)
     acc = trainer.accelerator
     reference = getattr(trainer._ref_model, "module", trainer._ref_model)
 
@@ -80,7 +91,8 @@ def main():
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
               "shares_prompt_forward": trainer.shares_prompt_forward,
               "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks,
-              "reference_before": reference_before, "reference_after": reference_checksum()}
+              "reference_before": reference_before, "reference_after": reference_checksum(),
+              "rollout_prompts": rollout_prompts}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

@@ -13,6 +13,10 @@ from trainers.losses import group_advantages
 JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
 
 
+def rows_of(slots: list[int]) -> list[str]:
+    return [["abc", "hello", "xyz", "12"][i] for i in slots]  # grpo_job.py's prompts
+
+
 def run_job(name: str, model_dir: str, folder, **env) -> list[dict]:
     launch(name, JOB, model_dir, str(folder), extra_env=env)
     reports = []
@@ -23,9 +27,12 @@ def run_job(name: str, model_dir: str, folder, **env) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["multi_gpu", "zero2", "zero3"])
-def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
-    reports = run_job(name, tiny_model_dir, tmp_path / "run")
+@pytest.mark.parametrize("name, rollout_func", [("multi_gpu", False), ("zero2", False), ("zero3", False),
+                                                 ("zero3", True)])
+def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
+    """rollout_func: the job samples through a rollout function (the trainer's own sampling, made-up sampler
+    log-probs); everything below holds the same."""
+    reports = run_job(name, tiny_model_dir, tmp_path / "run", GRPO_JOB_ROLLOUT_FUNC="1" if rollout_func else "0")
     assert [r["rank"] for r in reports] == [0, 1] and all(r["num_processes"] == 2 for r in reports)
     assert reports[0]["zero_stage"] == {"multi_gpu": 0, "zero2": 2, "zero3": 3}[name]
     assert reports[0]["shares_prompt_forward"] == (name != "zero3")  # ZeRO-3: one forward per micro-batch
@@ -49,6 +56,13 @@ def test_grpo_two_processes(name, tiny_model_dir, tmp_path):
     assert all("reward" in r and "kl" in r for r in history)
     assert all(r["rank"] == 0.5 and r["only_rank_1"] == 7.0 for r in history)  # log_metric: over both processes
     assert history[-1]["kl"] > 0
+    if rollout_func:  # each call got this process's 2 prompts: the job's round by hand, then 3 in training
+        calls = [r["rollout_prompts"] for r in reports]
+        assert [len(c) for c in calls] == [4, 4] and all(len(p) == 2 for c in calls for p in c)
+        assert calls[0][0] == calls[1][0] == rows_of(reports[0]["round"]["slots"])
+        assert all(r["sampling/sampling_logp_difference/mean"] > 1.0 for r in history)  # |log p| under made-up 0s
+    else:
+        assert all("sampling/sampling_logp_difference/mean" not in r for r in history)
 
 
 @pytest.mark.distributed

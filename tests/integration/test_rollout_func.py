@@ -1,0 +1,189 @@
+"""GRPO with a rollout_func (TRL's contract) on a tiny model, one CPU process."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainers import GRPOConfig, GRPOTrainer, SFTTrainer
+from trainers.configs import ConfigError
+from trainers.errors import RolloutError
+
+PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 2]
+ENV = [ord(c) for c in "obs"]  # the environment's answer, appended after the model's tokens
+
+
+def config(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
+                disable_tqdm=True, seed=0, report_to="none")
+    return GRPOConfig(**{**base, **overrides})
+
+
+def digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + len(c) / 100 for c in completions]
+
+
+def from_score(completions, score, **kwargs):
+    """The rollout's own 'score' field, passed by name."""
+    return score
+
+
+def losses(trainer):
+    return [v for r in trainer.state.log_history if "loss" in r for v in (r["loss"], r["grad_norm"])]
+
+
+def test_a_rollout_func_sampling_the_policy_trains_exactly_as_the_trainer(tiny_model_dir, tmp_path):
+    seen = []
+
+    def rollout(prompts, trainer):
+        seen.append(list(prompts))
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": trainer.generate(prompt_ids), "logprobs": None}
+
+    builtin = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / "a"),
+                          train_dataset=PROMPTS)
+    builtin.train()
+    custom = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / "b"),
+                         train_dataset=PROMPTS, rollout_func=rollout)
+    custom.train()
+    # TRL's contract: this process's prompts of a round, each repeated num_generations times, as given
+    assert len(seen) == 2 and all(len(p) == 8 and len(set(p)) == 2 for p in seen)
+    assert seen[0][:4] == [seen[0][0]] * 4
+    assert losses(custom) == losses(builtin) and losses(builtin)[1] > 0
+    for a, b in zip(builtin.model.parameters(), custom.model.parameters()):
+        assert torch.equal(a, b)
+    assert "sampling/sampling_logp_difference/mean" not in custom.state.log_history[0]  # no logprobs given
+
+
+def test_environment_tokens_are_context_not_loss(tiny_model_dir, tmp_path):
+    """Environment tokens appended after the model's (env_mask 0) change neither the loss nor the gradients,
+    nor the logged lengths: a run with them trains as a run without them. The reward comes from a rollout
+    field, passed by name."""
+    def make(with_env: bool):
+        def rollout(prompts, trainer):
+            prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+            short = dataclasses.replace(trainer.sampling, max_new_tokens=5)
+            generated = trainer.generate(prompt_ids, short)
+            score = [sum(chr(t).isdigit() for t in c) + len(c) / 10 for c in generated]
+            if not with_env:
+                return {"prompt_ids": prompt_ids, "completion_ids": generated, "logprobs": None, "score": score}
+            return {"prompt_ids": prompt_ids, "completion_ids": [c + ENV for c in generated], "logprobs": None,
+                    "env_mask": [[1] * len(c) + [0] * len(ENV) for c in generated], "score": score}
+        return rollout
+
+    runs = []
+    for with_env in (False, True):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=from_score, args=config(tmp_path / str(with_env)),
+                              train_dataset=PROMPTS, rollout_func=make(with_env))
+        trainer.train()
+        runs.append(trainer)
+    plain, with_env = (t.state.log_history for t in runs)
+    assert losses(runs[1]) == pytest.approx(losses(runs[0]), rel=1e-5) and losses(runs[0])[1] > 0
+    for key in ("reward", "completions/mean_length", "completions/max_length"):
+        assert with_env[0][key] == plain[0][key], key
+    assert plain[0]["completions/max_length"] <= 5
+
+
+def test_sampler_logprobs_are_compared_with_the_trainers(tiny_model_dir, tmp_path):
+    """The rollout renders its own prompts ("Q: ..."), so the trainer must train on its prompt_ids: log-probs
+    computed from them agree with the trainer's to float noise; made-up ones show the gap."""
+    def make(exact: bool):
+        def rollout(prompts, trainer):
+            prompt_ids = [trainer.processing_class("Q: " + p)["input_ids"] for p in prompts]
+            completions = trainer.generate(prompt_ids)
+            logprobs = []
+            for p, c in zip(prompt_ids, completions):
+                with torch.no_grad():
+                    logits = trainer.unwrapped_model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+                picked = torch.log_softmax(logits.float(), -1)[torch.arange(len(c)), torch.tensor(c)]
+                logprobs.append(picked.tolist() if exact else [0.0] * len(c))
+            return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
+        return rollout
+
+    gaps = []
+    for exact in (True, False):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / str(exact)),
+                              train_dataset=PROMPTS, rollout_func=make(exact))
+        trainer.train()
+        record = trainer.state.log_history[0]
+        gaps.append((record["sampling/sampling_logp_difference/mean"],
+                     record["sampling/sampling_logp_difference/max"]))
+    (exact_mean, exact_max), (zero_mean, zero_max) = gaps
+    assert exact_max < 1e-4
+    assert zero_mean > 1.0 and zero_max >= zero_mean  # |log p| of a near-uniform 259-token policy: ~5
+
+
+def test_evaluation_scores_the_rollouts(tiny_model_dir, tmp_path):
+    def rollout(prompts, trainer):
+        n = len(prompts)
+        return {"prompt_ids": [[ord("q")]] * n, "completion_ids": [[ord("7")]] * n, "logprobs": None,
+                "score": [float(len(p)) for p in prompts]}
+
+    eval_rows = [{"prompt": "ab"}, {"prompt": "abcd"}]
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=from_score, args=config(tmp_path),
+                          train_dataset=PROMPTS, eval_dataset=eval_rows, rollout_func=rollout)
+    assert trainer.evaluate()["eval_reward"] == pytest.approx(3.0)  # (2 + 4) / 2, over 4 completions each
+
+
+def test_a_failing_rollout_func_names_itself(tiny_model_dir, tmp_path):
+    def broken(prompts, trainer):
+        return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[2] * 9] * len(prompts), "logprobs": None}
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
+                          rollout_func=broken)
+    with pytest.raises(RolloutError, match="completion of 9 tokens in row 0; max_completion_length=8"):
+        trainer.train()
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
+                          rollout_func=lambda prompts, trainer: 1 / 0)
+    with pytest.raises(RolloutError, match="rollout_func raised ZeroDivisionError: division by zero"):
+        trainer.train()
+
+
+def test_unsupported_trainer_arguments_are_refused_by_name(tiny_model_dir, tmp_path):
+    def tool(x: int) -> int:
+        """Doubles x."""
+        return 2 * x
+
+    with pytest.raises(ConfigError, match="tools=...\\) is not supported; write a rollout_func"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
+                    tools=[tool])
+    with pytest.raises(ConfigError, match="environment_factory=...\\) is not supported"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
+                    environment_factory=object)
+    with pytest.raises(ConfigError, match="rollout_func must be a function .* got str"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
+                    rollout_func="mine")
+    with pytest.raises(ConfigError, match="data_collator=...\\) is not supported"):
+        SFTTrainer(model=tiny_model_dir, train_dataset=[{"text": "hi"}], data_collator=lambda rows: rows)
+
+
+def test_the_documented_two_turn_episode_trains(tiny_model_dir, tmp_path):
+    """docs/grpo.md's calculator episode: two turns around an observation; the field it adds reaches the
+    reward function, and the environment's tokens are left out of the logged lengths."""
+    def eval_sum(text):
+        return len(text)
+
+    def calculator_episode(prompts, trainer):
+        tok = trainer.processing_class
+        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        turn = dataclasses.replace(trainer.sampling, max_new_tokens=16)
+        first = trainer.generate(prompt_ids, turn)
+        observations = [tok(f" = {eval_sum(tok.decode(c))}\n", add_special_tokens=False)["input_ids"] for c in first]
+        second = trainer.generate([p + c + o for p, c, o in zip(prompt_ids, first, observations)], turn)
+        return {"prompt_ids": prompt_ids,
+                "completion_ids": [c + o + s for c, o, s in zip(first, observations, second)],
+                "env_mask": [[1] * len(c) + [0] * len(o) + [1] * len(s) for c, o, s in zip(first, observations, second)],
+                "logprobs": None,
+                "tool_calls": [1] * len(prompts)}
+
+    def used_the_tool(completions, tool_calls, **kwargs):
+        return [float(n) + len(c) / 100 for n, c in zip(tool_calls, completions)]
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=used_the_tool,
+                          args=config(tmp_path, max_completion_length=40, max_steps=1), train_dataset=PROMPTS,
+                          rollout_func=calculator_episode)
+    trainer.train()
+    record = trainer.state.log_history[0]
+    assert record["reward"] > 1.0 and record["grad_norm"] > 0
+    assert record["completions/max_length"] <= 32  # two turns of at most 16 model tokens; the observation is not

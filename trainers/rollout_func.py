@@ -1,0 +1,140 @@
+"""Custom rollouts for GRPO: TRL's ``rollout_func(prompts, trainer) -> dict`` contract, checked.
+
+A rollout function replaces the trainer's sampling: multi-turn episodes, tool calls, another inference engine.
+It gets this process's prompts of a round (dataset ``prompt`` values, each repeated ``num_generations`` times,
+as TRL passes them) and returns one completion per prompt:
+
+- ``prompt_ids``, ``completion_ids``: token ids per row; the policy is trained on ``prompt + completion``;
+- ``logprobs``: the sampler's per-token log-probs of the completion, or None;
+- ``env_mask`` (optional): per completion token, 1 where the model produced it and 0 where the environment
+  did (a tool's answer): only the model's tokens count in the loss;
+- any other key: one value per row (or one value for all), passed to the reward functions by that name.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainers.errors import RolloutError, TrainersError
+
+REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
+
+
+@dataclass(frozen=True)
+class UserRollout:
+    """A rollout function's answer for N rows, checked."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]] | None  # the sampler's, per completion token
+    env_mask: list[list[int]] | None  # 1: a model token (trained on), 0: an environment token
+    extra: dict[str, list]  # per-row values for the reward functions
+
+
+def _rows(output: Mapping, key: str, n: int) -> list:
+    value = output[key]
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != n:
+        got = f"{len(value)} rows" if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) \
+            else type(value).__name__
+        raise RolloutError(f"rollout_func returned '{key}' with {got}; it must hold one entry per prompt it was "
+                           f"given ({n}).")
+    return list(value)
+
+
+def _numbers(row, key: str, index: int, kind: type) -> list:
+    if isinstance(row, torch.Tensor):
+        row = row.tolist()
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        raise RolloutError(f"rollout_func returned '{key}' row {index} as {type(row).__name__}; it must be a list "
+                           f"of {kind.__name__}s.")
+    if kind is int and not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+        raise RolloutError(f"rollout_func returned '{key}' row {index} with a value that is not a token id (int).")
+    if kind is float and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+        raise RolloutError(f"rollout_func returned '{key}' row {index} with a value that is not a number.")
+    return [kind(v) for v in row]
+
+
+def check_rollout(output, n: int, max_completion_length: int, vocab_size: int | None,
+                  context: int | None) -> UserRollout:
+    """Check a rollout function's ``output`` for ``n`` prompts; errors name the key and the row."""
+    if not isinstance(output, Mapping):
+        raise RolloutError(f"rollout_func returned {type(output).__name__}; it must return a dict with the keys "
+                           f"{list(REQUIRED)}.")
+    missing = sorted(set(REQUIRED) - set(output))
+    if missing:
+        raise RolloutError(f"rollout_func must return keys {missing} in its output dict (it returned "
+                           f"{sorted(output)}); 'logprobs' may be None.")
+    prompts = [_numbers(r, "prompt_ids", i, int) for i, r in enumerate(_rows(output, "prompt_ids", n))]
+    completions = [_numbers(r, "completion_ids", i, int) for i, r in enumerate(_rows(output, "completion_ids", n))]
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        if not prompt:
+            raise RolloutError(f"rollout_func returned an empty 'prompt_ids' row {i}.")
+        if len(completion) > max_completion_length:
+            raise RolloutError(f"rollout_func returned a completion of {len(completion)} tokens in row {i}; "
+                               f"max_completion_length={max_completion_length} bounds every completion (environment "
+                               f"tokens included): raise it, or end the episode sooner.")
+        if context is not None and len(prompt) + len(completion) > context:
+            raise RolloutError(f"rollout_func returned row {i} with {len(prompt)} prompt + {len(completion)} "
+                               f"completion tokens, more than the model's context of {context}.")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt + completion):
+            raise RolloutError(f"rollout_func returned a token id outside the model's vocabulary (0..{vocab_size - 1})"
+                               f" in row {i}.")
+
+    def per_token(key: str, kind: type) -> list | None:
+        if output.get(key) is None:
+            return None
+        rows = [_numbers(r, key, i, kind) for i, r in enumerate(_rows(output, key, n))]
+        for i, (row, completion) in enumerate(zip(rows, completions)):
+            if len(row) != len(completion):
+                raise RolloutError(f"rollout_func returned '{key}' row {i} with {len(row)} values for a completion "
+                                   f"of {len(completion)} tokens; give one per completion token.")
+        return rows
+
+    logprobs, env_mask = per_token("logprobs", float), per_token("env_mask", int)
+    if env_mask is not None and any(v not in (0, 1) for row in env_mask for v in row):
+        raise RolloutError("rollout_func returned an 'env_mask' value other than 0 (environment token) or 1 "
+                           "(model token).")
+    extra = {}
+    for key, value in output.items():
+        if key in REQUIRED or key == "env_mask":
+            continue
+        # TRL's rule: a list holds one value per row; anything else is every row's value
+        extra[key] = _rows(output, key, n) if isinstance(value, list) else [value] * n
+    return UserRollout(prompts, completions, logprobs, env_mask, extra)
+
+
+def call_rollout_func(func, prompts: list, trainer) -> UserRollout:
+    """Call ``func`` on (copies of) this process's ``prompts``; its errors become RolloutErrors."""
+    try:
+        output = func(copy.deepcopy(prompts), trainer)
+    except TrainersError:
+        raise
+    except Exception as error:
+        raise RolloutError(f"rollout_func raised {type(error).__name__}: {error}") from error
+    model = trainer.unwrapped_model
+    embeddings = model.get_input_embeddings()  # its rows, not config.vocab_size: some models pad the table
+    vocab = getattr(embeddings, "num_embeddings", getattr(model.config, "vocab_size", None))
+    context = getattr(model.config, "max_position_embeddings", None)
+    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocab, context)
+
+
+def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: list[list[float]], mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|trainer - sampler| log-probs over ``mask``'s tokens -> (sum, count, max), each a 0-d tensor.
+
+    trainer_logps, mask: [N, C]; sampler_logps: N rows of their completion's length. NaN sampler values
+    (tokens the sampler could not score) are left out, as TRL does."""
+    sampler = torch.full_like(trainer_logps, math.nan)  # [N, C]
+    for row, values in enumerate(sampler_logps):
+        sampler[row, :len(values)] = torch.tensor(values, dtype=sampler.dtype)
+    delta = (trainer_logps - sampler).abs()
+    counted = mask.bool() & ~torch.isnan(delta)
+    delta = torch.where(counted, delta, torch.zeros_like(delta))
+    return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())
