@@ -36,7 +36,7 @@ from trainers.logs import RunLog, logger, set_log_level
 from trainers.losses import BatchCounts
 from trainers.modeling import (
     check_model_path, clone_chat_template, enable_activation_checkpointing, load_causal_lm, load_tokenizer,
-    match_vocabulary, router_aux_loss_coef, train_added_tokens,
+    match_vocabulary, non_embedding_parameters, router_aux_loss_coef, train_added_tokens,
 )
 from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
 from trainers.samplers import GlobalBatchSampler
@@ -127,6 +127,8 @@ class BaseTrainer(Evaluation):
         self.is_peft = peft_config is not None
         # A Mixture-of-Experts model's router load-balancing loss joins the training loss (as in TRL)
         self.router_aux_loss_coef = router_aux_loss_coef(model, args.router_aux_loss_coef)
+        # transformers' total_flos estimate: 6 x non-embedding parameters per input token (forward + backward)
+        self.flos_per_token = 6 * non_embedding_parameters(model)
         # every eval dataset's model checks (vocabulary, context): the trainer's own, then each named one
         eval_sets = {"eval_dataset": None} if getattr(self, "eval_rows", None) is not None else {}
         eval_sets |= {f"eval_dataset[{name!r}]": eval_set for name, eval_set in self.eval_sets.items()}
@@ -356,6 +358,7 @@ class BaseTrainer(Evaluation):
                 tokens = int(step_stats.pop("num_input_tokens"))  # all processes
                 padded = int(step_stats.pop("num_padded_tokens"))  # all processes, padding included
                 self.state.num_tokens += tokens
+                self.state.total_flos += float(self.flos_per_token * padded)  # padding included, as transformers
                 if args.include_num_input_tokens_seen != "no":
                     counted = padded if args.include_num_input_tokens_seen == "all" else tokens
                     self.state.num_input_tokens_seen += counted
@@ -405,7 +408,7 @@ class BaseTrainer(Evaluation):
         return {"train_runtime": round(runtime, 4),
                 "train_samples_per_second": round(steps * self.effective_batch_size / runtime, 3),
                 "train_steps_per_second": round(steps / runtime, 3),
-                "train_loss": training_loss, "epoch": self.state.epoch}
+                "total_flos": self.state.total_flos, "train_loss": training_loss, "epoch": self.state.epoch}
 
     def _progress(self, step_stats: dict) -> dict:
         """What the progress bar shows beside step and time left: loss, reward (GRPO), tokens/s."""

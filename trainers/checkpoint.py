@@ -39,6 +39,7 @@ class TrainerState:
     consecutive_nonfinite: int = 0
     total_nonfinite: int = 0
     num_input_tokens_seen: int = 0  # include_num_input_tokens_seen's count ("all" includes padding)
+    total_flos: float = 0.0  # transformers' estimate: 6 x non-embedding parameters x input tokens, all processes
     best_metric: float | None = None  # metric_for_best_model's best evaluation so far
     best_global_step: int | None = None  # the step of that evaluation
     best_model_checkpoint: str | None = None  # the checkpoint written at that step, once there is one

@@ -66,6 +66,13 @@ def enable_activation_checkpointing(model, kwargs: dict | None) -> None:
     model.config.use_cache = False
 
 
+def non_embedding_parameters(model) -> int:
+    """transformers' ``num_parameters(exclude_embeddings=True)`` (a tied LM head is the embedding), counting
+    ZeRO-3's partitioned weights at their full size (``ds_numel``)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if id(p) not in embeddings)
+
+
 def generation_eos_ids(model) -> list[int]:
     """The end ids of the model's generation config as a list (it holds None, one id, or several)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -208,11 +208,27 @@ def test_log_and_evaluate_record_where_transformers_does(tiny_model_dir, tmp_pat
     output = trainer.train()  # the history so far stays at the head of metrics.jsonl
     assert trainer.state.log_history[:2] == history[:2]
     summary = output.metrics
-    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
+    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                            "train_loss", "epoch"}
     assert summary["train_loss"] == output.training_loss and summary["epoch"] == trainer.state.epoch
     assert summary["train_samples_per_second"] == pytest.approx(2 * 2 / summary["train_runtime"], rel=0.01)
     trainer.log({"after": 1.0})  # the trackers are finished; the history and the file still get it
     assert trainer.state.log_history[-1] == {"step": 2, "epoch": trainer.state.epoch, "after": 1.0}
+
+
+def test_total_flos_is_transformers_estimate_and_survives_resume(tiny_model_dir, tmp_path):
+    """6 x non-embedding parameters (transformers' count) x input tokens, padding included; saved with the
+    state, so a resumed run ends with the same total."""
+    options = dict(include_num_input_tokens_seen="all", padding_free=False, save_strategy="steps", save_steps=1)
+    trainer = SFTTrainer(model=tiny_model_dir, args=args(tmp_path, **options), train_dataset=ROWS)
+    output = trainer.train()
+    parameters = trainer.unwrapped_model.num_parameters(exclude_embeddings=True)
+    assert parameters < trainer.unwrapped_model.num_parameters()  # the embedding is left out
+    seen = trainer.state.num_input_tokens_seen  # every position of each padded batch
+    assert output.metrics["total_flos"] == trainer.state.total_flos == 6 * parameters * seen > 0
+    resumed = SFTTrainer(model=tiny_model_dir, args=args(tmp_path, **options), train_dataset=ROWS)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed.state.total_flos == trainer.state.total_flos
 
 
 def test_log_metrics_save_metrics_and_save_state(tiny_model_dir, tmp_path, capsys):
