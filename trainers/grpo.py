@@ -419,13 +419,13 @@ class GRPOTrainer(BaseTrainer):
         """TRL's sampling/sampling_logp_difference/{mean,max}: how far the rollout function's log-probs are from
         the trainer's own for the model's tokens (over every process). They should agree to float noise when
         the rollout sampled from this policy; a gap shows a stale or different sampler. Processes without
-        sampler log-probs take part in the collectives and count nothing."""
+        sampler log-probs take part in the collectives and count nothing (their stand-in is all NaN)."""
         acc = self.accelerator
         given = dist.all_reduce_sum(acc, torch.tensor([float(sampler_logps is not None)], device=acc.device))
         if given.item() == 0:
             return {}
         current = rollout.old_logps if rollout.old_logps is not None else self._batched_logps(self.model, rollout)
-        total, count, peak = logprob_gap(current.float(), sampler_logps or [], mask * (sampler_logps is not None))
+        total, count, peak = logprob_gap(current.float(), sampler_logps or [], mask)
         total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
         peak = dist.all_reduce_max(acc, peak.reshape(1)).item()
         return {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),

@@ -73,6 +73,13 @@ def non_embedding_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if id(p) not in embeddings)
 
 
+def vocabulary_size(model) -> int:
+    """Rows of the model's input embedding table: the ids it can take (some models pad the table past the
+    tokenizer). num_embeddings is the full size under ZeRO-3 too; where PEFT's trainable-token wrapper hides
+    it, the text config's vocab_size."""
+    return getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
+
+
 def generation_eos_ids(model) -> list[int]:
     """The end ids of the model's generation config as a list (it holds None, one id, or several)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

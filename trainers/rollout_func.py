@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from trainers.errors import RolloutError, TrainersError
+from trainers.modeling import vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -119,10 +120,8 @@ def call_rollout_func(func, prompts: list, trainer) -> UserRollout:
     except Exception as error:
         raise RolloutError(f"rollout_func raised {type(error).__name__}: {error}") from error
     model = trainer.unwrapped_model
-    embeddings = model.get_input_embeddings()  # its rows, not config.vocab_size: some models pad the table
-    vocab = getattr(embeddings, "num_embeddings", getattr(model.config, "vocab_size", None))
     context = getattr(model.config, "max_position_embeddings", None)
-    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocab, context)
+    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocabulary_size(model), context)
 
 
 def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: list[list[float]], mask: torch.Tensor

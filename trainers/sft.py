@@ -14,7 +14,7 @@ from trainers.data import (
 )
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import generation_eos_ids, token_logprobs
+from trainers.modeling import generation_eos_ids, token_logprobs, vocabulary_size
 from trainers.predictions import Predictions, check_metric_functions
 from trainers.samplers import local_slice
 from trainers.stats import Stats
@@ -184,8 +184,7 @@ class SFTTrainer(BaseTrainer):
 
     def _check_fit(self, model, name: str, rows: list[dict]) -> None:
         """Every token id is in the model's vocabulary and every row fits its context."""
-        # num_embeddings is the full size under ZeRO-3 too; PEFT's trainable-token wrapper hides it
-        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
+        vocab = vocabulary_size(model)
         top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
         if top >= vocab:
             raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
