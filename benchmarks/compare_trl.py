@@ -196,6 +196,11 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="Every row in bf16 mixed precision (both frameworks).")
     parser.add_argument("--extra", type=json.loads, default=None,
                         help='Config fields (JSON) for both frameworks in every row, e.g. \'{"entropy_coef": 0.01}\'.')
+    parser.add_argument("--reward", choices=["len", "rare"], default="len",
+                        help="GRPO reward for both: 'len' (completion length, the default) or 'rare' (1 for a "
+                             "completion containing a rare syllable: ~40%% of groups have zero std).")
+    parser.add_argument("--ours-extra", type=json.loads, default=None,
+                        help="Config fields (JSON) for this project only, e.g. '{\"skip_zero_gradient_rows\": false}'.")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "trainers-bench"))
     parser.add_argument("--json", help="Write every run's numbers here.")
     cli = parser.parse_args()
@@ -218,7 +223,11 @@ def main():
     for name in names:
         model, method, options, steps, warmup = catalogue[name]
         options = {**options, "bf16": cli.bf16, **({"extra": json.dumps(cli.extra)} if cli.extra else {})}
-        name = name + ("-bf16" if cli.bf16 and not cli.gpu else "")
+        if method == "grpo":
+            options["reward"] = cli.reward
+            if cli.ours_extra:
+                options["ours_extra"] = json.dumps(cli.ours_extra)
+        name = name + ("-bf16" if cli.bf16 and not cli.gpu else "") + ("-rare" if method == "grpo" and cli.reward == "rare" else "")
         methods[name] = method
         results = {"ours": [], "trl": []}
         for repeat in range(cli.repeats):
@@ -230,6 +239,10 @@ def main():
             peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)
             extras[name] = gpu_extra(rows[-1], method, options, matmul_parameters(models[model]), peak)
         print_table(rows[-1:], methods, extras if cli.gpu else None)
+        if method == "grpo":
+            print("frac_reward_zero_std (mean over steps, per repeat): " + ", ".join(
+                f"{framework} {[round(r['frac_reward_zero_std'], 2) for r in results[framework]]}"
+                for framework in ("trl", "ours")))
         sys.stdout.flush()
     print("\nAll rows:")
     print_table(rows, methods, extras if cli.gpu else None)

@@ -35,6 +35,15 @@ def reward_len(completions, **kwargs):
     return [float(len(c)) / 100 for c in completions]
 
 
+def reward_rare(completions, **kwargs):
+    """1 when the completion contains "cil": about 1 in 8 completions of 64 tokens from the benchmark models do,
+    so ~40% of groups of 8 score all 0 (zero std, advantage 0), as on a hard task where most attempts fail."""
+    return [float("cil" in c) for c in completions]
+
+
+REWARDS = {"len": reward_len, "rare": reward_rare}
+
+
 class StepClock:
     """Wall time of each optimizer step."""
 
@@ -59,17 +68,17 @@ def run_ours(cli, rows):
             per_device_train_batch_size=cli.batch, max_length=cli.max_length, packing=cli.packing,
             learning_rate=1e-4, **common))
     else:
-        trainer = GRPOTrainer(model=cli.model, reward_funcs=reward_len, train_dataset=rows, args=GRPOConfig(
+        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows, args=GRPOConfig(
             per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
             max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
-            generation_kwargs={"min_new_tokens": cli.completion_length}, **common))
+            generation_kwargs={"min_new_tokens": cli.completion_length}, **common, **cli.ours_extra))
     clock = StepClock()
     original = trainer.step_metrics
     trainer.step_metrics = lambda: (clock.tick(), original())[1]
     clock.tick()
     trainer.train()
-    history = trainer.state.log_history
-    return clock.times, history[-1]["num_tokens"], history[-1]["loss"]
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    return clock.times, logs[-1]["num_tokens"], logs[-1]["loss"], zero_std_share(logs)
 
 
 def run_trl(cli, rows):
@@ -94,14 +103,20 @@ def run_trl(cli, rows):
                              args=SFTConfig(per_device_train_batch_size=cli.batch, max_length=cli.max_length,
                                             packing=cli.packing, learning_rate=1e-4, **common))
     else:
-        trainer = GRPOTrainer(model=cli.model, reward_funcs=reward_len, train_dataset=Dataset.from_list(rows),
+        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
                               callbacks=[Clock()], args=GRPOConfig(
                                   per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
                                   max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
                                   generation_kwargs={"min_new_tokens": cli.completion_length}, **common))
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
-    return clock.times, logs[-1].get("num_tokens", float("nan")), logs[-1]["loss"]
+    return clock.times, logs[-1].get("num_tokens", float("nan")), logs[-1]["loss"], zero_std_share(logs)
+
+
+def zero_std_share(logs: list[dict]) -> float | None:
+    """GRPO: the mean over steps of frac_reward_zero_std (the share of groups whose advantages are all 0)."""
+    shares = [r["frac_reward_zero_std"] for r in logs if "frac_reward_zero_std" in r]
+    return sum(shares) / len(shares) if shares else None
 
 
 def main():
@@ -119,14 +134,17 @@ def main():
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for both frameworks.")
     parser.add_argument("--extra", type=json.loads, default={}, help="Extra config fields (JSON), for both.")
+    parser.add_argument("--ours_extra", type=json.loads, default={}, help="Extra config fields (JSON), ours only.")
+    parser.add_argument("--reward", choices=sorted(REWARDS), default="len", help="GRPO's reward function.")
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
     rows = sft_rows(cli.max_length) if cli.method == "sft" else grpo_rows()
-    times, tokens, loss = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
+    times, tokens, loss, zero_std = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
     from trainers.memory import peak_rss_bytes
 
-    result = {"step_times": times, "num_tokens": tokens, "loss": loss, "peak_mb": peak_rss_bytes() / 2**20}
+    result = {"step_times": times, "num_tokens": tokens, "loss": loss, "peak_mb": peak_rss_bytes() / 2**20,
+              "frac_reward_zero_std": zero_std}
     if torch.cuda.is_available():
         result.update(device=torch.cuda.get_device_name(0), peak_gpu_mb=torch.cuda.max_memory_allocated() / 2**20)
     print("RESULT " + json.dumps(result))

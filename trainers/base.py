@@ -55,6 +55,8 @@ class BaseTrainer(Evaluation):
     """Owns the model, tokenizer, optimizer, schedule, loop, logging, evaluation and checkpoints."""
 
     config_class: type[TrainingConfig] = TrainingConfig
+    # DistributedDataParallel arguments where the config's ddp_* option is None (the config's win)
+    ddp_defaults: dict = {}
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
@@ -80,7 +82,7 @@ class BaseTrainer(Evaluation):
         self.trackers = resolve_report_to(args.report_to)  # before anything slow: a missing package is an error
         self.accelerator = dist.build_accelerator(
             args.gradient_accumulation_steps, self._mixed_precision(), args.use_cpu, log_with=self.trackers,
-            project_dir=args.output_dir, ddp_kwargs=args.ddp_kwargs, backend=args.ddp_backend,
+            project_dir=args.output_dir, ddp_kwargs={**self.ddp_defaults, **args.ddp_kwargs}, backend=args.ddp_backend,
             timeout_seconds=args.ddp_timeout)
         if args.save_only_model and args.load_best_model_at_end and dist.is_deepspeed(self.accelerator):
             # a model-only checkpoint holds the gathered full weights, which a sharded engine cannot load back

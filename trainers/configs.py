@@ -297,7 +297,8 @@ class TrainingConfig:
         "picks True unless gradient checkpointing is on). Set True when DDP reports parameters without gradients."
     )
     ddp_bucket_cap_mb: int | None = opt(None, "DistributedDataParallel's bucket_cap_mb (None: DDP's 25).")
-    ddp_broadcast_buffers: bool | None = opt(None, "DistributedDataParallel's broadcast_buffers (None: DDP's True).")
+    ddp_broadcast_buffers: bool | None = opt(
+        None, "DistributedDataParallel's broadcast_buffers (None: DDP's True; GRPO's False, docs/distributed.md).")
     ddp_static_graph: bool | None = opt(None, "DistributedDataParallel's static_graph (None: DDP's False).")
     ddp_backend: str | None = opt(
         None, f"Process-group backend, one of {DDP_BACKENDS}. None: nccl on GPUs, gloo on CPU."
@@ -617,6 +618,14 @@ class GRPOConfig(TrainingConfig):
         False, "Drop groups whose rewards are all equal (zero advantage) from the loss, and log how many."
     )
     disable_dropout: bool = opt(False, "Set every dropout probability in the policy to 0.")
+    skip_zero_gradient_rows: bool = opt(
+        True, "Leave out of the backward the completions whose loss gradient is zero by construction: those "
+        "without loss tokens (dynamic_sampling's dropped groups, mask_truncated_completions) are not forwarded "
+        "at all, and, with beta=0 and no entropy bonus, those with advantage 0 (a group whose rewards are all "
+        "equal) are forwarded without gradients, for the logged entropy. Same loss, gradients and metrics. Off "
+        "under ZeRO-3 and FSDP (their forwards are collective) and with an MoE router loss. False trains every "
+        "completion, as TRL does."
+    )
     generation_engine: str = opt(
         "auto", f"How completions are sampled: one of {GENERATION_ENGINES}. 'lean' is this project's engine for "
         "Llama/Mistral/Qwen2/Qwen3 models (static KV cache, shared prompt prefill); 'hf' is transformers' generate; "

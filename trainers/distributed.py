@@ -215,6 +215,16 @@ def zero_stage(accelerator: Accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def forwards_are_collective(accelerator: Accelerator, model: torch.nn.Module) -> bool:
+    """Whether a forward of the prepared ``model`` talks to the other processes: it gathers sharded weights
+    (ZeRO-3, FSDP), or DDP broadcasts the module's buffers before it (broadcast_buffers). Then every process
+    must run the same number of forwards; one that only some processes run would hang them."""
+    if zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    return (isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.broadcast_buffers
+            and any(True for _ in model.module.buffers()))
+
+
 def zero_settings(stage: int, hidden_size: int, num_parameters: int, layer_parameters: int,
                   largest_parameter: int) -> dict:
     """ZeRO bucket and live-parameter sizes (in elements) derived from the model's shape.

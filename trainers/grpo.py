@@ -61,8 +61,7 @@ class Rollout:
     def micro_batch(self, start: int, end: int) -> dict:
         """Rows [start, end), with all-padding columns trimmed on both sides."""
         prompt_mask = self.prompt_mask[start:end]
-        first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1] - 1
-        width = max(int(self.completion_attention[start:end].sum(1).max()), 1)
+        first, width = unpadded_columns(prompt_mask, self.completion_attention[start:end])
         cut = lambda t: None if t is None else t[start:end, :width]  # noqa: E731
         batch = {
             "prompt_ids": self.prompt_ids[start:end, first:], "prompt_mask": prompt_mask[:, first:],
@@ -77,6 +76,22 @@ class Rollout:
 
     def to(self, device) -> "Rollout":
         return Rollout(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
+
+
+def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor) -> tuple[int, int]:
+    """The first prompt column that is not padding in every row, and the completion width that is (at least 1).
+    prompt_mask: [B, P] left-padded; completion_attention: [B, C] right-padded."""
+    first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1] - 1
+    return first, max(int(completion_attention.sum(1).max()), 1)
+
+
+def policy_rows(batch: dict, rows: torch.Tensor) -> dict:
+    """The forward's inputs (prompt and completion ids and masks) of some rows of a micro-batch, all-padding
+    columns trimmed. rows: [b] indices."""
+    first, width = unpadded_columns(batch["prompt_mask"][rows], batch["completion_attention"][rows])
+    return {"prompt_ids": batch["prompt_ids"][rows, first:], "prompt_mask": batch["prompt_mask"][rows, first:],
+            "completion_ids": batch["completion_ids"][rows, :width],
+            "completion_attention": batch["completion_attention"][rows, :width]}
 
 
 def policy_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,6 +110,10 @@ class GRPOTrainer(BaseTrainer):
     replaces the trainer's sampling (trainers/rollout_func.py). Arguments in TRL's order."""
 
     config_class = GRPOConfig
+    # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
+    # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
+    # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
+    ddp_defaults = {"broadcast_buffers": False}
     EVAL_STATE = ("eval_rows", "eval_prompt_ids")
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -454,10 +473,56 @@ class GRPOTrainer(BaseTrainer):
         """Whether a micro-batch's completions of one prompt share its forward (``shared_prompt_logprobs``):
         for the model families the lean engine knows, without gradient checkpointing (which drops the KV
         cache) and without ZeRO-3, where a second forward per micro-batch costs a second all-gather of every
-        layer's weights (it computes correctly there too: checked on CPU, not enabled)."""
+        layer's weights (it computes correctly there too: checked on CPU, not enabled). Whether a micro-batch
+        shares a prompt differs between processes, so not where a forward is collective either."""
         return (engine.supports(self.unwrapped_model) and not self.args.gradient_checkpointing
                 and dist.zero_stage(self.accelerator) != 3
+                and not dist.forwards_are_collective(self.accelerator, self.model)
                 and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
+
+    @functools.cached_property
+    def skips_zero_gradient_rows(self) -> bool:
+        """skip_zero_gradient_rows where it holds: not where forwards are collective (ZeRO-3, FSDP, DDP with
+        ddp_broadcast_buffers=True: the extra forward runs on some processes only), nor with an MoE router loss
+        (every row's routing counts in it)."""
+        return (self.args.skip_zero_gradient_rows and not dist.forwards_are_collective(self.accelerator, self.model)
+                and not self.router_aux_loss_coef)
+
+    def _training_forward(self, model, batch: dict, **options) -> dict:
+        """``_policy_forward`` for the loss, with only the rows whose loss has a gradient in the backward.
+
+        A row without loss tokens adds nothing to the loss; with beta=0 and no entropy bonus neither does a row
+        with advantage 0, since every policy loss is a multiple of the advantage. Such rows are forwarded
+        without gradients (the logged entropy needs them; on the unwrapped model, as a forward with no backward
+        needs none of DDP's bookkeeping), or, without loss tokens, not at all: their
+        log-probs are set to the old ones (every ratio 1, every term finite) and their entropy to 0 (masked).
+        The result covers the whole micro-batch ({"logps", "entropy"}, [B, C]), so the loss and every statistic
+        are computed as without skipping."""
+        if not self.skips_zero_gradient_rows:
+            return self._policy_forward(model, batch, **options)
+        mask = batch["loss_mask"]  # [B, C]
+        silent = mask.sum(-1) == 0  # [B]: no loss tokens
+        idle = silent.clone()  # [B]: rows whose loss gradient is zero
+        if self.args.beta == 0 and self.entropy_control is None:
+            idle |= batch["advantages"] == 0
+        if not idle.any():
+            return self._policy_forward(model, batch, **options)
+        if idle.all():  # one row keeps a backward, so DDP's and DeepSpeed's gradient hooks fire on every process
+            idle[0] = False
+        trained, frozen = (~idle).nonzero().squeeze(1), (idle & ~silent).nonzero().squeeze(1)
+        parts = [(trained, self._policy_forward(model, policy_rows(batch, trained), **options))]
+        if frozen.numel():
+            with torch.no_grad():
+                parts.append((frozen, self._policy_forward(dist.unwrap(self.accelerator, model),
+                                                           policy_rows(batch, frozen), with_entropy=True)))
+        width = mask.shape[1]
+        logps = batch["old_logps"] if batch["old_logps"] is not None else torch.zeros_like(mask)
+        entropy = torch.zeros_like(mask)
+        for rows, out in parts:  # [b, c] -> their rows of [B, C]; index_copy keeps the trained rows' gradient
+            pad = (0, width - out["logps"].shape[1])
+            logps = logps.index_copy(0, rows, torch.nn.functional.pad(out["logps"], pad))
+            entropy = entropy.index_copy(0, rows, torch.nn.functional.pad(out["entropy"], pad))
+        return {"logps": logps, "entropy": entropy}
 
     def _policy_forward(self, model, batch: dict, with_entropy: bool = False, with_router_loss: bool = False,
                         entropy_grad: bool = False) -> dict:
@@ -475,8 +540,8 @@ class GRPOTrainer(BaseTrainer):
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args = self.args
         bonus = self.entropy_control
-        out = self._policy_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef),
-                                   entropy_grad=bonus is not None)
+        out = self._training_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef),
+                                     entropy_grad=bonus is not None)
         logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)

@@ -31,6 +31,14 @@ def logs_per_rank(completions, log_metric, **kwargs):
     return [0.0] * len(completions)
 
 
+def idle_on_rank_0(prompts, completions, **kwargs):
+    """GRPO_JOB_SKIP: every completion of "abc" scores 0.5 (the whole group has advantage 0); otherwise rank 0's
+    two score 0.5 and rank 1's 0 and 1, so rank 0's rows have advantage 0 (their group's mean) and rank 1's not."""
+    if prompts[0] == "abc" or os.environ.get("RANK", "0") == "0":
+        return [0.5] * len(completions)
+    return [float(i % 2) for i in range(len(completions))]
+
+
 def main():
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12"]]
@@ -51,6 +59,17 @@ def main():
         trainers.grpo.high_entropy_mask = recording
     if os.environ.get("GRPO_JOB_SYNC_REF") == "1":  # the reference moves halfway to the policy after the last step
         args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
+    reward = digits
+    forwards = []  # GRPO_JOB_SKIP ("1" or "0": skip_zero_gradient_rows): (rows, with gradient) of each forward
+    if "GRPO_JOB_SKIP" in os.environ:
+        args.beta, args.skip_zero_gradient_rows, reward = 0.0, os.environ["GRPO_JOB_SKIP"] == "1", idle_on_rank_0
+        policy_forward = GRPOTrainer._policy_forward
+
+        def recording(self, model, rows, **options):
+            forwards.append([rows["completion_ids"].shape[0], torch.is_grad_enabled()])
+            return policy_forward(self, model, rows, **options)
+
+        GRPOTrainer._policy_forward = recording
     rollout_prompts = []  # GRPO_JOB_ROLLOUT_FUNC: what each call of the rollout function was given
 
     def rollout(prompts, trainer):
@@ -61,7 +80,7 @@ def main():
         completions = trainer.generate(prompt_ids)
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": [[0.0] * len(c) for c in completions]}
 
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[digits, logs_per_rank], args=args, train_dataset=rows,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
                           rollout_func=rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None)
     acc = trainer.accelerator
     reference = getattr(trainer._ref_model, "module", trainer._ref_model)
@@ -70,7 +89,9 @@ def main():
         with gathered_parameters(acc, reference):
             return [float(p.detach().double().sum()) for p in reference.parameters()]
 
-    reference_before = reference_checksum()
+    reference_before = reference_checksum() if reference is not None else None  # beta > 0 only
+    with gathered_parameters(acc, trainer.model):
+        initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
 
     # One round by hand, to record what each process holds.
     slots = trainer._local_slots(0)
@@ -90,9 +111,12 @@ def main():
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
               "shares_prompt_forward": trainer.shares_prompt_forward,
+              "skips_zero_gradient_rows": trainer.skips_zero_gradient_rows,
+              "broadcast_buffers": getattr(trainer.model, "broadcast_buffers", None),
               "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks,
-              "reference_before": reference_before, "reference_after": reference_checksum(),
-              "rollout_prompts": rollout_prompts}
+              "reference_before": reference_before,
+              "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
+              "rollout_prompts": rollout_prompts, "forwards": forwards}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

@@ -81,6 +81,31 @@ def test_shared_prompt_forward_matches_one_forward_per_row(name, tiny_model_dir,
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", ["multi_gpu", "zero2"])
+def test_skipping_zero_gradient_rows_trains_the_same(name, tiny_model_dir, tmp_path):
+    """skip_zero_gradient_rows with rank 0's rows all at advantage 0 while rank 1's are not (rank 0 keeps one row
+    in the backward, so the gradient hooks fire on both), and whole groups at 0: the same weights and metrics
+    after three steps as training every row."""
+    skipped = run_job(name, tiny_model_dir, tmp_path / "skip", GRPO_JOB_SKIP="1")
+    every = run_job(name, tiny_model_dir, tmp_path / "every", GRPO_JOB_SKIP="0")
+    assert [r["skips_zero_gradient_rows"] for r in skipped + every] == [True, True, False, False]
+    # GRPO's DDP default: no buffer broadcast, so a forward is not a collective (None: DeepSpeed's engine)
+    assert skipped[0]["broadcast_buffers"] is {"multi_gpu": False, "zero2": None}[name]
+    # the job's hand-made round, then 3 steps of one micro-batch of 2 rows; forwards with gradient come first
+    assert [f for f in every[0]["forwards"] if f[1]] == [[2, True]] * 3
+    assert [f for f in skipped[0]["forwards"] if f[1]] == [[1, True]] * 3  # rank 0: always all idle
+    assert [1, False] in skipped[0]["forwards"]
+    assert [2, True] in skipped[1]["forwards"]  # rank 1 trained both rows where its group had a spread
+    assert skipped[0]["checksum"] == pytest.approx(skipped[1]["checksum"], rel=1e-9)
+    moved = [abs(a - b) for a, b in zip(every[0]["checksum"], every[0]["initial"])]
+    assert skipped[0]["checksum"] == pytest.approx(every[0]["checksum"], rel=1e-5, abs=1e-4 * max(moved))
+    for record, reference in zip(skipped[0]["history"], every[0]["history"]):
+        for key in ("loss", "grad_norm", "entropy", "reward"):
+            assert record[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
+    assert any(r["grad_norm"] > 0 for r in every[0]["history"])
+
+
+@pytest.mark.distributed
 def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(tiny_model_dir, tmp_path):
     """The entropy cut is one quantile over every process's loss tokens (TRL gathers them), so each process
     keeps its tokens above the shared threshold: not a quarter of its own."""
