@@ -65,7 +65,6 @@ CASES = {
     "beta-dynamic-sampling": {"beta": 0.1, "dynamic_sampling": True},
     "entropy-bonus": {"entropy_coef": 0.01},
     "gradient-checkpointing": {"gradient_checkpointing": True},
-    "bf16": {"bf16": True},
 }
 
 
