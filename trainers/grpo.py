@@ -34,7 +34,7 @@ from trainers.losses import (
     off_policy_sequence_mask, sapo_policy_loss, vespo_policy_loss,
 )
 from trainers.modeling import (
-    generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
+    context_length, generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
 )
 from trainers.rewards import (
     Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
@@ -251,7 +251,7 @@ class GRPOTrainer(BaseTrainer):
                                if isinstance(source, str) else copy.deepcopy(model))
 
     def _check_context(self, model, name: str, prompt_ids: list[list[int]]) -> None:
-        context = getattr(model.config, "max_position_embeddings", None)
+        context = context_length(model)
         for index, ids in enumerate(prompt_ids if context else []):
             if len(ids) + self.args.max_completion_length > context:
                 raise DatasetFormatError(
@@ -472,11 +472,10 @@ class GRPOTrainer(BaseTrainer):
     def shares_prompt_forward(self) -> bool:
         """Whether a micro-batch's completions of one prompt share its forward (``shared_prompt_logprobs``):
         for the model families the lean engine knows, without gradient checkpointing (which drops the KV
-        cache) and without ZeRO-3, where a second forward per micro-batch costs a second all-gather of every
-        layer's weights (it computes correctly there too: checked on CPU, not enabled). Whether a micro-batch
-        shares a prompt differs between processes, so not where a forward is collective either."""
+        cache), and not where a forward is collective: whether a micro-batch shares a prompt differs between
+        processes. That also leaves out ZeRO-3, where a second forward per micro-batch would cost a second
+        all-gather of every layer's weights (it computes correctly there: checked on CPU, not enabled)."""
         return (engine.supports(self.unwrapped_model) and not self.args.gradient_checkpointing
-                and dist.zero_stage(self.accelerator) != 3
                 and not dist.forwards_are_collective(self.accelerator, self.model)
                 and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
 
@@ -494,8 +493,8 @@ class GRPOTrainer(BaseTrainer):
         A row without loss tokens adds nothing to the loss; with beta=0 and no entropy bonus neither does a row
         with advantage 0, since every policy loss is a multiple of the advantage. Such rows are forwarded
         without gradients (the logged entropy needs them; on the unwrapped model, as a forward with no backward
-        needs none of DDP's bookkeeping), or, without loss tokens, not at all: their
-        log-probs are set to the old ones (every ratio 1, every term finite) and their entropy to 0 (masked).
+        needs none of DDP's bookkeeping), or, without loss tokens, not at all: their log-probs are set to the
+        old ones (every ratio 1, every term finite) and their entropy to 0 (masked).
         The result covers the whole micro-batch ({"logps", "entropy"}, [B, C]), so the loss and every statistic
         are computed as without skipping."""
         if not self.skips_zero_gradient_rows:

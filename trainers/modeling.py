@@ -80,6 +80,11 @@ def vocabulary_size(model) -> int:
     return getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
 
 
+def context_length(model) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), or None where the config has none."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def generation_eos_ids(model) -> list[int]:
     """The end ids of the model's generation config as a list (it holds None, one id, or several)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from trainers.errors import RolloutError, TrainersError
-from trainers.modeling import vocabulary_size
+from trainers.modeling import context_length, vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -120,8 +120,8 @@ def call_rollout_func(func, prompts: list, trainer) -> UserRollout:
     except Exception as error:
         raise RolloutError(f"rollout_func raised {type(error).__name__}: {error}") from error
     model = trainer.unwrapped_model
-    context = getattr(model.config, "max_position_embeddings", None)
-    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocabulary_size(model), context)
+    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocabulary_size(model),
+                         context_length(model))
 
 
 def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: list[list[float]], mask: torch.Tensor

@@ -14,7 +14,7 @@ from trainers.data import (
 )
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import generation_eos_ids, token_logprobs, vocabulary_size
+from trainers.modeling import context_length, generation_eos_ids, token_logprobs, vocabulary_size
 from trainers.predictions import Predictions, check_metric_functions
 from trainers.samplers import local_slice
 from trainers.stats import Stats
@@ -188,7 +188,7 @@ class SFTTrainer(BaseTrainer):
         top = max((max(r["input_ids"] + [t for t in r["target_ids"] if t >= 0]) for r in rows), default=0)
         if top >= vocab:
             raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
-        context = getattr(model.config, "max_position_embeddings", None)
+        context = context_length(model)
         longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
         if context and longest is not None and len(rows[longest]["input_ids"]) > context:
             raise ConfigError(
