@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -522,6 +523,7 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", 
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 GENERATION_ENGINES = ("auto", "lean", "hf")
 
 
@@ -638,6 +640,26 @@ class GRPOConfig(TrainingConfig):
     log_completions: bool = opt(False, "Print a table of sampled completions at each logging step and append them to completions.jsonl.")
     num_completions_to_print: int | None = opt(None, "Rows of that table (default: all of one round).")
     use_vllm: bool = opt(False, "Not supported: generation uses the policy itself.")
+    vllm_importance_sampling_correction: bool = opt(
+        True, "When a rollout_func returns its sampler's logprobs, weight the loss by the importance ratio "
+        "pi_old / pi_sampler (the trainer's log-probs against the sampler's, computed once per round), which "
+        "corrects for another engine's numerics or a stale sampler; vllm_importance_sampling_mode says how. TRL "
+        "applies it with use_vllm; here a rollout_func is the only other sampler. False: no correction."
+    )
+    vllm_importance_sampling_mode: str = opt(
+        "sequence_mask", f"One of {IS_CORRECTION_MODES}: the ratio per 'token_*' or per completion ('sequence_*', "
+        "the product over its model tokens); '*_truncate' clips it to [clip_min, clip_max], '*_mask' sets it "
+        "to 0 outside (the token or completion leaves the loss)."
+    )
+    vllm_importance_sampling_clip_max: float | None = opt(
+        3.0, "Upper bound C_max of that ratio (None: no upper bound)."
+    )
+    vllm_importance_sampling_clip_min: float | None = opt(
+        None, "Lower bound C_min of that ratio (None: no lower bound)."
+    )
+    vllm_importance_sampling_cap: float | None = opt(
+        None, "Deprecated in TRL: sets vllm_importance_sampling_clip_max (with a FutureWarning)."
+    )
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL accepts booleans: True -> "group", False -> "none".
@@ -703,6 +725,19 @@ class GRPOConfig(TrainingConfig):
         _check(self.generation_batch_size is None or self.steps_per_generation is None, name,
                "steps_per_generation", self.steps_per_generation,
                "set generation_batch_size or steps_per_generation, not both")
+        _check(self.vllm_importance_sampling_mode in IS_CORRECTION_MODES, name, "vllm_importance_sampling_mode",
+               self.vllm_importance_sampling_mode, f"valid: {IS_CORRECTION_MODES}")
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+            warnings.warn("vllm_importance_sampling_cap is deprecated (as in TRL); use "
+                          "vllm_importance_sampling_clip_max instead.", FutureWarning, stacklevel=3)
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        for f in ("vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"):
+            value = getattr(self, f)
+            _check(value is None or (value >= 0 and math.isfinite(value)), name, f, value,
+                   "it must be a finite number >= 0, or None")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        _check(low is None or high is None or low < high, name, "vllm_importance_sampling_clip_min", low,
+               f"it must be less than vllm_importance_sampling_clip_max ({high})")
         # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
 
     @property

@@ -31,7 +31,7 @@ from trainers.logs import logger
 from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
     entropy_bonus, group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd,
-    off_policy_sequence_mask, sapo_policy_loss, vespo_policy_loss,
+    off_policy_sequence_mask, sampler_importance_weights, sapo_policy_loss, vespo_policy_loss,
 )
 from trainers.modeling import (
     context_length, generation_eos_ids, load_causal_lm, positions_from_mask, shared_prompt_logprobs, token_logprobs,
@@ -39,7 +39,7 @@ from trainers.modeling import (
 from trainers.rewards import (
     Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
 )
-from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap
+from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap, padded_logprobs
 from trainers.samplers import group_slots
 from trainers.sft import as_dataset
 from trainers.stats import Extreme, Stats
@@ -57,6 +57,10 @@ class Rollout:
     advantages: torch.Tensor  # [N]
     old_logps: torch.Tensor | None  # [N, C] log-probs under the policy that sampled (None: equal to current)
     ref_logps: torch.Tensor | None  # [N, C] log-probs under the reference model (beta > 0)
+    # a rollout function's log-probs: [N, C], NaN where it gave none; and the loss's importance weights
+    # pi_old / pi_sampler for them (vllm_importance_sampling_correction): [N, C] per token, [N, 1] per completion
+    sampler_logps: torch.Tensor | None = None
+    sampler_weights: torch.Tensor | None = None
 
     def micro_batch(self, start: int, end: int) -> dict:
         """Rows [start, end), with all-padding columns trimmed on both sides."""
@@ -68,6 +72,7 @@ class Rollout:
             "completion_ids": cut(self.completion_ids), "completion_attention": cut(self.completion_attention),
             "loss_mask": cut(self.loss_mask), "advantages": self.advantages[start:end],
             "old_logps": cut(self.old_logps), "ref_logps": cut(self.ref_logps),
+            "sampler_logps": cut(self.sampler_logps), "sampler_weights": cut(self.sampler_weights),
         }
         batch["num_input_tokens"] = batch["prompt_mask"].sum() + batch["completion_attention"].sum()
         # include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens in every mode
@@ -173,6 +178,13 @@ class GRPOTrainer(BaseTrainer):
         if gdpo_with_scaling and self.accelerator.is_main_process:
             logger.warning(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
                            "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
+        sequence_correction = args.vllm_importance_sampling_mode.startswith("sequence")
+        if args.loss_type == "vespo" and self.rollout_func is not None and args.vllm_importance_sampling_correction \
+                and sequence_correction:
+            raise ConfigError(f"loss_type='vespo' with a rollout_func needs vllm_importance_sampling_mode "
+                              f"'token_truncate' or 'token_mask' (got {args.vllm_importance_sampling_mode!r}): VESPO "
+                              f"folds per-token sampler weights into its own sequence weight, as in TRL. Or set "
+                              f"vllm_importance_sampling_correction=False.")
         if args.loss_type == "vespo" and args.importance_sampling_level != "token" and self.accelerator.is_main_process:
             logger.warning("loss_type='vespo' computes its sequence-level weight itself, from token log-ratios; "
                            "importance_sampling_level is not used (TRL warns the same).")
@@ -411,9 +423,11 @@ class GRPOTrainer(BaseTrainer):
         rollout = Rollout(prompt_ids, prompt_mask, ids, attention, loss_mask, local_advantages, None, None).to(acc.device)
         old = self._batched_logps(self.model, rollout) if self.need_old_logps else None
         ref = self._reference_logps(rollout) if args.beta > 0 else None
-        rollout = Rollout(**{**rollout.__dict__, "old_logps": old, "ref_logps": ref})
-        gap = self._sampler_gap(rollout, sampled.logprobs, model_tokens.to(acc.device)) \
-            if self.rollout_func is not None else {}
+        rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
+        sampler_metrics = {}
+        if self.rollout_func is not None:
+            sampler = None if sampled.logprobs is None else padded_logprobs(sampled.logprobs, ids.shape[1])
+            rollout, sampler_metrics = self._with_sampler_logps(rollout, sampler, model_tokens.to(acc.device))
 
         lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
@@ -421,7 +435,7 @@ class GRPOTrainer(BaseTrainer):
         metrics = round_metrics(rewards, rewards_per_func, names, std_in_use, lengths, all_truncated)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
-        metrics.update(gap)
+        metrics.update(sampler_metrics)
         logged = self._logged_metrics(logs)  # what reward functions passed to log_metric, by name
         if logged:
             totals = dist.all_reduce_sum(acc, torch.tensor(list(logged.values()), device=acc.device))  # [names, 2]
@@ -434,21 +448,50 @@ class GRPOTrainer(BaseTrainer):
             self._samples = dist.gather_objects(acc, local)
         return rollout
 
-    def _sampler_gap(self, rollout: Rollout, sampler_logps: list[list[float]] | None, mask: torch.Tensor) -> dict:
-        """TRL's sampling/sampling_logp_difference/{mean,max}: how far the rollout function's log-probs are from
-        the trainer's own for the model's tokens (over every process). They should agree to float noise when
-        the rollout sampled from this policy; a gap shows a stale or different sampler. Processes without
-        sampler log-probs take part in the collectives and count nothing (their stand-in is all NaN)."""
-        acc = self.accelerator
-        given = dist.all_reduce_sum(acc, torch.tensor([float(sampler_logps is not None)], device=acc.device))
+    def _with_sampler_logps(self, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
+                            ) -> tuple[Rollout, dict]:
+        """A rollout function's log-probs (``sampler``: [n, C], NaN where it gave none) against the trainer's own
+        for the model's tokens (``mask``), computed once per round (the old log-probs when it needs them anyway):
+        TRL's sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy;
+        and, with vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is
+        multiplied by, with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process;
+        processes without sampler log-probs take part in the collectives and count nothing."""
+        acc, args = self.accelerator, self.args
+        given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
         if given.item() == 0:
-            return {}
+            return rollout, {}
         current = rollout.old_logps if rollout.old_logps is not None else self._batched_logps(self.model, rollout)
-        total, count, peak = logprob_gap(current.float(), sampler_logps or [], mask)
+        current = current.float()
+        mine = sampler is not None  # this process's rollout gave log-probs
+        sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
+        total, count, peak = logprob_gap(current, sampler, mask)
         total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
-        peak = dist.all_reduce_max(acc, peak.reshape(1)).item()
-        return {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
-                "sampling/sampling_logp_difference/max": peak}
+        metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
+                   "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
+        weights = None
+        if args.vllm_importance_sampling_correction:
+            weights = sampler_importance_weights(current, sampler, mask, args.vllm_importance_sampling_mode,
+                                                 args.vllm_importance_sampling_clip_min,
+                                                 args.vllm_importance_sampling_clip_max)  # [n, C] or [n, 1]
+            # as TRL: per token over the model's tokens, per completion over every row; rows without any
+            # sampler log-prob (a process whose rollout gave none) count nothing
+            counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
+            metrics.update(self._pooled_extremes("sampling/importance_sampling_ratio",
+                                                 weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
+        if not mine:
+            return rollout, metrics
+        return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
+
+    def _pooled_extremes(self, name: str, values: torch.Tensor) -> dict:
+        """{name}/min, /mean and /max of this process's ``values`` and every other's (nothing when none has any)."""
+        acc = self.accelerator
+        total, count = dist.all_reduce_sum(acc, torch.stack([values.sum(), values.new_tensor(values.numel())]))
+        low = values.min() if values.numel() else values.new_tensor(math.inf)
+        high = values.max() if values.numel() else values.new_tensor(-math.inf)
+        negated_low, high = dist.all_reduce_max(acc, torch.stack([-low, high])).tolist()
+        if count.item() == 0:
+            return {}
+        return {f"{name}/min": -negated_low, f"{name}/mean": (total / count).item(), f"{name}/max": high}
 
     def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of the round, in micro-batches: [N, C]."""
@@ -491,7 +534,8 @@ class GRPOTrainer(BaseTrainer):
         """``_policy_forward`` for the loss, with only the rows whose loss has a gradient in the backward.
 
         A row without loss tokens adds nothing to the loss; with beta=0 and no entropy bonus neither does a row
-        with advantage 0, since every policy loss is a multiple of the advantage. Such rows are forwarded
+        with advantage 0, since every policy loss is a multiple of the advantage, nor one whose sampler weights
+        (vllm_importance_sampling_*) are 0 on all its loss tokens. Such rows are forwarded
         without gradients (the logged entropy needs them; on the unwrapped model, as a forward with no backward
         needs none of DDP's bookkeeping), or, without loss tokens, not at all: their log-probs are set to the
         old ones (every ratio 1, every term finite) and their entropy to 0 (masked).
@@ -504,6 +548,9 @@ class GRPOTrainer(BaseTrainer):
         idle = silent.clone()  # [B]: rows whose loss gradient is zero
         if self.args.beta == 0 and self.entropy_control is None:
             idle |= batch["advantages"] == 0
+            weights = batch["sampler_weights"]  # 0 on every loss token: masked out by the sampler correction
+            if weights is not None and self.args.loss_type != "vespo":
+                idle |= (weights * mask).sum(-1) == 0
         if not idle.any():
             return self._policy_forward(model, batch, **options)
         if idle.all():  # one row keeps a backward, so DDP's and DeepSpeed's gradient hooks fire on every process
@@ -550,19 +597,25 @@ class GRPOTrainer(BaseTrainer):
             per_token, cispo_clipped = cispo_policy_loss(logps, log_weights, advantages, args.clip_high)
         elif args.loss_type == "vespo":
             per_token, phi = vespo_policy_loss(logps, logps - old, advantages, mask, args.vespo_k_pos,
-                                               args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
+                                               args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg,
+                                               batch["sampler_weights"])
         elif args.loss_type == "sapo":
             per_token = sapo_policy_loss(log_weights, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg)
         else:
             per_token, low, high = clipped_policy_loss(log_weights, advantages, args.epsilon, args.clip_high, args.delta)
         if args.off_policy_mask_threshold is not None:  # [B, 1]: whole completions
+            # as TRL, measured from the sampler's log-probs when a rollout function gave them (both sources of
+            # off-policyness: optimizer steps and the sampler's own numerics)
+            behaviour = batch["sampler_logps"] if batch["sampler_logps"] is not None else old
             threshold = args.off_policy_mask_threshold
-            per_token = per_token * off_policy_sequence_mask(logps, old, advantages, mask, threshold)
+            per_token = per_token * off_policy_sequence_mask(logps, behaviour, advantages, mask, threshold)
         kept = mask  # [B, T]: the tokens the policy loss (and an entropy bonus) acts on
         if args.top_entropy_quantile < 1.0:  # the high-entropy tokens only
             threshold = self._entropy_threshold(out["entropy"], mask)
             kept = mask * high_entropy_mask(out["entropy"], mask, threshold)
             per_token = per_token * kept
+        if batch["sampler_weights"] is not None and args.loss_type != "vespo":  # VESPO folds them into its weight
+            per_token = per_token * batch["sampler_weights"]  # [B, T] or [B, 1]: pi_old / pi_sampler
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
             kl = k3_kl(logps, batch["ref_logps"])

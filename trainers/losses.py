@@ -254,16 +254,21 @@ def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temper
 
 
 def vespo_policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float,
+                      sampler_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """VESPO (arXiv:2602.10693), per token: -φ(w) · A · log π, where w = Π_t π/π_old is the completion's
     sequence ratio and φ(w) = e^λ · w^k · e^(−λw) a detached Gamma-shaped weight with φ(1) = 1, (k, λ) =
     (k_pos, λ_pos) where A >= 0, else (k_neg, λ_neg). In log space, with TRL's clamps.
 
-    logps, log_ratio (per token, log π − log π_old), mask: [B, T]; advantages: [B]. Returns (loss [B, T],
-    φ [B, 1]).
+    logps, log_ratio (per token, log π − log π_old), mask: [B, T]; advantages: [B]. ``sampler_weights``
+    ([B, T], π_old/π_sampler per token from ``sampler_importance_weights``) joins w, as in TRL: log w gains
+    Σ_t log of them (every column, as TRL sums them; padding's weight is 1). Returns (loss [B, T], φ [B, 1]).
     """
     with torch.no_grad():
-        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
+        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
+        if sampler_weights is not None:
+            log_w = log_w + sampler_weights.log().clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
         nonnegative = advantages.unsqueeze(-1) >= 0
         k = torch.where(nonnegative, k_pos, k_neg)
         lam = torch.where(nonnegative, lambda_pos, lambda_neg).clamp(min=1e-4)
@@ -282,11 +287,33 @@ def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advan
     """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): 0 for a completion whose advantage
     is negative and whose mean log π_old − log π (an estimate of KL(π_old || π)) exceeds ``threshold``, else 1.
 
-    logps, old_logps, mask: [B, T]; advantages: [B]. Returns [B, 1] in mask's dtype.
+    logps, old_logps (or a sampler's, NaN where unknown), mask: [B, T]; advantages: [B]. Returns [B, 1] in
+    mask's dtype.
     """
-    kl = old_logps - logps.detach()  # [B, T]
+    kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)  # [B, T]; NaN: a token the sampler did not score
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
     return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                               clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """Importance weights π_old / π_sampler that correct for completions sampled by another engine than the
+    policy (TRL's vLLM importance sampling: truncated or masked IS): per token ([B, T]) for
+    'token_*' modes, per completion ([B, 1], the product over its masked tokens) for 'sequence_*'. '*_truncate'
+    clips them to [clip_min, clip_max]; '*_mask' sets them to 0 outside it (None: no bound on that side).
+
+    logps (the trainer's, π_old), sampler_logps (NaN where the sampler gave none: a difference of 0, so no
+    correction), mask: [B, T]. Padding columns get weight 1.
+    """
+    diff = torch.nan_to_num((logps - sampler_logps) * mask, nan=0.0)  # [B, T]
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [B, 1]
+    weights = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return weights if clip_min is None and clip_max is None else weights.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ It gets this process's prompts of a round (dataset ``prompt`` values, each repea
 as TRL passes them) and returns one completion per prompt:
 
 - ``prompt_ids``, ``completion_ids``: token ids per row; the policy is trained on ``prompt + completion``;
-- ``logprobs``: the sampler's per-token log-probs of the completion, or None;
+- ``logprobs``: the sampler's per-token log-probs of the completion (None for a token it could not score),
+  or None;
 - ``env_mask`` (optional): per completion token, 1 where the model produced it and 0 where the environment
   did (a tool's answer): only the model's tokens count in the loss;
 - any other key: one value per row (or one value for all), passed to the reward functions by that name.
@@ -57,8 +58,11 @@ def _numbers(row, key: str, index: int, kind: type) -> list:
                            f"of {kind.__name__}s.")
     if kind is int and not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
         raise RolloutError(f"rollout_func returned '{key}' row {index} with a value that is not a token id (int).")
-    if kind is float and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
-        raise RolloutError(f"rollout_func returned '{key}' row {index} with a value that is not a number.")
+    if kind is float:  # None: a token the sampler could not score (vLLM's), kept as NaN as TRL does
+        row = [math.nan if v is None else v for v in row]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+            raise RolloutError(f"rollout_func returned '{key}' row {index} with a value that is not a number "
+                               f"(None marks a token the sampler could not score).")
     return [kind(v) for v in row]
 
 
@@ -124,16 +128,22 @@ def call_rollout_func(func, prompts: list, trainer) -> UserRollout:
                          context_length(model))
 
 
-def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: list[list[float]], mask: torch.Tensor
+def padded_logprobs(sampler_logps: list[list[float]], width: int) -> torch.Tensor:
+    """The sampler's log-probs as [N, width] float32, NaN beyond each completion's end (and where the sampler
+    gave none)."""
+    sampler = torch.full((len(sampler_logps), width), math.nan)
+    for row, values in enumerate(sampler_logps):
+        sampler[row, :len(values)] = torch.tensor(values, dtype=sampler.dtype)
+    return sampler
+
+
+def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """|trainer - sampler| log-probs over ``mask``'s tokens -> (sum, count, max), each a 0-d tensor.
 
-    trainer_logps, mask: [N, C]; sampler_logps: N rows of their completion's length. NaN sampler values
-    (tokens the sampler could not score) are left out, as TRL does."""
-    sampler = torch.full_like(trainer_logps, math.nan)  # [N, C]
-    for row, values in enumerate(sampler_logps):
-        sampler[row, :len(values)] = torch.tensor(values, dtype=sampler.dtype)
-    delta = (trainer_logps - sampler).abs()
+    trainer_logps, sampler_logps (``padded_logprobs``), mask: [N, C]. NaN sampler values (tokens the sampler
+    could not score) are left out, as TRL does."""
+    delta = (trainer_logps - sampler_logps).abs()
     counted = mask.bool() & ~torch.isnan(delta)
     delta = torch.where(counted, delta, torch.zeros_like(delta))
     return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())

@@ -74,11 +74,13 @@ def main():
 
     def rollout(prompts, trainer):
         """The trainer's own sampling (under ZeRO-3, generate gathers the weights: every process calls it), with
-        made-up sampler log-probs so the trainer's comparison runs its collectives."""
+        made-up sampler log-probs on process 1 and none on process 0, so the trainer's comparison and sampler
+        correction run their collectives with one process that has nothing to count."""
         rollout_prompts.append(prompts)
         prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
         completions = trainer.generate(prompt_ids)
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": [[0.0] * len(c) for c in completions]}
+        logprobs = [[0.0] * len(c) for c in completions] if trainer.accelerator.process_index == 1 else None
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
 
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
                           rollout_func=rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None)

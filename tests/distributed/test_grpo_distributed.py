@@ -31,7 +31,7 @@ def run_job(name: str, model_dir: str, folder, **env) -> list[dict]:
                                                  ("zero3", True)])
 def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
     """rollout_func: the job samples through a rollout function (the trainer's own sampling, made-up sampler
-    log-probs); everything below holds the same."""
+    log-probs on one process); everything below holds the same."""
     reports = run_job(name, tiny_model_dir, tmp_path / "run", GRPO_JOB_ROLLOUT_FUNC="1" if rollout_func else "0")
     assert [r["rank"] for r in reports] == [0, 1] and all(r["num_processes"] == 2 for r in reports)
     assert reports[0]["zero_stage"] == {"multi_gpu": 0, "zero2": 2, "zero3": 3}[name]
@@ -61,6 +61,9 @@ def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
         assert [len(c) for c in calls] == [4, 4] and all(len(p) == 2 for c in calls for p in c)
         assert calls[0][0] == calls[1][0] == rows_of(reports[0]["round"]["slots"])
         assert all(r["sampling/sampling_logp_difference/mean"] > 1.0 for r in history)  # |log p| under made-up 0s
+        # process 1's sequence weights exp(sum log p - 0) are ~0; process 0 (no log-probs, weight 1) counts nothing
+        assert all(0.0 <= r["sampling/importance_sampling_ratio/min"] <= r["sampling/importance_sampling_ratio/max"]
+                   < 1e-3 for r in history)
     else:
         assert all("sampling/sampling_logp_difference/mean" not in r for r in history)
 

@@ -85,26 +85,29 @@ def test_environment_tokens_are_context_not_loss(tiny_model_dir, tmp_path):
     assert plain[0]["completions/max_length"] <= 5
 
 
-def test_sampler_logprobs_are_compared_with_the_trainers(tiny_model_dir, tmp_path):
-    """The rollout renders its own prompts ("Q: ..."), so the trainer must train on its prompt_ids: log-probs
-    computed from them agree with the trainer's to float noise; made-up ones show the gap."""
-    def make(exact: bool):
-        def rollout(prompts, trainer):
-            prompt_ids = [trainer.processing_class("Q: " + p)["input_ids"] for p in prompts]
-            completions = trainer.generate(prompt_ids)
-            logprobs = []
-            for p, c in zip(prompt_ids, completions):
-                with torch.no_grad():
-                    logits = trainer.unwrapped_model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
-                picked = torch.log_softmax(logits.float(), -1)[torch.arange(len(c)), torch.tensor(c)]
-                logprobs.append(picked.tolist() if exact else [0.0] * len(c))
-            return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
-        return rollout
+def sampler_rollout(shift=lambda row: 0.0, made_up: bool = False):
+    """A rollout rendering its own prompts ("Q: ..."), with the policy's exact log-probs of its completions
+    minus shift(row) per token (a sampler that rates them lower), or made-up zeros."""
+    def rollout(prompts, trainer):
+        prompt_ids = [trainer.processing_class("Q: " + p)["input_ids"] for p in prompts]
+        completions = trainer.generate(prompt_ids)
+        logprobs = []
+        for row, (p, c) in enumerate(zip(prompt_ids, completions)):
+            with torch.no_grad():
+                logits = trainer.unwrapped_model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+            picked = torch.log_softmax(logits.float(), -1)[torch.arange(len(c)), torch.tensor(c)] - shift(row)
+            logprobs.append([0.0] * len(c) if made_up else picked.tolist())
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
+    return rollout
 
+
+def test_sampler_logprobs_are_compared_with_the_trainers(tiny_model_dir, tmp_path):
+    """The rollout renders its own prompts, so the trainer must train on its prompt_ids: log-probs computed
+    from them agree with the trainer's to float noise; made-up ones show the gap."""
     gaps = []
-    for exact in (True, False):
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / str(exact)),
-                              train_dataset=PROMPTS, rollout_func=make(exact))
+    for made_up in (False, True):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / str(made_up)),
+                              train_dataset=PROMPTS, rollout_func=sampler_rollout(made_up=made_up))
         trainer.train()
         record = trainer.state.log_history[0]
         gaps.append((record["sampling/sampling_logp_difference/mean"],
@@ -112,6 +115,50 @@ def test_sampler_logprobs_are_compared_with_the_trainers(tiny_model_dir, tmp_pat
     (exact_mean, exact_max), (zero_mean, zero_max) = gaps
     assert exact_max < 1e-4
     assert zero_mean > 1.0 and zero_max >= zero_mean  # |log p| of a near-uniform 259-token policy: ~5
+
+
+def first_step(tiny_model_dir, tmp_path, rollout, **overrides):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS, rollout_func=rollout,
+                          args=config(tmp_path, max_steps=1, **overrides))
+    trainer.train()
+    return trainer.state.log_history[0]
+
+
+def test_token_weights_correct_a_sampler_that_rates_every_token_lower(tiny_model_dir, tmp_path):
+    """A sampler 0.1 nat below the policy on every token: token_truncate weights every token e^0.1, so the
+    first step's loss and gradient are e^0.1 times those without the correction."""
+    lower = sampler_rollout(shift=lambda row: 0.1)
+    on = first_step(tiny_model_dir, tmp_path / "on", lower, vllm_importance_sampling_mode="token_truncate")
+    off = first_step(tiny_model_dir, tmp_path / "off", lower, vllm_importance_sampling_correction=False)
+    e = torch.tensor(0.1).exp().item()
+    for key in ("min", "mean", "max"):
+        assert on[f"sampling/importance_sampling_ratio/{key}"] == pytest.approx(e, rel=1e-4), key
+    assert "sampling/importance_sampling_ratio/mean" not in off and off["sampling/sampling_logp_difference/mean"] \
+        == pytest.approx(0.1, rel=1e-3)
+    assert on["grad_norm"] == pytest.approx(e * off["grad_norm"], rel=1e-4) and off["grad_norm"] > 0
+    assert on["loss"] == pytest.approx(e * off["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_sequence_mask_drops_completions_the_sampler_rated_far_lower(tiny_model_dir, tmp_path):
+    """TRL's default, sequence_mask with C_max 3: rows whose sampler is 2 nats lower per token (ratio >= e^2)
+    leave the loss; the exact rows keep weight ~1."""
+    half = sampler_rollout(shift=lambda row: 2.0 if row % 2 else 0.0)
+    on = first_step(tiny_model_dir, tmp_path / "on", half)
+    off = first_step(tiny_model_dir, tmp_path / "off", half, vllm_importance_sampling_correction=False)
+    assert on["sampling/importance_sampling_ratio/min"] == 0.0
+    assert on["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-4)
+    assert on["sampling/importance_sampling_ratio/mean"] == pytest.approx(0.5, abs=1e-4)
+    assert on["grad_norm"] != pytest.approx(off["grad_norm"], rel=1e-2)
+    exact = first_step(tiny_model_dir, tmp_path / "exact", sampler_rollout())  # weights ~1: no change
+    assert exact["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-4)
+
+
+def test_vespo_needs_a_token_level_correction(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="loss_type='vespo' with a rollout_func needs vllm_importance_sampling_mode"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS, rollout_func=sampler_rollout(),
+                    args=config(tmp_path, loss_type="vespo"))
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS, rollout_func=sampler_rollout(),
+                args=config(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_mask"))
 
 
 def test_evaluation_scores_the_rollouts(tiny_model_dir, tmp_path):

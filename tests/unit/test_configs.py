@@ -365,6 +365,26 @@ def test_clip_high():
     assert GRPOConfig(epsilon_high=0.28).clip_high == 0.28
 
 
+def test_sampler_correction_options_are_checked():
+    """TRL's vllm_importance_sampling_* (they correct a rollout_func's sampler here): names in the errors."""
+    config = GRPOConfig()
+    assert (config.vllm_importance_sampling_correction, config.vllm_importance_sampling_mode,
+            config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max) == \
+        (True, "sequence_mask", None, 3.0)  # TRL's defaults
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode.*valid: \\('token_truncate'"):
+        GRPOConfig(vllm_importance_sampling_mode="token")
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min.*less than "
+                                          "vllm_importance_sampling_clip_max \\(3.0\\)"):
+        GRPOConfig(vllm_importance_sampling_clip_min=3.0)
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_max"):
+        GRPOConfig(vllm_importance_sampling_clip_max=-1.0)
+    assert GRPOConfig(vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=None) \
+        .vllm_importance_sampling_clip_min == 0.5
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        capped = GRPOConfig(vllm_importance_sampling_cap=2.0)  # TRL's old name for the upper bound
+    assert capped.vllm_importance_sampling_clip_max == 2.0
+
+
 def test_to_dict_round_trips():
     config = SFTConfig(learning_rate=1e-4, max_length=256, packing=True)
     as_dict = config.to_dict()

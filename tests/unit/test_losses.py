@@ -9,7 +9,8 @@ from trainers.losses import (
     AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
     entropy_bonus, entropy_from_logits,
     group_advantages, high_entropy_mask, importance_log_weights, k3_kl, logps_and_entropy, nanstd,
-    off_policy_sequence_mask, sapo_policy_loss, selective_log_softmax, vespo_policy_loss,
+    off_policy_sequence_mask, sampler_importance_weights, sapo_policy_loss, selective_log_softmax,
+    vespo_policy_loss,
 )
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
@@ -229,6 +230,57 @@ def test_off_policy_sequence_mask_drops_negative_far_off_policy_completions():
     assert kept.squeeze(1).tolist() == [1.0, 0.0, 1.0, 0.0]  # kept: A >= 0, or KL <= 0.5
     assert not kept.requires_grad  # a mask, not a path for gradients
     assert off_policy_sequence_mask(logps, logps.detach(), advantages, mask, 0.0).eq(1).all()  # on policy: all kept
+
+
+def test_off_policy_sequence_mask_reads_an_unscored_sampler_token_as_no_evidence():
+    """NaN (a token the sampler could not score) counts as KL 0, as TRL: one such token does not drop a row."""
+    logps = torch.zeros(2, 2)
+    sampler = torch.tensor([[math.nan, 0.0], [math.nan, 2.0]])
+    kept = off_policy_sequence_mask(logps, sampler, torch.tensor([-1.0, -1.0]), torch.ones(2, 2), 0.5)
+    assert kept.squeeze(1).tolist() == [1.0, 0.0]  # row 1: mean KL (0 + 2) / 2 = 1 > 0.5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sampler_importance_weights (vllm_importance_sampling_*: a rollout function's log-probs)
+# ------------------------------------------------------------------------------------------------------------
+
+# the trainer's log-probs minus the sampler's: row 0 [0.5, 1.5, pad], row 1 [-1.0, unscored (NaN), pad]
+TRAINER = torch.tensor([[-1.0, -0.5, -3.0], [-2.0, -1.0, -3.0]])
+SAMPLER = torch.tensor([[-1.5, -2.0, math.nan], [-1.0, math.nan, math.nan]])
+LOSS_TOKENS = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max, expected", [
+    # per token: exp(diff), 1 on padding and on the unscored token (no correction), then clipped or masked
+    ("token_truncate", None, 3.0, [[math.exp(0.5), 3.0, 1.0], [math.exp(-1.0), 1.0, 1.0]]),
+    ("token_truncate", 0.5, None, [[math.exp(0.5), math.exp(1.5), 1.0], [0.5, 1.0, 1.0]]),
+    ("token_mask", None, 3.0, [[math.exp(0.5), 0.0, 1.0], [math.exp(-1.0), 1.0, 1.0]]),
+    ("token_mask", 0.5, 3.0, [[math.exp(0.5), 0.0, 1.0], [0.0, 1.0, 1.0]]),
+    ("token_truncate", None, None, [[math.exp(0.5), math.exp(1.5), 1.0], [math.exp(-1.0), 1.0, 1.0]]),
+    # per completion: exp(sum of its diffs) = e^2 and e^-1
+    ("sequence_truncate", None, 3.0, [[3.0], [math.exp(-1.0)]]),
+    ("sequence_truncate", 0.5, 8.0, [[math.exp(2.0)], [0.5]]),
+    ("sequence_mask", None, 3.0, [[0.0], [math.exp(-1.0)]]),
+    ("sequence_mask", None, 8.0, [[math.exp(2.0)], [math.exp(-1.0)]]),
+    ("sequence_mask", 0.5, 8.0, [[math.exp(2.0)], [0.0]]),
+])
+def test_sampler_importance_weights_per_mode(mode, clip_min, clip_max, expected):
+    weights = sampler_importance_weights(TRAINER, SAMPLER, LOSS_TOKENS, mode, clip_min, clip_max)
+    assert weights.shape == (2, 3 if mode.startswith("token") else 1)
+    torch.testing.assert_close(weights, torch.tensor(expected))
+
+
+def test_vespo_folds_per_token_sampler_weights_into_its_sequence_weight():
+    """log w gains sum_t log(sampler weight): the same phi as if the token log-ratios were shifted by them (TRL)."""
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages = torch.tensor([0.5, -2.0])
+    log_ratio = torch.tensor([[0.1, 0.2, 0.0], [-0.2, -0.3, 5.0]])
+    shift = torch.tensor([[0.3, -0.1, 0.2], [0.4, 0.1, 0.0]]) * mask  # padding's sampler weight is 1
+    _, phi = vespo_policy_loss(logps, log_ratio, advantages, mask, 2.0, 3.0, 3.0, 2.0, torch.exp(shift))
+    _, shifted = vespo_policy_loss(logps, log_ratio + shift, advantages, mask, 2.0, 3.0, 3.0, 2.0)
+    torch.testing.assert_close(phi, shifted)
+    assert not torch.allclose(phi, vespo_policy_loss(logps, log_ratio, advantages, mask, 2.0, 3.0, 3.0, 2.0)[1])
 
 
 # ------------------------------------------------------------------------------------------------------------
