@@ -22,8 +22,20 @@ def main():
     args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
                      gradient_accumulation_steps=accumulation, learning_rate=1e-3, max_steps=5, logging_steps=1,
                      save_strategy="no", disable_tqdm=True, seed=0, bf16=False, **extra)
-    trainer = SFTTrainer(model=model_dir, args=args, train_dataset=rows)
+    model, optimizers = model_dir, (None, None)
+    if os.environ.get("SFT_JOB_OPTIMIZER") == "sgd":  # transformers' optimizers=(optimizer, lr_scheduler)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, optimizers=optimizers)
     trainer.train()
+    optimizer_classes = []  # the wrappers down to the optimizer that steps (Accelerate's, DeepSpeed's, torch's)
+    inner = trainer.optimizer
+    while inner is not None and len(optimizer_classes) < 5:
+        optimizer_classes.append(type(inner).__name__)
+        inner = getattr(inner, "optimizer", None)
 
     model = trainer.model
     local_numel = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
@@ -38,6 +50,8 @@ def main():
         "zero_stage": zero_stage(trainer.accelerator),
         "effective_batch_size": trainer.effective_batch_size,
         "losses": [r["loss"] for r in trainer.state.log_history],
+        "learning_rates": [r["learning_rate"] for r in trainer.state.log_history],
+        "optimizer_classes": optimizer_classes,
         "local_numel": local_numel,
         "total_numel": total_numel,
         "checksum": checksum,

@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import CONFIGS, REPO, launch
+from tests.conftest import CONFIGS, REPO, launch, rank_reports
 
 JOB = os.path.join(REPO, "tests", "distributed", "sft_job.py")
 TEMPLATES = ["single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2"]
@@ -84,6 +84,37 @@ def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
     assert saved.keys() == ref_weights.keys()
     for key in ref_weights:
         torch.testing.assert_close(saved[key], ref_weights[key], rtol=1e-4, atol=1e-5)
+
+
+SGD = {"SFT_JOB_OPTIMIZER": "sgd"}  # sft_job.py: optimizers=(SGD with momentum, a decaying LambdaLR)
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sgd-reference")
+    launch("single_gpu", JOB, tiny_model_dir, str(out), "8", "1", num_processes=1, extra_env=SGD)
+    return rank_reports(out, num_processes=1)[0], load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_a_given_optimizer_and_scheduler_train_the_same_under_deepspeed(name, tiny_model_dir, tmp_path,
+                                                                       sgd_reference):
+    """transformers' optimizers=(SGD with momentum, a decaying LambdaLR) on a model instance: DeepSpeed steps
+    that optimizer, on the scheduler's rates, to the losses and weights of one process with the same batch."""
+    launch(name, JOB, tiny_model_dir, str(tmp_path), "2", "2", extra_env=SGD)
+    (one, alone), reports = sgd_reference, rank_reports(tmp_path)
+    assert one["learning_rates"] == pytest.approx([0.05 / (1 + step) for step in range(5)], rel=1e-5)
+    assert one["losses"][-1] < one["losses"][0]
+    for report in reports:
+        assert report["zero_stage"] == int(name[4]) and "SGD" in report["optimizer_classes"]
+        assert report["optimizer_classes"][1].startswith("DeepSpeedZero")  # Accelerate's wrapper, then ZeRO's
+        assert report["learning_rates"] == pytest.approx(one["learning_rates"])
+        assert report["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    for key in alone:
+        torch.testing.assert_close(saved[key], alone[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.distributed
