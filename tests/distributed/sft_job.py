@@ -51,6 +51,7 @@ def main():
         "effective_batch_size": trainer.effective_batch_size,
         "losses": [r["loss"] for r in trainer.state.log_history],
         "learning_rates": [r["learning_rate"] for r in trainer.state.log_history],
+        "aux_losses": [r["aux_loss"] for r in trainer.state.log_history if "aux_loss" in r],  # MoE models only
         "optimizer_classes": optimizer_classes,
         "local_numel": local_numel,
         "total_numel": total_numel,

@@ -1,4 +1,4 @@
-"""compute_metrics and predict() under 2 processes (multi_gpu.yaml: DDP, and zero3.yaml: ZeRO-3, over gloo on CPU)
+"""compute_metrics and predict() under 2 processes (multi_gpu.yaml: DDP, zero2.yaml and zero3.yaml, over gloo on CPU)
 see every eval row once, in dataset order, as a 1-process run does: the processes' uneven shares are gathered and
 put back in order. A compute_loss_func's num_items_in_batch counts every process's tokens: its NLL trains as the
 built-in one."""
@@ -20,7 +20,7 @@ def scored(argmax: list, alone: dict) -> list:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("template", ["multi_gpu", "zero3"])
+@pytest.mark.parametrize("template", ["multi_gpu", "zero2", "zero3"])
 def test_compute_metrics_and_predict_see_every_row_in_order_on_two_processes(tiny_model_dir, tmp_path, template):
     launch(template, JOB, tiny_model_dir, str(tmp_path), timeout=300)
     alone = run(tiny_model_dir, str(tmp_path / "alone"))

@@ -86,6 +86,40 @@ def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
         torch.testing.assert_close(saved[key], ref_weights[key], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.distributed
+def test_neftune_noise_reaches_the_embeddings_under_zero3(tiny_model_dir, tmp_path, reference):
+    """NEFTune's forward hook sits on the embeddings inside DeepSpeed's engine: the first step's loss (before
+    any update) already differs from the noise-free run's, and both processes still train one model."""
+    ref_report, _ = reference
+    launch("zero3", JOB, tiny_model_dir, str(tmp_path), "2", "2", "neftune_noise_alpha=5")
+    reports = rank_reports(tmp_path)
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert abs(reports[0]["losses"][0] - ref_report["losses"][0]) > 1e-3 * ref_report["losses"][0]
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+
+
+@pytest.mark.distributed
+def test_a_moe_models_router_loss_joins_the_loss_under_ddp(tmp_path):
+    """A tiny Qwen3-MoE under DDP (4 experts, 2 per token): both processes train one model, and the first
+    step's loss (before any update) with router_aux_loss_coef=0.5 is the one with 0 plus 0.5 x the logged
+    aux_loss, averaged over both processes' micro-batches as the loss is."""
+    from tests.integration.test_trl_contracts import tiny_moe
+    from trainers.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tiny_moe(tokenizer).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    runs = {}
+    for coef in (0.0, 0.5):
+        out = tmp_path / str(coef)
+        launch("multi_gpu", JOB, str(tmp_path / "moe"), str(out), "2", "2", f"router_aux_loss_coef={coef}")
+        runs[coef] = rank_reports(out)
+        assert runs[coef][0]["checksum"] == pytest.approx(runs[coef][1]["checksum"], rel=1e-9)
+    plain, routed = runs[0.0][0], runs[0.5][0]
+    assert not plain["aux_losses"] and len(routed["aux_losses"]) == 5 and routed["aux_losses"][0] > 0
+    assert routed["losses"][0] == pytest.approx(plain["losses"][0] + 0.5 * routed["aux_losses"][0], rel=1e-4)
+
+
 SGD = {"SFT_JOB_OPTIMIZER": "sgd"}  # sft_job.py: optimizers=(SGD with momentum, a decaying LambdaLR)
 
 
