@@ -120,6 +120,27 @@ def test_a_moe_models_router_loss_joins_the_loss_under_ddp(tmp_path):
     assert routed["losses"][0] == pytest.approx(plain["losses"][0] + 0.5 * routed["aux_losses"][0], rel=1e-4)
 
 
+@pytest.mark.distributed
+def test_chat_template_path_resizes_a_partitioned_model_under_zero3(tiny_model_dir, tmp_path):
+    """zero3.yaml loads the model already partitioned (zero3_init_flag); cloning a donor's template adds its
+    tokens and resizes the (tied) embeddings to 320 rows there, each process holding half of the weights."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.test_trl_contracts import donor_tokenizer_folder
+
+    donor = donor_tokenizer_folder(tmp_path / "donor")
+    launch("zero3", JOB, tiny_model_dir, str(tmp_path / "run"), "2", "2", f'chat_template_path="{donor}"')
+    reports = rank_reports(tmp_path / "run")
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    assert reports[0]["losses"][-1] < reports[0]["losses"][0]
+    for report in reports:
+        assert 0.45 < report["local_numel"] / report["total_numel"] < 0.55
+    saved = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    assert saved["model.embed_tokens.weight"].shape[0] == 320
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "run" / "final"))
+    assert len(tokenizer.get_vocab()) == 320 and tokenizer.eos_token == "<|end|>"
+
+
 SGD = {"SFT_JOB_OPTIMIZER": "sgd"}  # sft_job.py: optimizers=(SGD with momentum, a decaying LambdaLR)
 
 
