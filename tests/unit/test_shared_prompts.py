@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trainers.grpo import policy_inputs
+from trainers.grpo_rollout import policy_inputs
 from trainers.modeling import shared_prompt_logprobs, token_logprobs
 
 
