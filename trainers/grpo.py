@@ -42,7 +42,7 @@ from trainers.rewards import (
 from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap, padded_logprobs
 from trainers.samplers import group_slots
 from trainers.sft import as_dataset
-from trainers.stats import Extreme, Stats
+from trainers.stats import Extreme, Stats, reduce_extremes, reduce_pairs
 
 
 class GRPOTrainer(BaseTrainer):
@@ -421,13 +421,14 @@ class GRPOTrainer(BaseTrainer):
     def _pooled_extremes(self, name: str, values: torch.Tensor) -> dict:
         """{name}/min, /mean and /max of this process's ``values`` and every other's (nothing when none has any)."""
         acc = self.accelerator
-        total, count = dist.all_reduce_sum(acc, torch.stack([values.sum(), values.new_tensor(values.numel())]))
-        low = values.min() if values.numel() else values.new_tensor(math.inf)
-        high = values.max() if values.numel() else values.new_tensor(-math.inf)
-        negated_low, high = dist.all_reduce_max(acc, torch.stack([-low, high])).tolist()
-        if count.item() == 0:
+        pooled = reduce_pairs(acc, {f"{name}/mean": (values.sum(), values.numel())})  # NaN when no process has any
+        if math.isnan(pooled[f"{name}/mean"]):
             return {}
-        return {f"{name}/min": -negated_low, f"{name}/mean": (total / count).item(), f"{name}/max": high}
+        nothing = values.new_tensor(math.nan)  # a process without values is left out of the min and max
+        pooled.update(reduce_extremes(acc, {
+            f"{name}/min": [Extreme(values.min() if values.numel() else nothing, "min")],
+            f"{name}/max": [Extreme(values.max() if values.numel() else nothing, "max")]}))
+        return pooled
 
     def _batched_logps(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of the round, in micro-batches: [N, C]."""
