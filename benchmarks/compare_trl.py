@@ -5,6 +5,7 @@
     python benchmarks/compare_trl.py --quick     # one repeat of the tiny-model rows
     python benchmarks/compare_trl.py --only grpo-tiny-64 sft-tiny-unpacked --repeats 3
     python benchmarks/compare_trl.py --gpu --repeats 1   # on a GPU: a Qwen2.5-0.5B-shaped model, bf16
+    python benchmarks/compare_trl.py --only grpo-small-64 --lora 16   # both with the same LoRA adapters
 
 Each run is its own process (so peak memory is the process's own peak RSS, VmHWM); runs of the two
 frameworks alternate (TRL, ours, ours, TRL, ...) so drift on the machine hits both alike. Reported per row:
@@ -196,6 +197,8 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="Every row in bf16 mixed precision (both frameworks).")
     parser.add_argument("--extra", type=json.loads, default=None,
                         help='Config fields (JSON) for both frameworks in every row, e.g. \'{"entropy_coef": 0.01}\'.')
+    parser.add_argument("--lora", type=int, default=0,
+                        help="LoRA adapters of this rank on every linear layer, for both frameworks (0: full training).")
     parser.add_argument("--reward", choices=["len", "rare"], default="len",
                         help="GRPO reward for both: 'len' (completion length, the default) or 'rare' (1 for a "
                              "completion containing a rare syllable: ~40%% of groups have zero std).")
@@ -223,11 +226,14 @@ def main():
     for name in names:
         model, method, options, steps, warmup = catalogue[name]
         options = {**options, "bf16": cli.bf16, **({"extra": json.dumps(cli.extra)} if cli.extra else {})}
+        if cli.lora:
+            options["lora"] = cli.lora
         if method == "grpo":
             options["reward"] = cli.reward
             if cli.ours_extra:
                 options["ours_extra"] = json.dumps(cli.ours_extra)
-        name = name + ("-bf16" if cli.bf16 and not cli.gpu else "") + ("-rare" if method == "grpo" and cli.reward == "rare" else "")
+        name = (name + ("-bf16" if cli.bf16 and not cli.gpu else "") + (f"-lora{cli.lora}" if cli.lora else "")
+                + ("-rare" if method == "grpo" and cli.reward == "rare" else ""))
         methods[name] = method
         results = {"ours": [], "trl": []}
         for repeat in range(cli.repeats):

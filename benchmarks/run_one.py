@@ -58,20 +58,41 @@ class StepClock:
         self._last = now
 
 
+def common_args(cli) -> dict:
+    """Config fields both frameworks get; ``--extra`` overrides any of them."""
+    return dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0)
+
+
+def sft_args(cli) -> dict:
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
+            "packing": cli.packing, "learning_rate": 1e-4, **cli.extra}
+
+
+def grpo_args(cli) -> dict:
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "num_generations": cli.num_generations,
+            "max_completion_length": cli.completion_length, "learning_rate": 1e-6, "beta": 0.0,
+            "generation_kwargs": {"min_new_tokens": cli.completion_length}, **cli.extra}
+
+
+def lora_config(cli):
+    """``--lora R``: the same LoRA adapters for both (rank R on every linear layer, alpha 2R), else None."""
+    if not cli.lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=cli.lora, lora_alpha=2 * cli.lora, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
 def run_ours(cli, rows):
     from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-    common = dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0, **cli.extra)
     if cli.method == "sft":
-        trainer = SFTTrainer(model=cli.model, train_dataset=rows, args=SFTConfig(
-            per_device_train_batch_size=cli.batch, max_length=cli.max_length, packing=cli.packing,
-            learning_rate=1e-4, **common))
+        trainer = SFTTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
+                             args=SFTConfig(**sft_args(cli)))
     else:
-        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows, args=GRPOConfig(
-            per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
-            max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
-            generation_kwargs={"min_new_tokens": cli.completion_length}, **common, **cli.ours_extra))
+        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
+                              peft_config=lora_config(cli), args=GRPOConfig(**grpo_args(cli), **cli.ours_extra))
     clock = StepClock()
     original = trainer.step_metrics
     trainer.step_metrics = lambda: (clock.tick(), original())[1]
@@ -95,19 +116,14 @@ def run_trl(cli, rows):
         def on_step_end(self, *args, **kwargs):
             clock.tick()
 
-    common = dict(output_dir=cli.out, max_steps=cli.steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                  bf16=cli.bf16, report_to="none", gradient_checkpointing=False, seed=0,
-                  use_cpu=not torch.cuda.is_available(), **cli.extra)
+    cpu = {"use_cpu": not torch.cuda.is_available()}
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
-                             args=SFTConfig(per_device_train_batch_size=cli.batch, max_length=cli.max_length,
-                                            packing=cli.packing, learning_rate=1e-4, **common))
+                             peft_config=lora_config(cli), args=SFTConfig(**sft_args(cli), **cpu))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
-                              callbacks=[Clock()], args=GRPOConfig(
-                                  per_device_train_batch_size=cli.batch, num_generations=cli.num_generations,
-                                  max_completion_length=cli.completion_length, learning_rate=1e-6, beta=0.0,
-                                  generation_kwargs={"min_new_tokens": cli.completion_length}, **common))
+                              callbacks=[Clock()], peft_config=lora_config(cli),
+                              args=GRPOConfig(**grpo_args(cli), **cpu))
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     return clock.times, logs[-1].get("num_tokens", float("nan")), logs[-1]["loss"], zero_std_share(logs)
@@ -135,6 +151,7 @@ def main():
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for both frameworks.")
     parser.add_argument("--extra", type=json.loads, default={}, help="Extra config fields (JSON), for both.")
     parser.add_argument("--ours_extra", type=json.loads, default={}, help="Extra config fields (JSON), ours only.")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer, for both (0: none).")
     parser.add_argument("--reward", choices=sorted(REWARDS), default="len", help="GRPO's reward function.")
     cli = parser.parse_args()
     if cli.threads:

@@ -58,3 +58,22 @@ def test_gpu_table_prints_every_column(capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == ("| sft-qwen05-packed | NVIDIA H100 80GB HBM3 | 5000 tok/s | 10000 tok/s | 2.00 | 1.5% / 3.0% MFU | "
                     "4000 | 3000 | 0.75 | 1.000 / 1.000 |")
+
+
+def test_run_one_extra_overrides_the_defaults_and_lora_is_shared():
+    """--extra may change a field the harness also sets (it raised 'multiple values' for beta before), and
+    --lora gives both frameworks the same adapters."""
+    import argparse
+
+    from benchmarks.run_one import grpo_args, lora_config, sft_args
+
+    cli = argparse.Namespace(out="/tmp/x", steps=3, bf16=False, batch=16, max_length=256, packing=False,
+                             num_generations=8, completion_length=64, lora=8,
+                             extra={"beta": 0.04, "gradient_checkpointing": True, "learning_rate": 3e-5})
+    grpo = grpo_args(cli)
+    assert (grpo["beta"], grpo["gradient_checkpointing"], grpo["learning_rate"]) == (0.04, True, 3e-5)
+    assert grpo["generation_kwargs"] == {"min_new_tokens": 64} and grpo["num_generations"] == 8
+    assert sft_args(cli)["learning_rate"] == 3e-5 and sft_args(cli)["max_length"] == 256
+    lora = lora_config(cli)
+    assert (lora.r, lora.lora_alpha, lora.target_modules) == (8, 16, "all-linear")
+    assert lora_config(argparse.Namespace(lora=0)) is None

@@ -114,15 +114,21 @@ def test_inverse_cdf_sampling_matches_the_distribution():
     torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
 
 
-def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
+def packable_model(vocab: int):
+    """Big enough (512 x 1024 MLP weights) for the packed-weight path."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, num_hidden_layers=2,
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=512, num_hidden_layers=2,
                                          num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
                                          max_position_embeddings=256)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
+    return model
+
+
+def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
+    model = packable_model(len(tokenizer))
     run = engine._Decoder(model)
     run.pack_weights(6)
     if engine._can_pack(torch.device("cpu"), torch.float32):
@@ -145,3 +151,42 @@ def test_under_bf16_autocast_the_engine_matches_hf(tokenizer):
         hf = hf_generate(model, PROMPTS, params, pad, eos)
     matching = sum(a == b for a, b in zip(ours, hf))
     assert matching >= len(PROMPTS) - 1, (ours, hf)  # bf16 rounding may flip a near-tie in one row at most
+
+
+def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
+    """A LoRA layer decodes through one packed product of W + B @ A x scaling: the same greedy tokens as HF's
+    three products, the model's weights untouched, and a disabled or DoRA adapter keeps PEFT's own forward."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model(**options):
+        model = get_peft_model(packable_model(len(tokenizer)), LoraConfig(r=8, target_modules="all-linear", **options))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02)  # a non-trivial adapter
+        return model.eval()
+
+    model = lora_model()
+    mlp = model.get_base_model().model.layers[0].mlp
+    before = mlp.gate_proj.base_layer.weight.clone()
+    run = engine._Decoder(model)
+    run.pack_weights(6)
+    if engine._can_pack(torch.device("cpu"), torch.float32):
+        assert {id(mlp.gate_proj), id(mlp.up_proj), id(mlp.down_proj)} <= set(run.packed)
+        merged = mlp.gate_proj.base_layer.weight + mlp.gate_proj.get_delta_weight("default")
+        x = torch.randn(6, 512)
+        torch.testing.assert_close(run.linear(mlp.gate_proj, x), mlp.gate_proj(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(run.linear(mlp.gate_proj, x), x @ merged.T, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_new_tokens=12, do_sample=False)
+    pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
+    ours = engine.generate(model, PROMPTS, params, pad, eos)
+    assert ours == hf_generate(model, PROMPTS, params, pad, eos)
+    assert torch.equal(mlp.gate_proj.base_layer.weight, before), "merging happens in the packed copy only"
+    with model.disable_adapter():
+        assert engine._effective_weight(mlp.gate_proj) is None
+        plain = engine.generate(model, PROMPTS, params, pad, eos)
+        assert plain == hf_generate(model, PROMPTS, params, pad, eos)
+    assert plain != ours, "the adapters change the greedy tokens (else this test shows nothing)"
+    dora = lora_model(use_dora=True)
+    assert engine._effective_weight(dora.get_base_model().model.layers[0].mlp.gate_proj) is None
+    assert engine.generate(dora, PROMPTS, params, pad, eos) == hf_generate(dora, PROMPTS, params, pad, eos)
