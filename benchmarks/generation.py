@@ -1,10 +1,10 @@
-"""Generation alone: the lean engine against HF ``generate`` (and the engine without oneDNN packed weights), on
-the benchmark models, for one GRPO round (2 prompts x 8 completions of 64 tokens, forced to full length).
+"""Generation alone: the lean engine against HF ``generate`` (and the engine without oneDNN packed weights, and
+with each projection packed on its own instead of q/k/v and gate/up stacked), on the benchmark models, for one GRPO round (2 prompts x 8 completions of 64 tokens, forced to full length).
 
     python benchmarks/generation.py [--tokens 64] [--repeats 3] [--bf16] [--models tiny small]
     python benchmarks/generation.py --models qwen05 --bf16 --tokens 256   # on a GPU
 
-On a GPU (used when PyTorch sees one) the packed-weights column is left out: packing is a CPU layout.
+On a GPU (used when PyTorch sees one) the packed-weights columns are left out: packing is a CPU layout.
 """
 
 import argparse
@@ -23,14 +23,50 @@ from trainers import engine  # noqa: E402
 from trainers.generation import SamplingParams, generate  # noqa: E402
 
 
-def timed(function, repeats: int) -> float:
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def timed(functions: dict, repeats: int) -> dict:
+    """Median seconds of each function, run in turns (one call of each per repeat, after one warm-up call
+    each): on a noisy host, variants measured back to back drift apart more than the effects measured."""
+    times = {name: [] for name in functions}
+    for repeat in range(repeats + 1):
+        for name, function in functions.items():
+            started = time.perf_counter()
+            function()
+            if repeat:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def without_packing(function):
+    def run():
+        can_pack = engine._can_pack
+        engine._can_pack = lambda *a: False
+        try:
+            function()
+        finally:
+            engine._can_pack = can_pack
+    return run
+
+
+def packed_one_by_one(function):
+    def run():
+        stacked = engine._Decoder.pack_weights
+        engine._Decoder.pack_weights = pack_one_by_one
+        try:
+            function()
+        finally:
+            engine._Decoder.pack_weights = stacked
+    return run
+
+
+def pack_one_by_one(run, batch: int) -> None:
+    """``engine._Decoder.pack_weights`` before projections sharing an input were stacked: one product each."""
+    if not engine._can_pack(run.decoder.embed_tokens.weight.device, run.dtype):
+        return
+    run._pack([run.lm.lm_head], batch)
+    for layer in run.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            run._pack([module], batch)
 
 
 def main():
@@ -45,9 +81,9 @@ def main():
     os.makedirs(cli.workdir, exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print("| model | device | HF generate s | lean s | lean without packed weights s | HF / lean | "
-          "lean completion tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | device | HF generate s | lean s | lean without packed weights s | lean, one product per "
+          "projection s | HF / lean | lean completion tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, path in build_models(cli.workdir, cli.models).items():
         model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -61,17 +97,17 @@ def main():
             with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=cli.bf16):
                 generate(model, prompts, params, tokenizer.pad_token_id, eos, engine=kind)
 
-        hf = timed(lambda: run("hf"), cli.repeats)
-        lean = timed(lambda: run("lean"), cli.repeats)
-        unpacked = "-"
+        variants = {"hf": lambda: run("hf"), "lean": lambda: run("lean")}
         if device == "cpu":
-            can_pack = engine._can_pack
-            engine._can_pack = lambda *a: False
-            unpacked = f"{timed(lambda: run('lean'), cli.repeats):.2f}"
-            engine._can_pack = can_pack
+            variants |= {"unpacked": without_packing(lambda: run("lean")),
+                         "one_by_one": packed_one_by_one(lambda: run("lean"))}
+        seconds = timed(variants, cli.repeats)
+        hf, lean = seconds["hf"], seconds["lean"]
+        unpacked, one_by_one = (f"{seconds[k]:.2f}" if k in seconds else "-" for k in ("unpacked", "one_by_one"))
         where = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
         print(f"| {name} ({MODELS[name]['hidden_size']} x {MODELS[name]['num_layers']}) | {where} | {hf:.2f} | "
-              f"{lean:.2f} | {unpacked} | {hf / lean:.1f}x | {len(prompts) * cli.tokens / lean:.0f} |", flush=True)
+              f"{lean:.2f} | {unpacked} | {one_by_one} | {hf / lean:.1f}x | {len(prompts) * cli.tokens / lean:.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ rotary tables and cache bookkeeping around a few small matrix products. This eng
   the model uses is honoured);
 - per decode step, per layer: the model's own projection modules (so LoRA adapters and gathered ZeRO-3
   weights work unchanged), fused RMSNorm, one SDPA call over the cache, and nothing else; on CPU, large
-  linear weights are re-laid once per call for oneDNN's packed GEMM (2-3x faster for a few rows), LoRA
-  layers with their adapters merged into that copy;
+  linear weights are re-laid once per call for oneDNN's packed GEMM (2-3x faster for a few rows), the
+  projections that share an input (q/k/v, gate/up) stacked into one product, LoRA layers with their adapters
+  merged into that copy;
 - finished rows dropped from the decode batch.
 
 Sampling follows HF's order and semantics: repetition penalty, min_new_tokens, then temperature, top-k,
@@ -146,7 +147,7 @@ class _Decoder:
         self.scaling = attn.scaling
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
-        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
         self.dtype = _compute_dtype(self.decoder.embed_tokens.weight)  # of the matrix products
         # Attention and the KV cache stay in the weights' dtype: bf16 attention is slower on CPU (its decode
         # SDPA kernel takes twice as long), and the cache is small.
@@ -157,33 +158,55 @@ class _Decoder:
         step multiplies a few rows by each weight, where oneDNN's packed GEMM is 2-3x faster than the default
         BLAS call (and under bf16 autocast, than re-casting the weight at every call). A LoRA layer is packed
         with its adapters merged into the copy (``_effective_weight``): one product per decode step instead of
-        three, and the model's own weights are not touched."""
-        weight = self.decoder.embed_tokens.weight
-        if not _can_pack(weight.device, self.dtype):
+        three, and the model's own weights are not touched. Projections that read the same input are packed as
+        one matrix (q/k/v, gate/up), as inference engines do: fewer, larger products stream the weights faster
+        (small model: 24 -> 22 ms of products per decode step)."""
+        if not _can_pack(self.decoder.embed_tokens.weight.device, self.dtype):
             return
         # the modules self.linear is called with (not a LoRA layer's inner base_layer, which it never calls)
-        linears = [self.lm.lm_head] + [getattr(part, name) for layer in self.layers
-                                       for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                                           (layer.mlp, ("gate_proj", "up_proj", "down_proj")))
-                                       for name in names]
-        for module in linears:
-            weight = _effective_weight(module)
-            if weight is not None and weight.numel() >= _PACK_MIN_WEIGHT[self.dtype]:
-                bias = _base_linear(module).bias
-                bias = None if bias is None else bias.detach().to(self.dtype)
-                self.packed[id(module)] = (torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), batch), bias)
+        self._pack([self.lm.lm_head], batch)
+        for layer in self.layers:
+            for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
+                                (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
+                self._pack([getattr(part, name) for name in names], batch)
+
+    def _pack(self, modules: list, batch: int) -> None:
+        """Pack the modules' weights stacked as one [sum of outputs, in] matrix, keyed by the first module; or
+        leave them all to their own forward when one has no plain weight or the stack is too small to gain."""
+        weights = [_effective_weight(module) for module in modules]
+        if any(w is None for w in weights) or sum(w.numel() for w in weights) < _PACK_MIN_WEIGHT[self.dtype]:
+            return
+        biases = [_base_linear(module).bias for module in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)])
+            bias = bias.to(self.dtype)
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), batch)
+        self.packed[id(modules[0])] = (packed, bias, [w.shape[0] for w in weights])
 
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(id(module))
-        if packed is None:
+        if packed is None or len(packed[2]) != 1:  # not packed, or packed with the modules after it
             return module(x)
-        weight, bias = packed
+        return self._product(packed, x)[0]
+
+    def linears(self, modules: list, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each module applied to ``x`` [..., in]: one product when they were packed together."""
+        packed = self.packed.get(id(modules[0]))
+        if packed is None or len(packed[2]) != len(modules):
+            return [self.linear(module, x) for module in modules]
+        return self._product(packed, x)
+
+    def _product(self, packed: tuple, x: torch.Tensor) -> list[torch.Tensor]:
+        weight, bias, sizes = packed
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).to(self.dtype), weight, bias, "none",
-                                                 [], "")
-        return out.view(*x.shape[:-1], -1)
+                                                 [], "")  # [rows, sum of sizes]
+        return [part.view(*x.shape[:-1], -1) for part in out.split(sizes, dim=-1)]
 
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+        gate, up = self.linears([mlp.gate_proj, mlp.up_proj], x)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def rotary(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=like.device).unsqueeze(0)
@@ -215,9 +238,10 @@ class _Decoder:
         for layer, (k_cache, v_cache) in zip(self.layers, cache):
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
-            q = self.linear(attn.q_proj, h).view(a, t, self.n_heads, self.head_dim)
-            k = self.linear(attn.k_proj, h).view(a, t, self.n_kv, self.head_dim)
-            v = self.linear(attn.v_proj, h).view(a, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k, v = self.linears([attn.q_proj, attn.k_proj, attn.v_proj], h)
+            q = q.view(a, t, self.n_heads, self.head_dim)
+            k = k.view(a, t, self.n_kv, self.head_dim)
+            v = v.view(a, t, self.n_kv, self.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = self._rope(q.transpose(1, 2).to(self.cache_dtype), cos, sin)

@@ -132,8 +132,10 @@ def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
     run = engine._Decoder(model)
     run.pack_weights(6)
     if engine._can_pack(torch.device("cpu"), torch.float32):
-        packed = {id(m) for layer in run.layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)}
-        assert packed <= set(run.packed), "the MLP weights (512 x 1024) are large enough to be packed"
+        for layer in run.layers:  # q/k/v and gate/up stacked, under the first module of each stack
+            attn, mlp = layer.self_attn, layer.mlp
+            assert run.packed[id(attn.q_proj)][2] == [512, 128, 128] and run.packed[id(mlp.gate_proj)][2] == [1024, 1024]
+            assert run.packed[id(attn.o_proj)][2] == [512] and run.packed[id(mlp.down_proj)][2] == [512]
     params = SamplingParams(max_new_tokens=12, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     assert engine.generate(model, PROMPTS, params, pad, eos) == hf_generate(model, PROMPTS, params, pad, eos)
@@ -142,8 +144,37 @@ def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
     assert sum(a == b for a, b in zip(ours, hf)) >= len(PROMPTS) - 1, (ours, hf)
 
 
-def test_under_bf16_autocast_the_engine_matches_hf(tokenizer):
-    model = make_model("qwen2", len(tokenizer))
+@pytest.mark.skipif(not engine._can_pack(torch.device("cpu"), torch.float32), reason="needs oneDNN packed GEMM")
+def test_projections_packed_together_give_each_modules_own_output(tokenizer):
+    """One product over stacked weights (q/k/v with Qwen2's biases, gate/up) splits into every module's output;
+    a stack mixing biased and unbiased layers gets zeros for the missing bias; a module without a plain weight
+    leaves its whole stack to the modules' own forwards."""
+    model = packable_model(len(tokenizer))
+    run = engine._Decoder(model)
+    run.pack_weights(6)
+    attn, mlp = run.layers[0].self_attn, run.layers[0].mlp
+    x = torch.randn(2, 3, 512)  # [A, T, H]
+    for modules in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+        outputs = run.linears(modules, x)
+        assert [o.shape for o in outputs] == [(2, 3, m.out_features) for m in modules]
+        for module, out in zip(modules, outputs):
+            torch.testing.assert_close(out, module(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(run.linear(attn.o_proj, x), attn.o_proj(x), rtol=1e-4, atol=1e-4)
+
+    torch.manual_seed(1)
+    biased, unbiased = torch.nn.Linear(512, 256), torch.nn.Linear(512, 256, bias=False)
+    wrapped = torch.nn.Sequential(torch.nn.Linear(512, 256))  # no weight of its own: not packable
+    run._pack([unbiased, biased], 6)
+    run._pack([biased, wrapped], 6)
+    assert id(unbiased) in run.packed and id(biased) not in run.packed
+    for modules in ([unbiased, biased], [biased, wrapped]):
+        for module, out in zip(modules, run.linears(modules, x)):
+            torch.testing.assert_close(out, module(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])  # bf16 packs every weight: Qwen3 norms q, k from the stack
+def test_under_bf16_autocast_the_engine_matches_hf(tokenizer, kind):
+    model = make_model(kind, len(tokenizer))
     params = SamplingParams(max_new_tokens=10, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -172,11 +203,13 @@ def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
     run = engine._Decoder(model)
     run.pack_weights(6)
     if engine._can_pack(torch.device("cpu"), torch.float32):
-        assert {id(mlp.gate_proj), id(mlp.up_proj), id(mlp.down_proj)} <= set(run.packed)
+        assert run.packed[id(mlp.gate_proj)][2] == [1024, 1024] and id(mlp.down_proj) in run.packed
         merged = mlp.gate_proj.base_layer.weight + mlp.gate_proj.get_delta_weight("default")
         x = torch.randn(6, 512)
-        torch.testing.assert_close(run.linear(mlp.gate_proj, x), mlp.gate_proj(x), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(run.linear(mlp.gate_proj, x), x @ merged.T, rtol=1e-4, atol=1e-4)
+        gate, up = run.linears([mlp.gate_proj, mlp.up_proj], x)
+        torch.testing.assert_close(gate, mlp.gate_proj(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gate, x @ merged.T, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(up, mlp.up_proj(x), rtol=1e-4, atol=1e-4)
     params = SamplingParams(max_new_tokens=12, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     ours = engine.generate(model, PROMPTS, params, pad, eos)
