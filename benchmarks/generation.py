@@ -1,5 +1,6 @@
 """Generation alone: the lean engine against HF ``generate`` (and the engine without oneDNN packed weights, and
-with each projection packed on its own instead of q/k/v and gate/up stacked), on the benchmark models, for one GRPO round (2 prompts x 8 completions of 64 tokens, forced to full length).
+with each projection packed on its own instead of q/k/v and gate/up stacked), on the benchmark models, for one
+GRPO round (2 prompts x 8 completions of 64 tokens, forced to full length).
 
     python benchmarks/generation.py [--tokens 64] [--repeats 3] [--bf16] [--models tiny small]
     python benchmarks/generation.py --models qwen05 --bf16 --tokens 256   # on a GPU
@@ -36,25 +37,15 @@ def timed(functions: dict, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def without_packing(function):
+def patched(owner, name: str, value, function):
+    """``function`` run with ``owner.name`` replaced by ``value`` (restored after each call)."""
     def run():
-        can_pack = engine._can_pack
-        engine._can_pack = lambda *a: False
+        original = getattr(owner, name)
+        setattr(owner, name, value)
         try:
             function()
         finally:
-            engine._can_pack = can_pack
-    return run
-
-
-def packed_one_by_one(function):
-    def run():
-        stacked = engine._Decoder.pack_weights
-        engine._Decoder.pack_weights = pack_one_by_one
-        try:
-            function()
-        finally:
-            engine._Decoder.pack_weights = stacked
+            setattr(owner, name, original)
     return run
 
 
@@ -64,8 +55,7 @@ def pack_one_by_one(run, batch: int) -> None:
         return
     run._pack([run.lm.lm_head], batch)
     for layer in run.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        for module in (m for group in engine.projection_groups(layer) for m in group):
             run._pack([module], batch)
 
 
@@ -99,8 +89,8 @@ def main():
 
         variants = {"hf": lambda: run("hf"), "lean": lambda: run("lean")}
         if device == "cpu":
-            variants |= {"unpacked": without_packing(lambda: run("lean")),
-                         "one_by_one": packed_one_by_one(lambda: run("lean"))}
+            variants |= {"unpacked": patched(engine, "_can_pack", lambda *a: False, lambda: run("lean")),
+                         "one_by_one": patched(engine._Decoder, "pack_weights", pack_one_by_one, lambda: run("lean"))}
         seconds = timed(variants, cli.repeats)
         hf, lean = seconds["hf"], seconds["lean"]
         unpacked, one_by_one = (f"{seconds[k]:.2f}" if k in seconds else "-" for k in ("unpacked", "one_by_one"))

@@ -134,6 +134,12 @@ def _effective_weight(module) -> torch.Tensor | None:
     return weight
 
 
+def projection_groups(layer) -> list[list[torch.nn.Module]]:
+    """A decoder layer's projections, grouped by the input they read (``_Decoder.forward`` calls them so)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+
+
 class _Decoder:
     """The model's layers, run step by step against a static KV cache."""
 
@@ -166,9 +172,8 @@ class _Decoder:
         # the modules self.linear is called with (not a LoRA layer's inner base_layer, which it never calls)
         self._pack([self.lm.lm_head], batch)
         for layer in self.layers:
-            for part, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
-                                (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
-                self._pack([getattr(part, name) for name in names], batch)
+            for group in projection_groups(layer):
+                self._pack(group, batch)
 
     def _pack(self, modules: list, batch: int) -> None:
         """Pack the modules' weights stacked as one [sum of outputs, in] matrix, keyed by the first module; or
