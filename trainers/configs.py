@@ -228,8 +228,8 @@ class TrainingConfig:
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory (slower).")
     gradient_checkpointing_kwargs: dict | None = opt(
         None, "Keyword arguments for torch.utils.checkpoint.checkpoint (default {'use_reentrant': False}), plus "
-        "transformers' 'every_n_layers' (checkpoint every n-th decoder layer only) and 'offload' (keep the saved "
-        "activations in host memory)."
+        "transformers' 'every_n_layers' (checkpoint every n-th decoder layer only) and 'offload' (GPU only: keep "
+        "the saved activations in host memory)."
     )
     activation_checkpointing: bool | None = opt(
         None, "transformers 5's name for gradient_checkpointing: either may be given (if both, they must agree)."

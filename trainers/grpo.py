@@ -33,14 +33,13 @@ from trainers.losses import (
     entropy_bonus, group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd,
     off_policy_sequence_mask, sampler_importance_weights, sapo_policy_loss, vespo_policy_loss,
 )
-from trainers.modeling import (
-    context_length, generation_eos_ids, load_causal_lm, shared_prompt_logprobs, token_logprobs,
-)
+from trainers.modeling import context_length, generation_eos_ids, load_causal_lm, token_logprobs
 from trainers.rewards import (
     Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
 )
 from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap, padded_logprobs
 from trainers.samplers import group_slots
+from trainers.shared_prompt import shared_prompt_logprobs
 from trainers.sft import as_dataset
 from trainers.stats import Extreme, Stats, reduce_extremes, reduce_pairs
 
@@ -451,11 +450,12 @@ class GRPOTrainer(BaseTrainer):
     @functools.cached_property
     def shares_prompt_forward(self) -> bool:
         """Whether a micro-batch's completions of one prompt share its forward (``shared_prompt_logprobs``):
-        for the model families the lean engine knows, without gradient checkpointing (which drops the KV
-        cache), and not where a forward is collective: whether a micro-batch shares a prompt differs between
-        processes. That also leaves out ZeRO-3, where a second forward per micro-batch would cost a second
-        all-gather of every layer's weights (it computes correctly there: checked on CPU, not enabled)."""
-        return (engine.supports(self.unwrapped_model) and not self.args.gradient_checkpointing
+        for the model families the lean engine knows, and not where a forward is collective: whether a
+        micro-batch shares a prompt differs between processes. That also leaves out ZeRO-3, where a second
+        forward per micro-batch would cost a second all-gather of every layer's weights (it computes correctly
+        there: checked on CPU, not enabled). Under gradient checkpointing the function itself falls back where
+        the checkpoints would lose the prompt's cache (reentrant ones, an older transformers)."""
+        return (engine.supports(self.unwrapped_model)
                 and not dist.forwards_are_collective(self.accelerator, self.model)
                 and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
 

@@ -50,11 +50,20 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def enable_activation_checkpointing(model, kwargs: dict | None) -> None:
     """transformers' activation checkpointing, as its Trainer turns it on: ``every_n_layers`` and ``offload`` are
     taken out of ``kwargs``; the rest go to torch.utils.checkpoint (default ``use_reentrant=False``)."""
     kwargs = dict(kwargs or {})
     every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if offload and not _has_accelerator():  # transformers pins the host copies, which torch cannot do without one
+        raise ConfigError("gradient_checkpointing_kwargs['offload']=True moves the checkpoints' saved activations "
+                          "from the GPU to pinned host memory, and this machine has no GPU (torch cannot pin memory "
+                          "without one); on CPU they are in host memory already: drop 'offload'.")
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
                                               every_n_layers=every_n_layers, offload=offload)
@@ -238,7 +247,7 @@ def token_logprobs(
     logits = outputs.logits  # [B, K(+1), V]
     if logits_to_keep is not None:
         logits = logits[:, :-1]
-    scores = _scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
+    scores = token_scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
     if with_router_loss:
         scores["aux_loss"] = outputs.aux_loss
     if with_logits:
@@ -252,8 +261,8 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool,
-            with_accuracy: bool = False, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+def token_scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, with_entropy: bool,
+                 with_accuracy: bool = False, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
     """logits [B, K, V], target_ids [B, K] -> {"logps", "entropy"?, "correct"?}, each [B, K]. The entropy has a
     gradient only with ``entropy_grad``."""
     if temperature != 1.0:
@@ -267,55 +276,3 @@ def _scores(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, 
         with torch.no_grad():
             out["correct"] = logits.detach().argmax(-1) == target_ids
     return out
-
-
-def shared_prompt_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_attention: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> dict[str, torch.Tensor] | None:
-    """Per-token log-probs (and entropy, with a gradient if ``entropy_grad``) of completions, running each
-    distinct prompt once.
-
-    A GRPO micro-batch holds up to ``num_generations`` completions of the same prompt. Instead of one forward
-    over prompt + completion per row, the distinct prompts run once (with a KV cache and the logits of their
-    last position, which predict the first completion token), the cache is indexed out to every row, and the
-    completions run on top of it. Gradients flow back through the indexing and add up per prompt, so loss and
-    gradients equal the one-forward path (tests/unit/test_shared_prompts.py); the forward and backward skip
-    (rows - distinct prompts) × prompt length tokens. Needs a model that takes ``past_key_values`` and a
-    tensor ``logits_to_keep`` (HF decoder-only models) and no gradient checkpointing (it drops the cache);
-    under ZeRO-3 the second forward would all-gather the weights again. The caller decides.
-
-    prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
-    Returns tensors of shape [B, C], or None when no two rows share a prompt (use ``token_logprobs``).
-    """
-    B, P = prompt_ids.shape
-    C = completion_ids.shape[1]
-    # Pad ids zeroed so that equal prompts compare equal whatever sits under their padding (it is masked out).
-    mask = prompt_mask.to(prompt_ids.dtype)
-    rows = torch.cat([prompt_ids * mask, mask], dim=1)  # [B, 2P]
-    distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]: row -> its prompt
-    if distinct.shape[0] == B:
-        return None
-    ids_u, mask_u = distinct[:, :P], distinct[:, P:]  # [U, P] each
-    with float32_attention_on_cpu(model, prompt_ids.device):
-        prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=positions_from_mask(mask_u),
-                           use_cache=True, logits_to_keep=1)  # logits [U, 1, V]
-        cache = prompt_out.past_key_values
-        cache.batch_select_indices(row_prompt)  # every layer's keys/values: [U, KV, P, D] -> [B, KV, P, D]
-        parts = [_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy,
-                         entropy_grad=entropy_grad)]
-        if C > 1:
-            attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
-            positions = positions_from_mask(attention_mask)[:, P:]  # [B, C], as in the one-forward path
-            # Positions 0 .. C-2 predict completion tokens 1 .. C-1; the last position predicts beyond.
-            logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True,
-                           logits_to_keep=torch.arange(C - 1, device=completion_ids.device)).logits  # [B, C-1, V]
-            parts.append(_scores(logits, completion_ids[:, 1:], temperature, with_entropy, entropy_grad=entropy_grad))
-    return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}

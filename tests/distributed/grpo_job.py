@@ -47,6 +47,17 @@ def main():
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05)
     if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
         GRPOTrainer.shares_prompt_forward = False
+    if os.environ.get("GRPO_JOB_CHECKPOINTING") == "1":
+        args.gradient_checkpointing = True
+    shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
+    share = trainers.grpo.shared_prompt_logprobs
+
+    def recording_share(*call_args, **kwargs):
+        out = share(*call_args, **kwargs)
+        shared_forwards.append(out is not None)
+        return out
+
+    trainers.grpo.shared_prompt_logprobs = recording_share
     masks = []  # GRPO_JOB_TOP_ENTROPY_QUANTILE: each micro-batch's loss-token entropies and which were kept
     if "GRPO_JOB_TOP_ENTROPY_QUANTILE" in os.environ:
         args.top_entropy_quantile = float(os.environ["GRPO_JOB_TOP_ENTROPY_QUANTILE"])
@@ -118,7 +129,7 @@ def main():
               "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks,
               "reference_before": reference_before,
               "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
-              "rollout_prompts": rollout_prompts, "forwards": forwards}
+              "rollout_prompts": rollout_prompts, "forwards": forwards, "shared_forwards": shared_forwards}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

@@ -69,14 +69,19 @@ def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["multi_gpu", "zero2"])
-def test_shared_prompt_forward_matches_one_forward_per_row(name, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("name, checkpointing", [("multi_gpu", False), ("zero2", False), ("multi_gpu", True)])
+def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, tiny_model_dir, tmp_path):
     """Each process's 2 completions share their prompt's forward (two model calls per micro-batch, under DDP
-    or ZeRO-2); the first step's loss, gradient norm and KL equal those of one forward per row."""
-    shared = run_job(name, tiny_model_dir, tmp_path / "shared")
-    plain = run_job(name, tiny_model_dir, tmp_path / "plain", GRPO_JOB_ONE_FORWARD_PER_ROW="1")
+    or ZeRO-2, and under DDP with gradient checkpointing, whose backward replays the layers on the prompt's
+    cache); the first step's loss, gradient norm and KL equal those of one forward per row."""
+    env = {"GRPO_JOB_CHECKPOINTING": "1" if checkpointing else "0"}
+    shared = run_job(name, tiny_model_dir, tmp_path / "shared", **env)
+    plain = run_job(name, tiny_model_dir, tmp_path / "plain", GRPO_JOB_ONE_FORWARD_PER_ROW="1", **env)
     assert [r["shares_prompt_forward"] for r in shared] == [True, True]
     assert [r["shares_prompt_forward"] for r in plain] == [False, False]
+    for report in shared:  # the policy's and the reference's forwards, every one of them shared
+        assert report["shared_forwards"] and all(report["shared_forwards"])
+    assert all(not r["shared_forwards"] for r in plain)
     first, reference = shared[0]["history"][0], plain[0]["history"][0]
     for key in ("loss", "grad_norm", "kl", "entropy"):
         assert first[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key

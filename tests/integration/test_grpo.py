@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.configs import ConfigError
@@ -109,6 +110,39 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
         current = trainer._policy_forward(trainer.model, batch)["logps"]
     mask = batch["loss_mask"].bool()
     torch.testing.assert_close(current[mask], batch["old_logps"][mask], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint_kwargs, shared", [
+    (None, True),  # non-reentrant (the default): completions of a prompt share its cached forward
+    ({"use_reentrant": True}, False),  # reentrant: the cache would get no gradient, so one forward per row
+])
+def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path, monkeypatch, checkpoint_kwargs,
+                                                        shared):
+    import trainers.grpo
+
+    calls = []
+    share = trainers.grpo.shared_prompt_logprobs
+
+    def recording(*args, **kwargs):
+        out = share(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
+    finals = []
+    for name, extra in (("plain", {}), ("checkpointed", {"gradient_checkpointing": True,
+                                                          "gradient_checkpointing_kwargs": checkpoint_kwargs})):
+        calls.clear()
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / name, **extra),
+                              train_dataset=PROMPTS)
+        trainer.train()
+        assert calls and set(calls) == {True if not extra else shared}
+        finals.append({n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()})
+    assert all(layer.gradient_checkpointing for layer in trainer.unwrapped_model.model.layers)
+    for key in finals[0]:  # Adam turns float-order noise in a near-zero gradient into up to ~lr: not 1e-5
+        torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-4, atol=5e-4)
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert any(not torch.allclose(finals[0][key], initial[key], atol=1e-3) for key in finals[0])  # it trained
 
 
 def test_generation_batch_semantics(tiny_model_dir, tmp_path):

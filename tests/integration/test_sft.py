@@ -238,6 +238,16 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir, tmp_path, op
         torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a GPU")
+def test_checkpoint_offload_without_a_gpu_fails_at_construction(tiny_model_dir, tmp_path):
+    """transformers' offload pins host memory, which torch cannot do without a GPU: it would fail in the first
+    backward. Refused before training, naming the option."""
+    with pytest.raises(ConfigError, match=r"gradient_checkpointing_kwargs\['offload'\]"):
+        SFTTrainer(model=tiny_model_dir, args=config(tmp_path, gradient_checkpointing=True,
+                                                     gradient_checkpointing_kwargs={"offload": True}),
+                   train_dataset=as_sft_rows(reverse_digits_rows(8)))
+
+
 def test_formatting_func_trains_what_a_text_column_would(tiny_model_dir, tmp_path):
     """TRL's formatting_func: each row becomes one text; the same as passing that text column, eval included."""
     raw = [{"question": f"{i}+{i}", "answer": str(2 * i)} for i in range(16)]

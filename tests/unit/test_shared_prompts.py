@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trainers.grpo_rollout import policy_inputs
-from trainers.modeling import shared_prompt_logprobs, token_logprobs
+from trainers.modeling import token_logprobs
+from trainers.shared_prompt import shared_prompt_logprobs
 
 
 def make_model(kind: str = "qwen2"):
@@ -121,3 +122,53 @@ def test_lora_gradients_match():
                 p.normal_(0, 0.1)
     batch = make_batch()
     assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
+
+
+@pytest.mark.parametrize("checkpointing", [
+    {},  # every layer, transformers' default (non-reentrant)
+    {"every_n_layers": 2},  # layer 0 replayed, layer 1 keeps its activations
+])
+def test_under_gradient_checkpointing_the_prompt_cache_survives_the_replay(checkpointing):
+    """Checkpointed layers replay their forward (cache update included) in backward: the prompt's keys and
+    values must be stored once and the replay must see the same cache, else the gradients differ or the
+    replay raises (torch checks the recomputed tensors' shapes)."""
+    model, batch = make_model(), make_batch()
+    expected = run(one_forward, model, batch)
+    model.activation_checkpointing_enable(**checkpointing)
+    replayed = [layer.gradient_checkpointing for layer in model.model.layers]
+    assert replayed == ([True, False] if checkpointing.get("every_n_layers") else [True, True])
+    got = run(shared, model, batch)
+    assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch["completion_attention"])
+    # The layers got transformers' rule back: a cache is dropped under checkpointing outside this forward.
+    assert all("_can_checkpoint_with_cache" not in vars(layer) for layer in model.model.layers)
+    assert not model.model.layers[0]._can_checkpoint_with_cache
+
+
+def test_lora_under_gradient_checkpointing():
+    """PEFT with checkpointing (transformers makes the embeddings' output require a gradient, so the adapters'
+    gradients reach the replayed layers): the adapters' gradients equal the one-forward path's."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    batch = make_batch()
+    expected = run(one_forward, model, batch)
+    model.base_model.model.activation_checkpointing_enable()
+    model.enable_input_require_grads()
+    assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
+    assert_same(expected, run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
+
+
+def test_reentrant_checkpoints_fall_back_to_one_forward_per_row():
+    """A reentrant checkpoint runs the forward without autograd: gradients could not reach the cached prompt
+    keys, so the shared forward declines (None) and the caller runs one forward per row."""
+    model, batch = make_model(), make_batch()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    assert shared(model, batch) is None
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"preserve_rng_state": False})
+    assert shared(model, batch) is None  # torch's default without use_reentrant is reentrant
+    model.eval()  # no replay outside training: sharing is safe again
+    with torch.no_grad():
+        assert shared(model, batch) is not None
