@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from trainers.attention import float32_attention_on_cpu
-from trainers.modeling import token_scores, positions_from_mask
+from trainers.modeling import positions_from_mask, token_scores
 
 
 class _PromptLayer(DynamicLayer):

@@ -124,15 +124,16 @@ def test_lora_gradients_match():
     assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("checkpointing", [
     {},  # every layer, transformers' default (non-reentrant)
     {"every_n_layers": 2},  # layer 0 replayed, layer 1 keeps its activations
 ])
-def test_under_gradient_checkpointing_the_prompt_cache_survives_the_replay(checkpointing):
+def test_under_gradient_checkpointing_the_prompt_cache_survives_the_replay(checkpointing, kind):
     """Checkpointed layers replay their forward (cache update included) in backward: the prompt's keys and
     values must be stored once and the replay must see the same cache, else the gradients differ or the
     replay raises (torch checks the recomputed tensors' shapes)."""
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(kind), make_batch()
     expected = run(one_forward, model, batch)
     model.activation_checkpointing_enable(**checkpointing)
     replayed = [layer.gradient_checkpointing for layer in model.model.layers]
