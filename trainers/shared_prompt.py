@@ -116,8 +116,8 @@ def shared_prompt_logprobs(
     distinct prompt once (module docstring).
 
     Needs an HF decoder-only model that takes ``past_key_values`` and a tensor ``logits_to_keep``, with full
-    attention in every layer. Under ZeRO-3 the second forward would all-gather the weights
-    again. The caller decides.
+    attention in every layer. Under ZeRO-3 the second forward would all-gather the weights again. The caller
+    decides.
 
     prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
     Returns tensors of shape [B, C], or None when no two rows share a prompt or the model's gradient
@@ -129,8 +129,10 @@ def shared_prompt_logprobs(
     mask = prompt_mask.to(prompt_ids.dtype)
     rows = torch.cat([prompt_ids * mask, mask], dim=1)  # [B, 2P]
     distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]: row -> its prompt
+    if distinct.shape[0] == B:
+        return None
     replayed = _replayed_layers(model)
-    if distinct.shape[0] == B or replayed is None:
+    if replayed is None:
         return None
     ids_u, mask_u = distinct[:, :P], distinct[:, P:]  # [U, P] each
     with float32_attention_on_cpu(model, prompt_ids.device), _cache_kept(replayed):
@@ -140,7 +142,7 @@ def shared_prompt_logprobs(
         prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=positions_from_mask(mask_u),
                            past_key_values=prompt_cache, use_cache=False, logits_to_keep=1)  # logits [U, 1, V]
         parts = [token_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy,
-                         entropy_grad=entropy_grad)]
+                              entropy_grad=entropy_grad)]
         if C > 1:
             attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
             positions = positions_from_mask(attention_mask)[:, P:]  # [B, C], as in the one-forward path
@@ -148,5 +150,6 @@ def shared_prompt_logprobs(
             logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
                            past_key_values=_completion_cache(prompt_cache, row_prompt), use_cache=False,
                            logits_to_keep=torch.arange(C - 1, device=completion_ids.device)).logits  # [B, C-1, V]
-            parts.append(token_scores(logits, completion_ids[:, 1:], temperature, with_entropy, entropy_grad=entropy_grad))
+            parts.append(token_scores(logits, completion_ids[:, 1:], temperature, with_entropy,
+                                      entropy_grad=entropy_grad))
     return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}
