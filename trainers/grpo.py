@@ -523,8 +523,12 @@ class GRPOTrainer(BaseTrainer):
     def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args = self.args
         bonus = self.entropy_control
-        out = self._training_forward(model, batch, with_entropy=True, with_router_loss=bool(self.router_aux_loss_coef),
-                                     entropy_grad=bonus is not None)
+        # One autocast (bf16 mixed precision) around the micro-batch's forwards (the shared prompt's two, the rows
+        # without a gradient): inside it autocast casts each weight to bf16 once for all of them. Each forward's
+        # own would cast anew, and backward would keep a copy per forward (+2 bytes per parameter at the peak).
+        with self.accelerator.autocast():
+            out = self._training_forward(model, batch, with_entropy=True,
+                                         with_router_loss=bool(self.router_aux_loss_coef), entropy_grad=bonus is not None)
         logps, mask = out["logps"], batch["loss_mask"]  # [B, C]
         old = batch["old_logps"] if batch["old_logps"] is not None else logps.detach()
         log_weights = importance_log_weights(logps, old, mask, args.importance_sampling_level)

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM
 
 from trainers import GRPOConfig, GRPOTrainer
@@ -110,6 +111,56 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
         current = trainer._policy_forward(trainer.model, batch)["logps"]
     mask = batch["loss_mask"].bool()
     torch.testing.assert_close(current[mask], batch["old_logps"][mask], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one state per process and refuses another mixed precision: reset it around a test."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir, tmp_path, monkeypatch,
+                                                                  fresh_accelerator_state):
+    """bf16 mixed precision: backward keeps the bf16 weights autocast made. The shared prompt forward runs two
+    forwards (prompts, then completions); they must share one cast of each weight, as one forward per row has."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, bf16=True),
+                          train_dataset=PROMPTS)
+    batch = trainer.micro_batch(0, 0)
+    counts = trainer._count([batch])[0]
+    matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
+    weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed too
+    import trainers.grpo
+
+    calls = []
+    share = trainers.grpo.shared_prompt_logprobs
+
+    def recording(*args, **kwargs):
+        calls.append(share(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
+
+    def saved_bf16_weights(shared: bool) -> int:
+        monkeypatch.setattr(trainer, "shares_prompt_forward", shared)
+        saved = []  # kept alive until counted, so no two casts share an address
+
+        def pack(tensor):
+            if tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weights:
+                saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss, _ = trainer.compute_loss(trainer.model, batch, counts)
+        assert loss.requires_grad
+        return len({t.untyped_storage().data_ptr() for t in saved})
+
+    one_per_row = saved_bf16_weights(False)
+    assert not calls
+    assert one_per_row == len(matrices)  # the tied output head is the embedding's weight, cast once
+    assert saved_bf16_weights(True) == one_per_row
+    assert len(calls) == 1 and calls[0] is not None  # it did share
 
 
 @pytest.mark.parametrize("checkpoint_kwargs, shared", [
