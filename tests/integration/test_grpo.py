@@ -114,6 +114,24 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
 
 
 @pytest.fixture
+def shared_prompt_calls(monkeypatch) -> list[bool]:
+    """Whether each shared_prompt_logprobs call of GRPOTrainer did share (False: it fell back to one forward
+    per row)."""
+    import trainers.grpo
+
+    calls = []
+    share = trainers.grpo.shared_prompt_logprobs
+
+    def recording(*args, **kwargs):
+        out = share(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
+    return calls
+
+
+@pytest.fixture
 def fresh_accelerator_state():
     """Accelerate keeps one state per process and refuses another mixed precision: reset it around a test."""
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -122,7 +140,7 @@ def fresh_accelerator_state():
 
 
 def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir, tmp_path, monkeypatch,
-                                                                  fresh_accelerator_state):
+                                                                  shared_prompt_calls, fresh_accelerator_state):
     """bf16 mixed precision: backward keeps the bf16 weights autocast made. The shared prompt forward runs two
     forwards (prompts, then completions); they must share one cast of each weight, as one forward per row has."""
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, bf16=True),
@@ -131,16 +149,6 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
     counts = trainer._count([batch])[0]
     matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
     weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed too
-    import trainers.grpo
-
-    calls = []
-    share = trainers.grpo.shared_prompt_logprobs
-
-    def recording(*args, **kwargs):
-        calls.append(share(*args, **kwargs))
-        return calls[-1]
-
-    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
 
     def saved_bf16_weights(shared: bool) -> int:
         monkeypatch.setattr(trainer, "shares_prompt_forward", shared)
@@ -157,29 +165,19 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
         return len({t.untyped_storage().data_ptr() for t in saved})
 
     one_per_row = saved_bf16_weights(False)
-    assert not calls
+    assert not shared_prompt_calls
     assert one_per_row == len(matrices)  # the tied output head is the embedding's weight, cast once
     assert saved_bf16_weights(True) == one_per_row
-    assert len(calls) == 1 and calls[0] is not None  # it did share
+    assert shared_prompt_calls == [True]  # it did share
 
 
 @pytest.mark.parametrize("checkpoint_kwargs, shared", [
     (None, True),  # non-reentrant (the default): completions of a prompt share its cached forward
     ({"use_reentrant": True}, False),  # reentrant: the cache would get no gradient, so one forward per row
 ])
-def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path, monkeypatch, checkpoint_kwargs,
-                                                        shared):
-    import trainers.grpo
-
-    calls = []
-    share = trainers.grpo.shared_prompt_logprobs
-
-    def recording(*args, **kwargs):
-        out = share(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
+def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path, shared_prompt_calls,
+                                                        checkpoint_kwargs, shared):
+    calls = shared_prompt_calls
     finals = []
     for name, extra in (("plain", {}), ("checkpointed", {"gradient_checkpointing": True,
                                                           "gradient_checkpointing_kwargs": checkpoint_kwargs})):
