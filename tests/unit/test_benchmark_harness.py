@@ -1,5 +1,6 @@
 """The benchmark harness's arithmetic (benchmarks/compare_trl.py), without running a benchmark: the GPU model's
-shape, the parameter count MFU uses, MFU and completion tokens/s, GPU memory ratios."""
+shape, the parameter count MFU uses, MFU and completion tokens/s, GPU memory ratios; and that the variants of
+benchmarks/generation.py leave the engine as they found it."""
 
 import pytest
 import torch
@@ -77,3 +78,24 @@ def test_run_one_extra_overrides_the_defaults_and_lora_is_shared():
     lora = lora_config(cli)
     assert (lora.r, lora.lora_alpha, lora.target_modules) == (8, 16, "all-linear")
     assert lora_config(argparse.Namespace(lora=0)) is None
+
+
+def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
+    import inspect
+
+    from benchmarks.generation import patched, with_compiled_elementwise
+    from trainers import engine
+
+    names = ("_norm", "_rope", "mlp")
+    before = {name: inspect.getattr_static(engine._Decoder, name) for name in names}
+    seen = {}
+
+    def record():
+        seen.update({name: inspect.getattr_static(engine._Decoder, name) for name in names})
+
+    with_compiled_elementwise(record)()  # torch.compile is lazy: nothing compiles unless the engine runs
+    assert all(seen[name] is not before[name] for name in names)
+    after = {name: inspect.getattr_static(engine._Decoder, name) for name in names}
+    assert after == before and isinstance(after["_norm"], staticmethod)  # not the bare function getattr returns
+    patched(engine._Decoder, "_rope", staticmethod(lambda x, cos, sin: x), lambda: None)()
+    assert inspect.getattr_static(engine._Decoder, "_rope") is before["_rope"]
