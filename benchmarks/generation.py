@@ -70,20 +70,15 @@ def with_compiled_elementwise(function):
     between rounds are not, and without packing a round is 1.6-1.75x slower on CPU (that column). The
     compiled functions take tensors, not modules, so one compilation serves every layer. Assumes SiLU gating
     (every benchmark model)."""
-    norm = torch.compile(lambda x, weight, eps: F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight,
-                         dynamic=True)
-    rope = torch.compile(engine._Decoder._rope, dynamic=True)
     silu_mul = torch.compile(lambda gate, up: F.silu(gate) * up, dynamic=True)
 
-    def compiled_norm(module, x):
-        return norm(x, module.weight, getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6))
-
-    def compiled_mlp(self, mlp, x):
+    def compiled_mlp(self, mlp, x):  # engine._Decoder.mlp with mlp.act_fn taken as SiLU
         gate, up = self.linears([mlp.gate_proj, mlp.up_proj], x)
         return self.linear(mlp.down_proj, silu_mul(gate, up))
 
-    function = patched(engine._Decoder, "_norm", staticmethod(compiled_norm), function)
-    function = patched(engine._Decoder, "_rope", staticmethod(rope), function)
+    function = patched(engine, "rms_norm", torch.compile(engine.rms_norm, dynamic=True), function)
+    function = patched(engine._Decoder, "_rope", staticmethod(torch.compile(engine._Decoder._rope, dynamic=True)),
+                       function)
     return patched(engine._Decoder, "mlp", compiled_mlp, function)
 
 

@@ -109,6 +109,11 @@ def sample(logits: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)[:, 0]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., H] as one fused op, computed in float32 as HF does, then scaled by weight [H]."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
 def _base_linear(module) -> torch.nn.Module:
     return module.base_layer if hasattr(module, "lora_A") else module
 
@@ -227,10 +232,8 @@ class _Decoder:
 
     @staticmethod
     def _norm(module, x: torch.Tensor) -> torch.Tensor:
-        """The model's RMSNorm as one fused op, computed in float32 as HF does."""
-        weight = module.weight
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+        """The model's RMSNorm module applied by ``rms_norm``."""
+        return rms_norm(x, module.weight, getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6))
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list, start: int,
                 attn_mask: torch.Tensor) -> torch.Tensor:

@@ -86,16 +86,14 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     from benchmarks.generation import patched, with_compiled_elementwise
     from trainers import engine
 
-    names = ("_norm", "_rope", "mlp")
-    before = {name: inspect.getattr_static(engine._Decoder, name) for name in names}
-    seen = {}
+    def state():
+        return {"rms_norm": engine.rms_norm, **{name: inspect.getattr_static(engine._Decoder, name)
+                                                for name in ("_rope", "mlp")}}
 
-    def record():
-        seen.update({name: inspect.getattr_static(engine._Decoder, name) for name in names})
-
-    with_compiled_elementwise(record)()  # torch.compile is lazy: nothing compiles unless the engine runs
-    assert all(seen[name] is not before[name] for name in names)
-    after = {name: inspect.getattr_static(engine._Decoder, name) for name in names}
-    assert after == before and isinstance(after["_norm"], staticmethod)  # not the bare function getattr returns
+    before, seen = state(), {}
+    with_compiled_elementwise(lambda: seen.update(state()))()  # torch.compile is lazy: nothing compiles here
+    assert all(seen[name] is not before[name] for name in before)
+    after = state()
+    assert after == before and isinstance(after["_rope"], staticmethod)  # not the bare function getattr returns
     patched(engine._Decoder, "_rope", staticmethod(lambda x, cos, sin: x), lambda: None)()
     assert inspect.getattr_static(engine._Decoder, "_rope") is before["_rope"]
