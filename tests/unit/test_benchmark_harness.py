@@ -1,6 +1,6 @@
 """The benchmark harness's arithmetic (benchmarks/compare_trl.py), without running a benchmark: the GPU model's
-shape, the parameter count MFU uses, MFU and completion tokens/s, GPU memory ratios; and that the variants of
-benchmarks/generation.py leave the engine as they found it."""
+shape, the parameter count MFU uses, MFU and completion tokens/s, GPU memory ratios; the floor of a GRPO step
+(benchmarks/floor.py); and that the variants of benchmarks/generation.py leave the engine as they found it."""
 
 import pytest
 import torch
@@ -97,3 +97,23 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     assert after == before and isinstance(after["_rope"], staticmethod)  # not the bare function getattr returns
     patched(engine._Decoder, "_rope", staticmethod(lambda x, cos, sin: x), lambda: None)()
     assert inspect.getattr_static(engine._Decoder, "_rope") is before["_rope"]
+
+
+def test_grpo_floor_counts_the_products_no_step_can_skip():
+    """benchmarks/floor.py: training is 6 FLOPs per weight and completion token; each of the L - 1 decode steps
+    takes the longer of reading every weight and multiplying it for every row."""
+    from benchmarks.floor import Rates, grpo_floor, training_shapes
+
+    rates = Rates(flops_per_s=1e11, bytes_per_s=2e10)
+    floor = grpo_floor(weights=10**8, batch=16, completion_length=256, rates=rates, bytes_per_weight=4)
+    assert floor.train_s == pytest.approx(6 * 1e8 * 16 * 256 / 1e11)  # 24.576 s
+    # per decode step: 3.2 GFLOP at 100 GFLOP/s (32 ms) takes longer than reading 400 MB at 20 GB/s (20 ms)
+    assert floor.sample_s == pytest.approx(255 * 2 * 1e8 * 16 / 1e11)  # the arithmetic bounds it: 8.16 s
+    reading = grpo_floor(weights=10**8, batch=4, completion_length=256, rates=rates, bytes_per_weight=4)
+    assert reading.sample_s == pytest.approx(255 * 4e8 / 2e10)  # 4 rows: reading the weights bounds it: 5.1 s
+    halved = grpo_floor(weights=10**8, batch=4, completion_length=256, rates=rates, bytes_per_weight=2)
+    assert halved.sample_s == pytest.approx(reading.sample_s / 2)  # bf16 weights: half the bytes
+    assert floor.total_s == pytest.approx(floor.train_s + floor.sample_s)
+    # the product shapes measured: forward, both backward products of the MLP, and a square one
+    assert training_shapes({"hidden_size": 768, "intermediate_size": 2048}, 4096) == \
+        [(4096, 768, 2048), (4096, 2048, 768), (768, 4096, 2048), (2048, 2048, 2048)]
