@@ -121,6 +121,16 @@ def run(framework: str, model: str, method: str, options: dict, steps: int, work
     return result
 
 
+def alternating(model: str, method: str, options: dict, steps: int, workdir: str, repeats: int) -> dict:
+    """``repeats`` runs of each framework, alternating (TRL, ours, ours, TRL, ...) so drift on the machine hits
+    both alike: {"ours": [run results], "trl": [...]}."""
+    results = {"ours": [], "trl": []}
+    for repeat in range(repeats):
+        for framework in (("trl", "ours") if repeat % 2 == 0 else ("ours", "trl")):
+            results[framework].append(run(framework, model, method, options, steps, workdir))
+    return results
+
+
 def summarize(name: str, method: str, results: dict, warmup: int, steps: int) -> dict:
     row = {"name": name}
     per_framework = {}
@@ -235,11 +245,7 @@ def main():
         name = (name + ("-bf16" if cli.bf16 and not cli.gpu else "") + (f"-lora{cli.lora}" if cli.lora else "")
                 + ("-rare" if method == "grpo" and cli.reward == "rare" else ""))
         methods[name] = method
-        results = {"ours": [], "trl": []}
-        for repeat in range(cli.repeats):
-            order = ("trl", "ours") if repeat % 2 == 0 else ("ours", "trl")
-            for framework in order:
-                results[framework].append(run(framework, models[model], method, options, steps, cli.workdir))
+        results = alternating(models[model], method, options, steps, cli.workdir, cli.repeats)
         rows.append(summarize(name, method, results, warmup, steps))
         if cli.gpu:
             peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.compare_trl import MODELS, ROWS, build_models, matmul_parameters, run
+from benchmarks.compare_trl import MODELS, ROWS, alternating, build_models, matmul_parameters, summarize
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,9 @@ def main():
         cells = [name + ("-bf16" if cli.bf16 else ""), f"{weights / 1e6:.1f}M", f"{rate / 1e9:.0f} GFLOP/s",
                  f"{floor.train_s:.2f} s", f"{floor.sample_s:.2f} s", f"**{floor.total_s:.2f} s**"]
         if cli.measure:
-            measured = {"trl": [], "ours": []}
-            for repeat in range(cli.measure):
-                for framework in (("trl", "ours") if repeat % 2 == 0 else ("ours", "trl")):
-                    result = run(framework, models[model], "grpo", {**options, "bf16": cli.bf16}, steps, cli.workdir)
-                    measured[framework].append(statistics.median(result["step_times"][warmup:]))
-            trl, ours = statistics.median(measured["trl"]), statistics.median(measured["ours"])
+            runs = alternating(models[model], "grpo", {**options, "bf16": cli.bf16}, steps, cli.workdir, cli.measure)
+            row = summarize(name, "grpo", runs, warmup, steps)
+            trl, ours = (statistics.median(row[framework]["s_per_step"]) for framework in ("trl", "ours"))
             cells += [f"{trl:.2f}", f"{ours:.2f}", f"{ours / trl:.2f}", f"**{floor.total_s / trl:.2f}**"]
         print("| " + " | ".join(cells) + " |")
         sys.stdout.flush()
