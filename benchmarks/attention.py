@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainers.distributed import keep_host_memory  # noqa: E402  (as the trainers run)
+from trainers.host import keep_host_memory  # noqa: E402  (as the trainers run)
 
 
 def median_ms(fn, repeats: int = 8) -> float:

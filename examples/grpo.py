@@ -18,9 +18,9 @@ import argparse
 import os
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.argparsing import add_config_arguments, config_overrides
 from trainers.data import load_dataset_file
-from trainers.tiny import embedded_default, embedded_rows
+from trainers.tools.argparsing import add_config_arguments, config_overrides
+from trainers.tools.tiny import embedded_default, embedded_rows
 
 
 def main(argv=None):

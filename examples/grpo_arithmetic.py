@@ -23,8 +23,8 @@ import random
 import time
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.generation import SamplingParams, hf_generate
-from trainers.tiny import save_tiny_model
+from trainers.grpo.sampling import SamplingParams, hf_generate
+from trainers.tools.tiny import save_tiny_model
 
 
 def reversed_sum(a: int, b: int) -> str:

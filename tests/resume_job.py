@@ -14,7 +14,7 @@ import os
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.tiny import as_sft_rows, reverse_digits_rows
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
 
 def digits(completions, **kwargs):

@@ -1,8 +1,8 @@
 """trainers: lean RL and supervised fine-tuning for language models, with TRL's names and contracts."""
 
-from trainers.configs import ConfigError, GRPOConfig, SFTConfig, TrainingConfig
-from trainers.grpo import GRPOTrainer
-from trainers.sft import SFTTrainer
+from trainers.configs import ConfigError, TrainingConfig
+from trainers.grpo import GRPOConfig, GRPOTrainer
+from trainers.sft import SFTConfig, SFTTrainer
 
 __all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
 __version__ = "0.1.0"

@@ -24,19 +24,32 @@ from transformers.utils.import_utils import enable_tf32
 from trainers import distributed as dist
 from trainers.callbacks import CallbackHandler
 from trainers.checkpoint import (
-    TrainerState, load_checkpoint, load_model_only_checkpoint, resolve_resume_path, rotate_checkpoints,
-    save_checkpoint, update_best, verify_checkpoint,
+    TrainerState,
+    load_checkpoint,
+    load_model_only_checkpoint,
+    resolve_resume_path,
+    rotate_checkpoints,
+    save_checkpoint,
+    update_best,
+    verify_checkpoint,
 )
 from trainers.configs import ConfigError, TrainingConfig, tf32_available
 from trainers.errors import CheckpointError, NonFiniteError
 from trainers.evaluation import Evaluation, named_eval_datasets
-from trainers.interrupts import StopOnSignal
 from trainers.health import HealthMonitor
+from trainers.interrupts import StopOnSignal
 from trainers.logs import RunLog, logger, set_log_level
 from trainers.losses import BatchCounts
 from trainers.modeling import (
-    check_model_path, clone_chat_template, enable_activation_checkpointing, load_causal_lm, load_tokenizer,
-    match_vocabulary, non_embedding_parameters, router_aux_loss_coef, train_added_tokens,
+    check_model_path,
+    clone_chat_template,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    match_vocabulary,
+    non_embedding_parameters,
+    router_aux_loss_coef,
+    train_added_tokens,
 )
 from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
 from trainers.samplers import GlobalBatchSampler

@@ -20,7 +20,6 @@ from trainers import distributed as dist
 from trainers.errors import ConfigError
 from trainers.logs import logger
 
-
 # The TrainerControl requests that involve every process
 FLAGS = ("should_training_stop", "should_log", "should_evaluate", "should_save")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from trainers.attention import float32_attention_on_cpu
 from trainers.errors import ConfigError, ModelLoadError
+from trainers.host import float32_attention_on_cpu
 from trainers.losses import logps_and_entropy, selective_log_softmax
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

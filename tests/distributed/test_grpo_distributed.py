@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, launch
-from trainers.losses import group_advantages
+from trainers.grpo.advantages import group_advantages
 
 JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
 

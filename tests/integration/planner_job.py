@@ -13,8 +13,8 @@ import os
 
 import torch
 
+from benchmarks.memory_probe import peak_rss_bytes
 from trainers import SFTConfig, SFTTrainer
-from trainers.memory import peak_rss_bytes
 
 
 def main():

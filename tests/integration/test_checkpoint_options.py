@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import trainers.base
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError
-from trainers.tiny import as_sft_rows, reverse_digits_rows
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(64))
 
@@ -184,7 +184,8 @@ def test_torch_empty_cache_steps_clears_the_cache_every_n_steps(tiny_model_dir, 
 
 
 def test_grpo_keeps_and_loads_the_best_reward(tiny_model_dir, tmp_path):
-    from tests.integration.test_grpo import PROMPTS, config as grpo_config, digits
+    from tests.integration.test_grpo import PROMPTS, digits
+    from tests.integration.test_grpo import config as grpo_config
     from trainers import GRPOTrainer
 
     args = grpo_config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8,

@@ -127,7 +127,7 @@ def shared_prompt_calls(monkeypatch) -> list[bool]:
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(trainers.grpo, "shared_prompt_logprobs", recording)
+    monkeypatch.setattr(trainers.grpo.trainer, "shared_prompt_logprobs", recording)
     return calls
 
 

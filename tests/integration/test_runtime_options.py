@@ -12,7 +12,7 @@ import trainers.base
 import trainers.configs
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError, DistributedError
-from trainers.tiny import as_sft_rows, reverse_digits_rows
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(20))
 

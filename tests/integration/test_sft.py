@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
-from trainers.data import Collator, pack_samples, shift_targets
-from trainers.tiny import as_sft_rows, reverse_digits_rows
+from trainers.sft.tokenize import Collator, pack_samples, shift_targets
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
 
 def config(tmp_path, **overrides):
@@ -114,7 +114,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir, tokenize
     its own) computes the padded batch's loss and gradients within float tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from trainers.data import IGNORE
+    from trainers.sft.tokenize import IGNORE
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     texts = ["12345=54321", "hello world, a longer document here", "7=7", "another one", "x", "the sat cat mat"]

@@ -8,7 +8,7 @@ import pytest
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
-from trainers.tiny import as_sft_rows, reverse_digits_rows
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
 
 ROWS = as_sft_rows(reverse_digits_rows(64, seed=1))
@@ -23,7 +23,6 @@ def config(tmp_path, **overrides):
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
 def test_tensorboard_receives_every_logged_loss(tiny_model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from transformers import TrainerCallback
 
     class UserMetric(TrainerCallback):  # a user's own metric through trainer.log (transformers' method)

@@ -260,7 +260,7 @@ def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
 
 def donor_tokenizer_folder(path) -> str:
     """A tokenizer whose chat template needs three special tokens the tiny model's tokenizer lacks."""
-    from trainers.tiny import build_tokenizer
+    from trainers.tools.tiny import build_tokenizer
 
     donor = build_tokenizer(chat_template=False)
     donor.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|bot|>", "<|end|>"]})
@@ -302,7 +302,7 @@ def test_chat_template_path_tokens_train_under_peft(tmp_path, tied):
     """The added tokens' embedding rows train beside the adapters; an untied output head trains whole."""
     from peft import LoraConfig
 
-    from trainers.tiny import save_tiny_model
+    from trainers.tools.tiny import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
@@ -456,7 +456,7 @@ def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_pat
         kept.append((int(result.sum()), int(mask.sum())))
         return result
 
-    monkeypatch.setattr(trainers.grpo, "high_entropy_mask", recording)
+    monkeypatch.setattr(trainers.grpo.trainer, "high_entropy_mask", recording)
     norms = {}
     for q in (1.0, quantile):
         trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
@@ -481,7 +481,7 @@ def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir,
         calls.append((result.squeeze(1).clone(), advantages.clone()))
         return result
 
-    monkeypatch.setattr(trainers.grpo, "off_policy_sequence_mask", recording)
+    monkeypatch.setattr(trainers.grpo.trainer, "off_policy_sequence_mask", recording)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
                           args=grpo_args(tmp_path, off_policy_mask_threshold=0.1, num_iterations=2, max_steps=2,
                                          learning_rate=1e-3, seed=3))

@@ -8,7 +8,8 @@ import torch
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trainers import attention, modeling
+from trainers import host as attention
+from trainers import modeling
 
 
 def make_model(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:

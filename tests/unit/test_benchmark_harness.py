@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.compare_trl import MODELS, gpu_extra, matmul_parameters, peak_tflops, summarize
-from trainers.tiny import save_tiny_model
+from trainers.tools.tiny import save_tiny_model
 
 
 def test_gpu_model_has_qwen2_5_0_5b_shape():
@@ -84,7 +84,7 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     import inspect
 
     from benchmarks.generation import patched, with_compiled_elementwise
-    from trainers import engine
+    from trainers.grpo import engine
 
     def state():
         return {"rms_norm": engine.rms_norm, **{name: inspect.getattr_static(engine._Decoder, name)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from trainers.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
 from trainers.configs import opt
+from trainers.tools.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 

@@ -6,7 +6,9 @@ import math
 import pytest
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import ConfigError, GRPOConfig, SFTConfig, TrainingConfig
+from trainers.configs import ConfigError, TrainingConfig
+from trainers.grpo.config import GRPOConfig
+from trainers.sft.config import SFTConfig
 
 ALL_CONFIGS = [TrainingConfig, SFTConfig, GRPOConfig]
 

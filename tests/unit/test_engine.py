@@ -4,14 +4,20 @@ family it claims, with LoRA, repeated prompts (shared prefill), ragged prompt le
 import pytest
 import torch
 
-from trainers import engine
-from trainers.generation import SamplingParams, generate, hf_generate
+from trainers.grpo import engine
+from trainers.grpo.sampling import SamplingParams, generate, hf_generate
 
 
 def make_model(kind: str, vocab: int):
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-        Qwen3Config, Qwen3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

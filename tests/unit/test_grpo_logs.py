@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from trainers.grpo_logs import round_metrics, sample_records, write_completions
+from trainers.grpo.metrics import round_metrics, sample_records, write_completions
 
 NAN = float("nan")
 

@@ -8,7 +8,13 @@ import pytest
 
 from trainers import health
 from trainers.health import (
-    RULES, HealthMonitor, entropy_collapse, kl_growth, length_explosion, nonfinite_loss, truncated_completions,
+    RULES,
+    HealthMonitor,
+    entropy_collapse,
+    kl_growth,
+    length_explosion,
+    nonfinite_loss,
+    truncated_completions,
     zero_reward_variance,
 )
 

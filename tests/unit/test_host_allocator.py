@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 PROBE = """
 import resource, sys, torch
-from trainers.distributed import keep_host_memory
+from trainers.host import keep_host_memory
 applied = keep_host_memory() if sys.argv[1] == "keep" else False
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.ones(16 << 20); del x  # 64 MiB, like a step's activations
@@ -54,7 +54,7 @@ def test_system_setting_leaves_the_allocator_alone():
 
 
 def test_an_unknown_setting_is_refused_with_the_variable_named(monkeypatch):
-    from trainers.distributed import keep_host_memory
+    from trainers.host import keep_host_memory
 
     monkeypatch.setenv("TRAINERS_HOST_ALLOCATOR", "sytem")
     with pytest.raises(ValueError, match="TRAINERS_HOST_ALLOCATOR"):

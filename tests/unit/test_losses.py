@@ -5,13 +5,20 @@ import math
 import pytest
 import torch
 
-from trainers.losses import (
-    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
-    entropy_bonus, entropy_from_logits,
-    group_advantages, high_entropy_mask, importance_log_weights, k3_kl, logps_and_entropy, nanstd,
-    off_policy_sequence_mask, sampler_importance_weights, sapo_policy_loss, selective_log_softmax,
+from trainers.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
+from trainers.grpo.objectives import (
+    cispo_policy_loss,
+    clipped_policy_loss,
+    entropy_bonus,
+    high_entropy_mask,
+    importance_log_weights,
+    k3_kl,
+    off_policy_sequence_mask,
+    sampler_importance_weights,
+    sapo_policy_loss,
     vespo_policy_loss,
 )
+from trainers.losses import AGGREGATIONS, BatchCounts, entropy_from_logits, logps_and_entropy, selective_log_softmax
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
@@ -362,7 +369,7 @@ def test_entropy_bonus_is_the_micro_batch_mean_over_the_step_micro_batches():
 
 
 def test_adaptive_entropy_control_by_hand():
-    from trainers.entropy_control import EntropyControl
+    from trainers.grpo.entropy_control import EntropyControl
 
     fixed = EntropyControl(0.3)
     fixed.update(5.0)

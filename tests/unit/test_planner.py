@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from trainers import planner
 from trainers.errors import ConfigError
-from trainers.planner import GB, MODEL_SIZES, ModelShape, PlanInputs, Strategy, make_plan, model_state_bytes
+from trainers.tools import planner
+from trainers.tools.planner import GB, MODEL_SIZES, ModelShape, PlanInputs, Strategy, make_plan, model_state_bytes
 
 # The model of docs/distributed.md's measured tables: Qwen2-shaped, width 2048, 8 layers, byte vocabulary.
 SHAPE_303M = ModelShape("303M", 2048, 8, 16, 4, 4464, 259, True, qkv_bias=True)
@@ -286,7 +286,7 @@ def test_invalid_numbers_name_the_flag(field, value, flag):
 
 
 def test_a_model_folder_plans_through_the_trainers_command(tiny_model_dir, capsys):
-    from trainers.cli import main
+    from trainers.tools.cli import main
 
     assert main(["plan", "--model", tiny_model_dir, "--method", "sft", "--device", "cpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from trainers.rewards import (
-    Reward, RewardFunctionError, RewardLogs, accuracy_reward, call_rewards, format_reward, resolve_reward, soft_overlong_penalty,
+from trainers.grpo.rewards import (
+    Reward,
+    RewardFunctionError,
+    RewardLogs,
+    accuracy_reward,
+    call_rewards,
+    format_reward,
+    resolve_reward,
+    soft_overlong_penalty,
 )
 from trainers.samplers import group_slots
 
@@ -147,7 +154,7 @@ def test_accuracy_compares_latex_answers_like_trl():
 
 
 def test_latex_answers_without_math_verify_are_an_error(monkeypatch):
-    from trainers import rewards
+    from trainers.grpo import rewards
 
     monkeypatch.setattr(rewards, "math_verify_missing", lambda: True)
     monkeypatch.setattr(rewards, "_latex_checker", None)
@@ -228,7 +235,7 @@ def test_group_slots_layout_across_processes():
 
 
 def test_think_format_reward_is_trls():
-    from trainers.rewards import think_format_reward
+    from trainers.grpo.rewards import think_format_reward
 
     completions = [[{"content": "<think>\nThis is my reasoning.\n</think>\nThis is my answer."}],
                    [{"content": "<think>\nThis is my reasoning.\nThis is my answer."}],

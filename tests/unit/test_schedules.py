@@ -11,7 +11,6 @@ from trainers.configs import LR_SCHEDULER_TYPES, TrainingConfig
 from trainers.errors import ConfigError
 from trainers.schedules import build_scheduler, warmup_steps
 
-
 # ------------------------------------------------------------------------------------------------------------
 # warmup_steps
 # ------------------------------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trainers.grpo_rollout import policy_inputs
+from trainers.grpo.batch import policy_inputs
+from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.modeling import token_logprobs
-from trainers.shared_prompt import shared_prompt_logprobs
 
 
 def make_model(kind: str = "qwen2"):

@@ -3,7 +3,7 @@
 import multiprocessing
 import os
 
-from trainers.tiny import embedded_default
+from trainers.tools.tiny import embedded_default
 
 
 def build_and_read(output_dir: str, failures) -> None:

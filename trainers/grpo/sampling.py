@@ -82,7 +82,7 @@ def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id:
              engine: str = "auto", synced_gpus: bool = False) -> list[list[int]]:
     """Completions from ``model``: the lean engine (trainers/engine.py) where it supports the model and the
     options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf"."""
-    from trainers import engine as lean
+    from trainers.grpo import engine as lean
 
     usable = not synced_gpus and lean.supports(model, params.extra)
     if engine == "lean" and not usable:

@@ -23,9 +23,9 @@ import torch
 from transformers.trainer_pt_utils import EvalLoopContainer
 from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
 
-from trainers.data import transformers_labels
 from trainers.errors import ConfigError
 from trainers.logs import logger
+from trainers.sft.tokenize import transformers_labels
 
 PAD = -100  # transformers' padding_index for predictions, labels and inputs
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import yaml
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.argparsing import add_config_arguments, config_overrides
 from trainers.errors import ConfigError, TrainersError
+from trainers.tools.argparsing import add_config_arguments, config_overrides
 
 # Keys of a run's YAML that are not config fields: what to train, on what, and how to launch it.
 RUN_KEYS = {
@@ -62,7 +62,8 @@ def resolve_template(name_or_path: str) -> str:
 
 
 def config_class(method: str):
-    from trainers.configs import GRPOConfig, SFTConfig
+    from trainers.grpo.config import GRPOConfig
+    from trainers.sft.config import SFTConfig
 
     return GRPOConfig if method == "grpo" else SFTConfig
 
@@ -144,7 +145,7 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
 def run_training(method: str, options: dict) -> None:
     """Build the trainer from the gathered options, train, and save the final model to output_dir/final."""
     from trainers.data import load_dataset_file
-    from trainers.tiny import embedded_default, embedded_rows
+    from trainers.tools.tiny import embedded_default, embedded_rows
 
     keys = run_keys(method)
     fields = {k: v for k, v in options.items() if k not in keys}
@@ -189,7 +190,7 @@ def cmd_train(method: str, cli: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_report(cli: argparse.Namespace) -> int:
-    from trainers.report import write_report
+    from trainers.tools.report import write_report
 
     written = write_report(cli.output_dir, cli.out)
     for name, path in written.items():
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for method in ("sft", "grpo"):
         build_run_parser(method, subparsers)
-    from trainers import planner
+    from trainers.tools import planner
 
     plan = subparsers.add_parser("plan", help="Estimate memory per GPU for every shipped template and pick one.",
                                  description=planner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             return planner.run(cli)
         if cli.command == "report":
             return cmd_report(cli)
-        from trainers.environment import describe
+        from trainers.tools.environment import describe
 
         print(describe(cli.accelerate_config))
         return 0

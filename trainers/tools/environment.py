@@ -49,7 +49,7 @@ def distributed_setup(template: str | None = None) -> dict[str, str]:
     if template:
         import yaml
 
-        from trainers.cli import resolve_template
+        from trainers.tools.cli import resolve_template
 
         path = resolve_template(template)
         with open(path) as f:

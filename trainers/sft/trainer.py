@@ -7,38 +7,25 @@ from transformers.integrations.neftune import activate_neftune, deactivate_neftu
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from trainers.base import BaseTrainer
-from trainers.configs import ConfigError, SFTConfig
-from trainers.data import (
-    IGNORE, Collator, DatasetFormatError, detect_format, pack_samples, shift_targets, tokenize_row,
-    transformers_labels, truncate,
-)
+from trainers.configs import ConfigError
+from trainers.data import DatasetFormatError, as_dataset
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import context_length, generation_eos_ids, token_logprobs, vocabulary_size
-from trainers.predictions import Predictions, check_metric_functions
 from trainers.samplers import local_slice
+from trainers.sft.config import SFTConfig
+from trainers.sft.predictions import Predictions, check_metric_functions
+from trainers.sft.tokenize import (
+    IGNORE,
+    Collator,
+    detect_format,
+    pack_samples,
+    shift_targets,
+    tokenize_row,
+    transformers_labels,
+    truncate,
+)
 from trainers.stats import Stats
-
-
-def as_dataset(data, name: str):
-    """A ``datasets.Dataset`` from a Dataset or a list of dicts; refuses empty data."""
-    from datasets import Dataset
-
-    if isinstance(data, list):
-        if not data:
-            raise DatasetFormatError(f"{name} is empty.")
-        if not all(isinstance(row, dict) for row in data):
-            raise DatasetFormatError(f"{name} must be a list of dicts (one per row).")
-        try:
-            data = Dataset.from_list(data)
-        except Exception as error:  # pyarrow refuses columns whose values have mixed types
-            raise DatasetFormatError(f"{name} could not be turned into a dataset: {error}. Each column must hold "
-                                     f"values of one type.") from error
-    if not isinstance(data, Dataset):
-        raise DatasetFormatError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}.")
-    if len(data) == 0:
-        raise DatasetFormatError(f"{name} is empty.")
-    return data
 
 
 class SFTTrainer(BaseTrainer):

@@ -2,7 +2,7 @@
 
 Each class's docstring and each field's ``metadata["help"]`` are the single source; regenerate the page with
 
-    python -m trainers.config_reference > docs/config-reference.md
+    python -m trainers.tools.config_reference > docs/config-reference.md
 
 ``tests/unit/test_config_reference.py`` fails when the committed page differs from ``render()``.
 """
@@ -13,9 +13,11 @@ import dataclasses
 import inspect
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import GRPOConfig, SFTConfig, TrainingConfig
+from trainers.configs import TrainingConfig
+from trainers.grpo.config import GRPOConfig
+from trainers.sft.config import SFTConfig
 
-REGENERATE = "python -m trainers.config_reference > docs/config-reference.md"
+REGENERATE = "python -m trainers.tools.config_reference > docs/config-reference.md"
 CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig)
 _BASE = TrainingConfig
 

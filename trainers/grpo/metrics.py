@@ -9,9 +9,9 @@ import os
 
 import torch
 
+from trainers.grpo.advantages import nanstd
+from trainers.grpo.rewards import completion_text
 from trainers.logs import logger
-from trainers.losses import nanstd
-from trainers.rewards import completion_text
 
 
 def round_metrics(rewards: torch.Tensor, rewards_per_func: torch.Tensor, reward_names: list[str],

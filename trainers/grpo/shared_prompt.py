@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from trainers.attention import float32_attention_on_cpu
+from trainers.host import float32_attention_on_cpu
 from trainers.modeling import positions_from_mask, token_scores
 
 

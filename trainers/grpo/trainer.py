@@ -19,28 +19,42 @@ import os
 import torch
 
 from trainers import distributed as dist
-from trainers import engine
 from trainers.base import BaseTrainer
-from trainers.configs import ConfigError, GRPOConfig
-from trainers.data import DatasetFormatError, check_messages, is_conversational, render_chat
-from trainers.entropy_control import EntropyControl
-from trainers.generation import SamplingParams, generate, left_pad, right_pad
-from trainers.grpo_logs import round_metrics, sample_records, write_completions
-from trainers.grpo_rollout import Rollout, policy_inputs, policy_rows
+from trainers.configs import ConfigError
+from trainers.data import DatasetFormatError, as_dataset, check_messages, is_conversational, render_chat
+from trainers.grpo import engine
+from trainers.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
+from trainers.grpo.batch import Rollout, policy_inputs, policy_rows
+from trainers.grpo.config import GRPOConfig
+from trainers.grpo.entropy_control import EntropyControl
+from trainers.grpo.metrics import round_metrics, sample_records, write_completions
+from trainers.grpo.objectives import (
+    cispo_policy_loss,
+    clipped_policy_loss,
+    entropy_bonus,
+    high_entropy_mask,
+    importance_log_weights,
+    k3_kl,
+    off_policy_sequence_mask,
+    sampler_importance_weights,
+    sapo_policy_loss,
+    vespo_policy_loss,
+)
+from trainers.grpo.rewards import (
+    Reward,
+    RewardLogs,
+    accuracy_reward,
+    call_rewards,
+    check_accuracy_references,
+    resolve_reward,
+)
+from trainers.grpo.sampling import SamplingParams, generate, left_pad, right_pad
+from trainers.grpo.shared_prompt import shared_prompt_logprobs
+from trainers.grpo.user_rollout import UserRollout, call_rollout_func, logprob_gap, padded_logprobs
 from trainers.logs import logger
-from trainers.losses import (
-    AGGREGATIONS, BatchCounts, cispo_policy_loss, clipped_policy_loss, combine_rewards, decoupled_advantages,
-    entropy_bonus, group_advantages, high_entropy_mask, importance_log_weights, k3_kl, nanstd,
-    off_policy_sequence_mask, sampler_importance_weights, sapo_policy_loss, vespo_policy_loss,
-)
+from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import context_length, generation_eos_ids, load_causal_lm, token_logprobs
-from trainers.rewards import (
-    Reward, RewardLogs, accuracy_reward, call_rewards, check_accuracy_references, resolve_reward,
-)
-from trainers.rollout_func import UserRollout, call_rollout_func, logprob_gap, padded_logprobs
 from trainers.samplers import group_slots
-from trainers.shared_prompt import shared_prompt_logprobs
-from trainers.sft import as_dataset
 from trainers.stats import Extreme, Stats, reduce_extremes, reduce_pairs
 
 
@@ -222,7 +236,7 @@ class GRPOTrainer(BaseTrainer):
             args.entropy_coef_min, args.entropy_coef_max) if args.entropy_coef or args.use_adaptive_entropy else None
         if self._ref_model is not None:
             self._ref_model = dist.prepare_frozen(self.accelerator, self._ref_model)
-        from trainers.rewards import RewardModel
+        from trainers.grpo.rewards import RewardModel
 
         for reward in self.rewards:
             if isinstance(reward.func, RewardModel):

@@ -1,0 +1,68 @@
+"""Group-relative advantages: rewards of a round -> one advantage per completion (pure tensor functions)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased standard deviation ignoring NaNs."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of reward functions, skipping NaN (a function's "not applicable").
+
+    rewards_per_func: [N, F] (NaN = not applicable), weights: [F] -> [N]; NaN where no function applied.
+    """
+    total = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)  # [N]
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    return total.masked_fill(unscorable, float("nan"))
+
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+                     eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (r_i - mean(group)) / (std + eps), the std being the group's, the batch's, or none.
+
+    rewards: [N] with N = groups x num_generations, each group contiguous; NaN = unscorable (advantage 0).
+    returns (advantages [N], zero_std [N/G] bool: groups whose rewards are all equal).
+    """
+    grouped = rewards.view(-1, num_generations)  # [N/G, G]
+    group_mean = torch.nanmean(grouped, dim=1)  # [N/G]
+    group_std = nanstd(grouped, dim=1)  # [N/G]
+    advantages = rewards - group_mean.repeat_interleave(num_generations)
+    if scale_rewards == "group":
+        advantages = advantages / (group_std.repeat_interleave(num_generations) + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (nanstd(rewards) + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    zero_std = torch.isclose(torch.nan_to_num(group_std, nan=0.0), torch.zeros_like(group_std))
+    return torch.nan_to_num(advantages, nan=0.0), zero_std
+
+
+
+def decoupled_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                         eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv:2601.05242; TRL's multi_objective_aggregation="normalize_then_sum"): each function's rewards
+    normalized within their group, (r_k − mean_k) / (std_k + eps), summed with the weights, and the sum
+    normalized over the batch. Functions on different scales then count by their weights, not their spreads.
+
+    rewards_per_func: [N, F] (NaN = not applicable), groups of num_generations contiguous; weights: [F].
+    returns (advantages [N], the weighted sum of normalized rewards [N] (NaN where no function applied),
+    zero_std [N/G] bool: groups where every function's rewards are all equal).
+    """
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])  # [N/G, G, F]
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)  # [N/G, 1, F]
+    std = nanstd(grouped, dim=1, keepdim=True)  # [N/G, 1, F]
+    normalized = ((grouped - mean) / (std + eps)).view_as(rewards_per_func)  # [N, F]
+    summed = combine_rewards(normalized, weights)  # [N]
+    advantages = (summed - torch.nanmean(summed)) / (nanstd(summed) + eps)
+    zero_std = torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).all(dim=-1).squeeze(1)
+    return torch.nan_to_num(advantages, nan=0.0), summed, zero_std

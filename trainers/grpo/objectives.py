@@ -1,0 +1,230 @@
+"""GRPO's policy objectives: importance weights, the loss variants, masks and the KL penalty.
+
+Pure tensor functions. Every ``loss_type`` is one entry of ``OBJECTIVES``, all with one signature:
+``objective(inputs: PolicyInputs, args) -> PolicyLoss``, where ``args`` is the GRPOConfig (read for the
+variant's own constants: clip ranges, temperatures, VESPO's shape). How the per-token loss is then averaged
+is ``trainers.losses.AGGREGATIONS[loss_type]``. Shapes: B completions, T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from trainers.losses import BatchCounts
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, counts: "BatchCounts") -> torch.Tensor:
+    """TRL's entropy regularizer for one micro-batch: the mean entropy of its ``mask`` tokens, averaged over the
+    step's micro-batches (of every process), whatever the loss type. The loss subtracts entropy_coef times it.
+    entropy, mask: [B, T]."""
+    return (entropy * mask).sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
+
+
+
+def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log π/π_old per token ([B, T]), or GSPO's length-normalized sequence ratio (arXiv:2507.18071) ([B, 1]):
+    log w_i = (1/|o_i|) Σ_t (log π(o_i,t) - log π_old(o_i,t))."""
+    log_ratio = logps - old_logps  # [B, T]
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+
+
+
+def clipped_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                        delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate, per token: -min(w·A, clip(w, 1-ε_low, 1+ε_high)·A).
+
+    log_weights: [B, T] or [B, 1]; advantages: [B]. ``delta`` also caps w at delta (two-sided clipping,
+    arXiv:2505.22617). Returns (loss [B, T or 1], low_clipped, high_clipped) where the clip masks mark
+    tokens whose gradient the clip removed.
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp(log_weights)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    low_clipped = (ratio < 1 - eps_low) & (adv < 0)
+    high_clipped = (ratio > 1 + eps_high) & (adv > 0)
+    return loss, low_clipped, high_clipped
+
+
+
+def cispo_policy_loss(logps: torch.Tensor, log_weights: torch.Tensor, advantages: torch.Tensor,
+                      max_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585), per token: -min(w, ε_max).detach() · A · log π. The weight is
+    clipped and detached instead of the update, so every token keeps a gradient.
+
+    logps: [B, T]; log_weights: [B, T] or [B, 1]; advantages: [B]. Returns (loss [B, T], clipped: w > ε_max
+    with A > 0, [B, T or 1]).
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    weight = torch.exp(log_weights)
+    loss = -weight.clamp(max=max_weight).detach() * adv * logps
+    return loss, (weight > max_weight) & (adv > 0)
+
+
+
+def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+                     temperature_neg: float) -> torch.Tensor:
+    """SAPO (arXiv:2511.20347), per token: -σ(τ·(w − 1)) · 4/τ · A, a smooth gate in place of the hard clip
+    (slope 1 at w = 1, fading off-policy), τ = temperature_pos where A > 0, else temperature_neg.
+
+    log_weights: [B, T] or [B, 1]; advantages: [B]. Returns the loss, [B, T or 1].
+    """
+    adv = advantages.unsqueeze(-1)  # [B, 1]
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
+
+
+
+def vespo_policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float,
+                      sampler_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """VESPO (arXiv:2602.10693), per token: -φ(w) · A · log π, where w = Π_t π/π_old is the completion's
+    sequence ratio and φ(w) = e^λ · w^k · e^(−λw) a detached Gamma-shaped weight with φ(1) = 1, (k, λ) =
+    (k_pos, λ_pos) where A >= 0, else (k_neg, λ_neg). In log space, with TRL's clamps.
+
+    logps, log_ratio (per token, log π − log π_old), mask: [B, T]; advantages: [B]. ``sampler_weights``
+    ([B, T], π_old/π_sampler per token from ``sampler_importance_weights``) joins w, as in TRL: log w gains
+    Σ_t log of them (every column, as TRL sums them; padding's weight is 1). Returns (loss [B, T], φ [B, 1]).
+    """
+    with torch.no_grad():
+        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
+        if sampler_weights is not None:
+            log_w = log_w + sampler_weights.log().clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
+        nonnegative = advantages.unsqueeze(-1) >= 0
+        k = torch.where(nonnegative, k_pos, k_neg)
+        lam = torch.where(nonnegative, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * advantages.unsqueeze(-1) * logps, phi
+
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """The loss tokens whose entropy is at least ``threshold`` (top_entropy_quantile, arXiv:2506.01939: the
+    policy gradient from the high-entropy "forking" tokens only). entropy, mask: [B, T]. Returns [B, T] bool."""
+    return (entropy >= threshold) & mask.bool()
+
+
+
+def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): 0 for a completion whose advantage
+    is negative and whose mean log π_old − log π (an estimate of KL(π_old || π)) exceeds ``threshold``, else 1.
+
+    logps, old_logps (or a sampler's, NaN where unknown), mask: [B, T]; advantages: [B]. Returns [B, 1] in
+    mask's dtype.
+    """
+    kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)  # [B, T]; NaN: a token the sampler did not score
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+
+def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                               clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """Importance weights π_old / π_sampler that correct for completions sampled by another engine than the
+    policy (TRL's vLLM importance sampling: truncated or masked IS): per token ([B, T]) for
+    'token_*' modes, per completion ([B, 1], the product over its masked tokens) for 'sequence_*'. '*_truncate'
+    clips them to [clip_min, clip_max]; '*_mask' sets them to 0 outside it (None: no bound on that side).
+
+    logps (the trainer's, π_old), sampler_logps (NaN where the sampler gave none: a difference of 0, so no
+    correction), mask: [B, T]. Padding columns get weight 1.
+    """
+    diff = torch.nan_to_num((logps - sampler_logps) * mask, nan=0.0)  # [B, T]
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [B, 1]
+    weights = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return weights if clip_min is None and clip_max is None else weights.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π || π_ref), per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    diff = ref_logps - logps
+    return torch.exp(diff) - diff - 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The registry: one signature for every loss_type
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What every policy objective reads for one micro-batch."""
+
+    logps: torch.Tensor  # [B, T] log pi (with gradient)
+    old_logps: torch.Tensor  # [B, T] log pi_old (the policy that sampled; equal to logps, detached, on-policy)
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T] float: the loss tokens
+    # pi_old / pi_sampler (vllm_importance_sampling_correction) for a rollout's own log-probs: [B, T] per token,
+    # [B, 1] per completion; None without them
+    sampler_weights: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy objective's per-token loss (sampler weights applied) and what it clipped, for the metrics."""
+
+    per_token: torch.Tensor  # [B, T] or [B, 1] (a sequence-level ratio with nothing per token)
+    low_clipped: torch.Tensor | None = None  # [B, T or 1] bool: ratio below 1 - epsilon with A < 0 (clipped loss)
+    high_clipped: torch.Tensor | None = None  # [B, T or 1] bool: ratio above 1 + epsilon_high with A > 0
+    cispo_clipped: torch.Tensor | None = None  # [B, T or 1] bool: CISPO's weight capped
+    phi: torch.Tensor | None = None  # [B, 1]: VESPO's sequence weight
+
+
+def _with_sampler_weights(per_token: torch.Tensor, inputs: PolicyInputs) -> torch.Tensor:
+    return per_token if inputs.sampler_weights is None else per_token * inputs.sampler_weights
+
+
+def clipped_objective(inputs: PolicyInputs, args: Any) -> PolicyLoss:
+    """PPO's clipped surrogate on the token (GRPO, DAPO, Dr. GRPO, BNPO) or sequence (GSPO, LUSPO) ratio."""
+    log_weights = importance_log_weights(inputs.logps, inputs.old_logps, inputs.mask, args.importance_sampling_level)
+    per_token, low, high = clipped_policy_loss(log_weights, inputs.advantages, args.epsilon, args.clip_high, args.delta)
+    return PolicyLoss(_with_sampler_weights(per_token, inputs), low_clipped=low, high_clipped=high)
+
+
+def cispo_objective(inputs: PolicyInputs, args: Any) -> PolicyLoss:
+    log_weights = importance_log_weights(inputs.logps, inputs.old_logps, inputs.mask, args.importance_sampling_level)
+    per_token, clipped = cispo_policy_loss(inputs.logps, log_weights, inputs.advantages, args.clip_high)
+    return PolicyLoss(_with_sampler_weights(per_token, inputs), cispo_clipped=clipped)
+
+
+def sapo_objective(inputs: PolicyInputs, args: Any) -> PolicyLoss:
+    log_weights = importance_log_weights(inputs.logps, inputs.old_logps, inputs.mask, args.importance_sampling_level)
+    per_token = sapo_policy_loss(log_weights, inputs.advantages, args.sapo_temperature_pos, args.sapo_temperature_neg)
+    return PolicyLoss(_with_sampler_weights(per_token, inputs))
+
+
+def vespo_objective(inputs: PolicyInputs, args: Any) -> PolicyLoss:
+    """VESPO folds the sampler weights into its own sequence weight (as TRL) instead of multiplying the loss."""
+    per_token, phi = vespo_policy_loss(inputs.logps, inputs.logps - inputs.old_logps, inputs.advantages, inputs.mask,
+                                       args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                                       args.vespo_lambda_neg, inputs.sampler_weights)
+    return PolicyLoss(per_token, phi=phi)
+
+
+OBJECTIVES: dict[str, Callable[[PolicyInputs, Any], PolicyLoss]] = {
+    "grpo": clipped_objective,
+    "bnpo": clipped_objective,
+    "dr_grpo": clipped_objective,
+    "dapo": clipped_objective,
+    "luspo": clipped_objective,
+    "cispo": cispo_objective,
+    "sapo": sapo_objective,
+    "vespo": vespo_objective,
+}

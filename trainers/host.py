@@ -1,0 +1,192 @@
+"""Float32 attention for bf16 mixed-precision training on CPU.
+
+PyTorch's CPU flash-attention kernel (what ``attn_implementation="sdpa"`` runs) is slower in bf16 than in
+float32 at every length we train at: forward + backward of 16 rows × 12 / 4 heads × head dim 64 take 21.4 ms
+in bf16 against 9.2 ms in float32 at 80 tokens, and 89 against 86 ms at 272 tokens (2-core AVX-512 CPU,
+torch 2.13; docs/benchmarks.md). Under bf16 autocast the query, key and value come out of the projections in
+bf16, so the training forward calls the slow kernel. ``float32_attention_on_cpu`` switches the model's
+attention, for one forward, to HF's own SDPA attention run on float32 copies of q, k and v (the output goes
+back to bf16, as the next projection would cast it anyway). Float32 attention is also the more accurate one.
+
+The switch is HF's documented extension point (``AttentionInterface`` / ``AttentionMaskInterface``), under
+the name ``FLOAT32_SDPA``; it is made only for models whose attention is ``"sdpa"``, only on CPU, and undone
+after the forward, so the user's model object keeps its configuration.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+FLOAT32_SDPA = "trainers_sdpa_float32"
+
+
+def sdpa_attention_in_float32(module, query, key, value, attention_mask, **kwargs):
+    """HF's ``sdpa_attention_forward`` in float32 for multi-token queries on CPU that would otherwise run the bf16
+    (or fp16) kernel; otherwise exactly ``sdpa_attention_forward``. query: [B, H, Tq, D]; key, value:
+    [B, KV, Tk, D]. Under autocast, RoPE has already promoted q and k to float32 while v is bf16: autocast would
+    cast all three to bf16 for the kernel. The output has the dtype the bf16 kernel would have returned."""
+    autocast = torch.is_autocast_enabled("cpu")
+    out_dtype = torch.get_autocast_dtype("cpu") if autocast else query.dtype
+    low_precision = out_dtype != torch.float32 or any(t.dtype != torch.float32 for t in (query, key, value))
+    if query.device.type != "cpu" or query.shape[2] == 1 or not low_precision:
+        # Decoding (one query) reads the whole cache: casting it would cost more than the kernel saves.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back to bf16
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                              **kwargs)
+    return out.to(out_dtype), weights
+
+
+AttentionInterface.register(FLOAT32_SDPA, sdpa_attention_in_float32)
+AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)  # the same masks as "sdpa"
+
+
+def _sdpa_configs(model: torch.nn.Module) -> list:
+    """The configs with ``"sdpa"`` attention that the model's modules read (wrappers such as DDP and PEFT reach
+    the base model's through ``modules()``; a multimodal model's sub-configs are found on their own modules).
+    None when gradient checkpointing is on: backward re-runs the forward outside the switch, and the
+    recomputation must match the original forward."""
+    found = {}
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return []
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == "sdpa":
+            found[id(config)] = config
+    return list(found.values())
+
+
+@contextmanager
+def float32_attention_on_cpu(model: torch.nn.Module, device: torch.device):
+    """During the block, a model on CPU whose attention is ``"sdpa"`` runs it in float32 (see the module doc).
+    Anything else (a GPU, eager or flash attention, a custom model, gradient checkpointing) is left as it is."""
+    configs = _sdpa_configs(model) if device.type == "cpu" else []
+    # The internal field, not the ``_attn_implementation`` setter: the setter also rewrites every sub-config,
+    # which would turn, say, an "eager" vision tower into "sdpa" when restored.
+    for config in configs:
+        config._attn_implementation_internal = FLOAT32_SDPA
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation_internal = "sdpa"
+
+
+def let_gloo_workers_finish() -> None:
+    """At exit, give gloo's worker threads the GIL for a moment so they drop their finished work (``atexit``).
+
+    A gloo worker frees a collective's work object after the caller has already been told it finished; when
+    the work holds tensors seen from Python, freeing them needs the GIL. If the script exits within a few
+    milliseconds of its last collective, the worker is still waiting for the GIL when the interpreter shuts
+    down, and CPython ends the thread mid-destructor: "terminate called without an active exception", SIGABRT,
+    a failed exit code for a run that trained and saved correctly. Seen in the core dump as
+    ``~AsyncAllreduceWork`` -> ``take_gil`` -> ``PyThread_exit_thread`` on a worker thread. Measured on 2-process
+    DDP GRPO runs on CPU: 6 aborts in 57 runs without this, 0 in 30 with it. ``destroy_process_group`` does
+    not help (3 in 20): the DDP wrapper still holds the process group. Sleeping releases the GIL without
+    needing the other processes, so it cannot hang when one of them has died.
+    """
+    time.sleep(0.1)
+
+
+STALE_LOCK_SECONDS = 15 * 60  # a DeepSpeed CPU op compiles in about a minute here
+
+
+def warn_on_stale_build_locks() -> list[str]:
+    """Warn about compile locks that an interrupted build left behind in torch's extension folder.
+
+    DeepSpeed compiles ``cpu_adam`` and friends through ``torch.utils.cpp_extension``, which takes a ``lock`` file
+    in the op's build folder and makes every other process wait, polling, until the file disappears. A build
+    killed mid-way leaves it there and the next run waits forever without a word. A fresh lock is normal (one
+    rank compiles while the others wait), so only locks older than ``STALE_LOCK_SECONDS`` are reported.
+    Returns the paths warned about.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch picks it
+    now = time.time()
+    stale = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(path)
+        except FileNotFoundError:  # another process finished its compile since the glob: nothing to report
+            continue
+        if age > STALE_LOCK_SECONDS:
+            warnings.warn(f"{path} is {age / 60:.0f} minutes old, probably left by an interrupted compile; DeepSpeed "
+                          "will wait for it to disappear before building or loading that op, forever if nothing "
+                          "removes it. If no other process is compiling it, delete the file.", stacklevel=3)
+            stale.append(path)
+    return stale
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+
+
+_HOST_BLOCK = 8 << 20  # 8 MiB
+
+
+_INT_MAX = 2**31 - 1
+
+
+# "system" leaves glibc's allocator settings alone (for comparisons, or when returning memory matters more)
+HOST_ALLOCATOR_ENV = "TRAINERS_HOST_ALLOCATOR"
+
+
+def _libc():
+    setting = os.environ.get(HOST_ALLOCATOR_ENV, "auto").lower()
+    if setting not in ("auto", "system"):
+        raise ValueError(f"{HOST_ALLOCATOR_ENV}={setting!r}: valid values are 'auto' (the default) and 'system'.")
+    if setting == "system":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): leave the allocator alone
+        return None
+
+
+def keep_host_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS, for training on CPU without ZeRO.
+
+    A training step allocates and frees the same large activations, logits chunks and gradients every time.
+    By default glibc serves blocks above its mmap threshold (at most 32 MiB) with fresh ``mmap`` calls and
+    trims freed heap tops, so every step pays the kernel to zero-fill and fault in the same pages again: on
+    the 2-core CI machine a third of the wall time went to system time. With no mmapped blocks and no trimming
+    the pages are faulted in once. Measured (docs/benchmarks.md): bf16 SFT on the ~85M model 6.0-7.0 s ->
+    4.4-4.6 s per step. The cost is that each process keeps its peak heap until it exits. Returns whether it
+    was applied (glibc only; ``TRAINERS_HOST_ALLOCATOR=system`` turns it off).
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)
+    libc.mallopt(_M_MMAP_MAX, 0)
+    return True
+
+
+def tune_host_allocator() -> bool:
+    """Make glibc return freed large blocks to the OS, for DeepSpeed training on CPU.
+
+    ZeRO-3 frees and re-gathers every layer's weights at each step. glibc serves blocks below its *dynamic*
+    mmap threshold (which climbs to 32 MiB after the first large free) from heap arenas and keeps them after
+    they are freed, so resident memory grows by what ZeRO released. Fixing the threshold at 8 MiB makes such
+    blocks mmapped and unmapped on free. Measured (docs/distributed.md): -1.5 GB peak per rank for a 300M
+    model under ZeRO-3 on CPU, no measurable cost at that size, ~5% on a width-256 model (a 1 MiB threshold
+    cost 45-70% there), so it is applied to DeepSpeed runs on CPU only. Returns whether it was applied
+    (``TRAINERS_HOST_ALLOCATOR=system`` turns it off).
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.mallopt(_M_MMAP_THRESHOLD, _HOST_BLOCK)
+    libc.mallopt(_M_TRIM_THRESHOLD, _HOST_BLOCK)
+    return True
