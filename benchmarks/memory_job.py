@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.memory_probe import live_tensor_bytes, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from memory_probe import live_tensor_bytes, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.distributed import zero_stage
 

@@ -158,7 +158,7 @@ def main():
         torch.set_num_threads(cli.threads)
     rows = sft_rows(cli.max_length) if cli.method == "sft" else grpo_rows()
     times, tokens, loss, zero_std = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
-    from benchmarks.memory_probe import peak_rss_bytes
+    from memory_probe import peak_rss_bytes
 
     result = {"step_times": times, "num_tokens": tokens, "loss": loss, "peak_mb": peak_rss_bytes() / 2**20,
               "frac_reward_zero_std": zero_std}

@@ -10,10 +10,12 @@ this training run's alone (the pytest process's memory does not count).
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from benchmarks.memory_probe import peak_rss_bytes
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+from benchmarks.memory_probe import peak_rss_bytes  # noqa: E402
 from trainers import SFTConfig, SFTTrainer
 
 
