@@ -1,6 +1,6 @@
 """SDPA attention alone, forward + backward, as the small model's training forward calls it (CPU): the bf16
 flash kernel, the bf16 math kernel, and the flash kernel on float32 copies of bf16 inputs (what
-``trainers/attention.py`` runs under bf16 autocast), at several sequence lengths. Median of 8 after 3 warm-ups.
+``trainers/host.py`` runs under bf16 autocast), at several sequence lengths. Median of 8 after 3 warm-ups.
 
     python benchmarks/attention.py
 """

@@ -94,8 +94,8 @@ def run_ours(cli, rows):
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
                               peft_config=lora_config(cli), args=GRPOConfig(**grpo_args(cli), **cli.ours_extra))
     clock = StepClock()
-    original = trainer.step_metrics
-    trainer.step_metrics = lambda: (clock.tick(), original())[1]
+    original = trainer.after_optimizer_step  # called once per step, right after the optimizer step
+    trainer.after_optimizer_step = lambda metrics: (clock.tick(), original(metrics))[1]
     clock.tick()
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]

@@ -9,6 +9,7 @@ completions at advantage 0 (whole groups, as a group whose rewards are all equal
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,14 +39,15 @@ def main():
                               output_dir=tempfile.mkdtemp(dir=cli.workdir), per_device_train_batch_size=16,
                               num_generations=4, max_completion_length=cli.tokens, report_to="none",
                               generation_kwargs={"min_new_tokens": cli.tokens}, disable_tqdm=True, seed=0))
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
-    print(f"{cli.model} model, 16 completions of {cli.tokens} tokens (prompts {batch['prompt_ids'].shape[1]} tokens)")
+    print(f"{cli.model} model, 16 completions of {cli.tokens} tokens (prompts {batch.prompt_ids.shape[1]} tokens)")
     print("| completions at advantage 0 | all trained (s) | skipping (s) | skipping / all |")
     print("|---|---|---|---|")
     for idle in (0, 4, 8, 12, 16):
-        advantages = batch["advantages"].clone()
+        advantages = batch.advantages.clone()
         advantages[:idle] = 0.0
-        idle_batch = {**batch, "advantages": advantages}
+        idle_batch = dataclasses.replace(batch, advantages=advantages)
         counts = trainer._count([idle_batch])[0]
         times = {}
         for skip in (False, True):

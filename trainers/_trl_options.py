@@ -1,7 +1,9 @@
 """Options that TRL 1.16 (SFTConfig, GRPOConfig and transformers.TrainingArguments) has and this project does not.
 
-Generated from TRL 1.16 by introspection. A TRL script may pass any of them at its TRL default (it changes
-nothing, so it is accepted); any other value is refused with an error that names the option.
+Generated from TRL 1.16 by introspection, plus the TRL options whose only supported value here is TRL's default
+(SFTConfig's packing_strategy and loss_type, GRPOConfig's use_vllm): a config field that accepts a single value
+is one of these instead. A TRL script may pass any of them at its TRL default (it changes nothing, so it is
+accepted, and reading it gives that default); any other value is refused with an error that names the option.
 """
 
 TRL_ONLY_OPTIONS = {
@@ -45,10 +47,12 @@ TRL_ONLY_OPTIONS = {
     'log_multimodal': True,
     'log_on_each_node': True,
     'log_unique_prompts': False,
+    'loss_type': 'nll',  # SFTConfig's (TRL's 'dft' is not implemented); GRPOConfig has its own field
     'max_tool_calling_iterations': None,
     'neftune_noise_alpha': None,
     'optim_args': None,
     'optim_target_modules': None,
+    'packing_strategy': 'bfd',  # SFTConfig's: packing is best-fit decreasing; TRL's 'bfd_split', 'wrapped' are not
     'parallelism_config': None,
     'prediction_loss_only': False,
     'project': 'huggingface',
@@ -66,6 +70,7 @@ TRL_ONLY_OPTIONS = {
     'use_liger_kernel': False,
     'use_transformers_continuous_batching': False,
     'use_transformers_paged': False,
+    'use_vllm': False,  # GRPOConfig's: completions come from the policy itself (or a rollout_func)
     'vllm_enable_sleep_mode': False,
     'vllm_gpu_memory_utilization': 0.3,
     'vllm_group_port': 51216,

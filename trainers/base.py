@@ -1,10 +1,13 @@
 """BaseTrainer: the loop shared by SFT and GRPO.
 
-Read ``train`` top to bottom: for each optimizer step, take ``gradient_accumulation_steps`` micro-batches,
-count what the whole step holds (over every process), then forward, loss, backward on each, step, log,
-evaluate, save. A subclass supplies how a micro-batch is made (``micro_batch``) and how its loss is computed
-(``compute_loss``); everything distributed goes through ``trainers.distributed``, and ``evaluate()`` with the
-eval datasets behind it lives in ``trainers.evaluation``.
+Read ``train`` top to bottom: for each optimizer step, ``prepare_step``, then ``gradient_accumulation_steps``
+micro-batches, counted over every process (``_count``), then forward, loss, backward on each and the optimizer
+step (``_optimizer_step``), ``after_optimizer_step``, the step's bookkeeping, then log, evaluate, save, and the
+checks that stop a run. A subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``)
+and how its loss is computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
+rest of the trainer is in mixins: ``evaluate()`` and the eval datasets (``trainers.evaluation``), what a run
+records and when it logs, evaluates and saves (``trainers.run_logging``), and checkpoints, resuming, the best
+model and ``save_model`` (``trainers.saving``).
 """
 
 from __future__ import annotations
@@ -12,29 +15,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from accelerate.utils import set_seed
 from accelerate.utils.memory import clear_device_cache
-from transformers import trainer_pt_utils
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
 from trainers.callbacks import CallbackHandler
-from trainers.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    load_model_only_checkpoint,
-    resolve_resume_path,
-    rotate_checkpoints,
-    save_checkpoint,
-    update_best,
-    verify_checkpoint,
-)
+from trainers.checkpoint import TrainerState
 from trainers.configs import ConfigError, TrainingConfig, tf32_available
-from trainers.errors import CheckpointError, NonFiniteError
 from trainers.evaluation import Evaluation, named_eval_datasets
 from trainers.health import HealthMonitor
 from trainers.interrupts import StopOnSignal
@@ -52,10 +44,12 @@ from trainers.modeling import (
     train_added_tokens,
 )
 from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
+from trainers.run_logging import RunLogging
 from trainers.samplers import GlobalBatchSampler
+from trainers.saving import Saving
 from trainers.schedules import build_scheduler
 from trainers.stats import Stats, StepStats
-from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
+from trainers.trackers import resolve_report_to
 
 
 class TrainOutput(NamedTuple):
@@ -64,8 +58,26 @@ class TrainOutput(NamedTuple):
     metrics: dict
 
 
-class BaseTrainer(Evaluation):
-    """Owns the model, tokenizer, optimizer, schedule, loop, logging, evaluation and checkpoints."""
+class MicroBatch(Protocol):
+    """What the loop reads of a micro-batch: ``micro_batch`` returns one and ``compute_loss`` gets it back. A
+    subclass's micro-batch (a frozen dataclass: SFTBatch, GRPO's) carries its model inputs beside these."""
+
+    @property
+    def loss_mask(self) -> torch.Tensor:  # [B, T] float: 1 on the tokens the loss covers
+        ...
+
+    @property
+    def num_input_tokens(self) -> torch.Tensor | float:  # 0-d: the real (not padding) tokens fed to the model
+        ...
+
+    @property
+    def num_padded_tokens(self) -> torch.Tensor | float:  # 0-d: the positions fed to the model, padding included
+        ...
+
+
+class BaseTrainer(Evaluation, RunLogging, Saving):
+    """Owns the model, tokenizer, optimizer, schedule and the loop; evaluation, logging and checkpoints come from
+    its mixins (see the module docstring)."""
 
     config_class: type[TrainingConfig] = TrainingConfig
     # DistributedDataParallel arguments where the config's ddp_* option is None (the config's win)
@@ -198,14 +210,10 @@ class BaseTrainer(Evaluation):
         """Whether this is the main process of its machine (transformers' Trainer method)."""
         return self.accelerator.is_local_main_process
 
-    def _describe_run(self) -> None:
-        """The TrainerState fields transformers' callbacks read, set at the start of each train()."""
-        args, acc, state = self.args, self.accelerator, self.state
-        state.max_steps, state.num_train_epochs = self.max_steps, math.ceil(self.max_steps / self.steps_per_epoch)
-        state.logging_steps, state.save_steps = args.logging_steps, args.save_steps
-        state.eval_steps = args.eval_steps or args.logging_steps
-        state.train_batch_size = args.per_device_train_batch_size
-        state.is_world_process_zero, state.is_local_process_zero = acc.is_main_process, acc.is_local_main_process
+    def end(self) -> None:
+        """Finish the trackers and destroy the distributed process group (transformers' Trainer.end). Call it
+        once, at the very end of a script: train, evaluate and save_model need the other processes."""
+        self.accelerator.end_training()
 
     def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
         """The training order of rows of these ``lengths`` in batches of ``batch`` rows (``unit`` names such a batch
@@ -237,11 +245,15 @@ class BaseTrainer(Evaluation):
     def optimizer_steps_per_epoch(self) -> int:
         raise NotImplementedError
 
-    def micro_batch(self, step: int, accumulation_index: int) -> dict:
-        """This process's micro-batch ``accumulation_index`` of optimizer step ``step``; must hold ``loss_mask``."""
+    def prepare_step(self, step: int) -> None:
+        """Called on every process at the start of optimizer step ``step``, before its ``micro_batch`` calls.
+        Does nothing here; GRPO builds its generation rounds here."""
+
+    def micro_batch(self, step: int, accumulation_index: int) -> MicroBatch:
+        """This process's micro-batch ``accumulation_index`` of optimizer step ``step`` (see ``MicroBatch``)."""
         raise NotImplementedError
 
-    def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+    def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         """The micro-batch's share of the step's loss (normalized by ``counts``), and statistics to log."""
         raise NotImplementedError
 
@@ -268,9 +280,11 @@ class BaseTrainer(Evaluation):
                 "num_processes": self.accelerator.num_processes, "effective_batch_size": self.effective_batch_size,
                 "max_steps": self.max_steps, "config": self.args.to_dict()}
 
-    def step_metrics(self) -> dict:
-        """Metrics a subclass measured outside ``compute_loss`` during the last step (already global)."""
-        return {}
+    def after_optimizer_step(self, metrics: dict) -> None:
+        """Called on every process right after each optimizer step (``_optimizer_step``), before ``global_step``
+        counts it and before anything is logged, with the step's metrics, already reduced over processes. Entries
+        added to ``metrics`` are logged with the step's (GRPO: its rounds' metrics, the adaptive entropy
+        coefficient). Does nothing here; a subclass uses it instead of overriding ``_optimizer_step``."""
 
     def add_router_loss(self, loss: torch.Tensor, out: dict, counts: BatchCounts, stats: Stats) -> torch.Tensor:
         """``loss`` plus the MoE router load-balancing loss of this micro-batch (``out["aux_loss"]``, from a
@@ -317,164 +331,96 @@ class BaseTrainer(Evaluation):
     # ------------------------------------------------------------------ the loop
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        args, acc = self.args, self.accelerator
-        if resume_from_checkpoint is None:
-            resume_from_checkpoint = args.resume_from_checkpoint
-        resume_path = resolve_resume_path(resume_from_checkpoint, args.output_dir)
-        if resume_path is not None:
-            self.state = load_checkpoint(acc, resume_path)
-            self.load_extra_state(resume_path)
-            if args.restore_callback_states_from_checkpoint:
-                self.callback_handler.restore(self.state.stateful_callbacks)
-            if acc.is_main_process:
-                logger.info(f"resumed from {resume_path} at step {self.state.global_step}")
-            best = self.state.best_model_checkpoint
-            if best is not None and not os.path.isdir(best):
-                logger.warning(f"the best checkpoint {best} recorded in the resumed state is gone; the best "
-                               f"checkpoint will be chosen among those written from here on.")
-                self.state.best_model_checkpoint = None
-        if acc.is_main_process:
-            logger.info(
-                f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "
-                f"x {acc.num_processes} processes x {args.gradient_accumulation_steps} accumulation steps; "
-                f"{self.max_steps} optimizer steps ({self.steps_per_epoch} per epoch)")
-        run_log = self.run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)
-        run_log.start(self.state.log_history, self.state.global_step)
-        info = self.run_info()
-        run_log.write_run_info(info)
-        if self.trackers:
-            project = args.run_name or os.path.basename(os.path.normpath(args.output_dir))
-            acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
-            self._trackers_open = True
-        started_at, first_step = time.time(), self.state.global_step
-        window: list[dict] = []
+        """Train to ``max_steps`` (from a checkpoint with ``resume_from_checkpoint``: True for the newest in
+        output_dir, or its path; None: the config's). Returns the final step, the mean loss of this call's steps,
+        and transformers' summary metrics."""
+        args = self.args
+        self._resume(args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint)
+        started_at, first_step = self._start_run()
+        window: list[dict] = []  # the metrics of the steps since the last log record
         step_losses: list[float] = []  # every step of this call, whatever logging_steps is (TrainOutput's mean)
-        self.model.train()
-        self._describe_run()
-        callbacks = self.callback_handler
-        callbacks.new_training()
-        callbacks.fire("train_begin")
-        if args.eval_on_start:  # as transformers: also when resuming, logged at the step it starts from
-            self._record_evaluation()
         with StopOnSignal() as stop:
             while self.state.global_step < self.max_steps:
                 step = self.state.global_step
-                callbacks.new_step()
-                if step % self.steps_per_epoch == 0 or step == first_step:  # a resumed run starts mid-epoch
-                    callbacks.fire("epoch_begin")
-                callbacks.fire("step_begin")
-                started = time.perf_counter()
+                started = self._begin_step(step, first_step)
+                self.prepare_step(step)
                 batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
-                step_stats = self._optimizer_step(batches, stop_requested=bool(stop.received))
-                step_stats.update(self.step_metrics())
-                step_stats["step_time"] = time.perf_counter() - started
-                self.state.global_step += 1
-                self.state.epoch = self.state.global_step / self.steps_per_epoch
-                tokens = int(step_stats.pop("num_input_tokens"))  # all processes
-                padded = int(step_stats.pop("num_padded_tokens"))  # all processes, padding included
-                self.state.num_tokens += tokens
-                self.state.total_flos += float(self.flos_per_token * padded)  # padding included, as transformers
-                if args.include_num_input_tokens_seen != "no":
-                    counted = padded if args.include_num_input_tokens_seen == "all" else tokens
-                    self.state.num_input_tokens_seen += counted
-                step_stats["tokens_per_second"] = tokens / step_stats["step_time"]
-                stop_requested = step_stats.pop("stop_requested") > 0
-                window.append(step_stats)
-                if math.isfinite(step_stats["loss"]) or not args.logging_nan_inf_filter:
-                    step_losses.append(step_stats["loss"])
-                run_log.advance(self._progress(step_stats))
-                callbacks.fire("step_end")
-                if self.state.global_step % self.steps_per_epoch == 0:
-                    callbacks.fire("epoch_end")
+                metrics = self._optimizer_step(batches, stop_requested=bool(stop.received))
+                self.after_optimizer_step(metrics)
+                self._account_step(metrics, time.perf_counter() - started)
+                stop_requested = metrics.pop("stop_requested") > 0  # a signal reached some process
+                self._end_step(metrics, window, step_losses)
                 self._log_eval_save(window, force_log=stop_requested)
-                self._check_nonfinite(step_stats["grad_norm"])
+                self._check_nonfinite(metrics["grad_norm"])
                 if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
                     clear_device_cache()  # nothing to return on CPU
                 if stop_requested:
-                    run_log.close()
+                    self.run_log.close()
                     self._stop_on_signal(stop.received)
-                if callbacks.requested("should_training_stop"):  # e.g. transformers' EarlyStoppingCallback
-                    if acc.is_main_process:
-                        logger.info(f"a callback stopped training at step {self.state.global_step}")
+                if self._stopped_by_callback():
                     break
-        run_log.close()
-        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_model()
-        elif args.load_best_model_at_end and acc.is_main_process:
-            # e.g. the evaluation before training (eval_on_start) stayed the best: there is no checkpoint of it
-            logger.warning(f"load_best_model_at_end: no checkpoint holds the best evaluation "
-                           f"({args.metric_for_best_model} {self.state.best_metric} at step "
-                           f"{self.state.best_global_step}); the final weights stay.")
-        if args.save_total_limit == 1 and self.state.best_model_checkpoint is not None and acc.is_main_process:
-            # rotation kept the newest checkpoint beside the best for resuming; training is over (transformers)
-            rotate_checkpoints(args.output_dir, 1, best=self.state.best_model_checkpoint, keep_newest=False)
-        acc.wait_for_everyone()
-        callbacks.fire("train_end")
-        for tracker in acc.trackers:  # flushed and closed; the process group stays for save_model/evaluate
-            tracker.finish()
-        self._trackers_open = False
+        return self._finish_run(started_at, first_step, step_losses)
+
+    def _begin_step(self, step: int, first_step: int) -> float:
+        """Fire the callbacks that open step ``step`` (on_epoch_begin too at an epoch's start, or the first step of
+        a resumed run, which starts mid-epoch); returns the time the step starts from (its step_time)."""
+        callbacks = self.callback_handler
+        callbacks.new_step()
+        if step % self.steps_per_epoch == 0 or step == first_step:
+            callbacks.fire("epoch_begin")
+        callbacks.fire("step_begin")
+        return time.perf_counter()
+
+    def _account_step(self, metrics: dict, step_time: float) -> None:
+        """Count the step just done in ``self.state`` (global_step, epoch, tokens, FLOs), moving the step's token
+        counts out of ``metrics`` into it; adds step_time and tokens_per_second to ``metrics``."""
+        args, state = self.args, self.state
+        state.global_step += 1
+        state.epoch = state.global_step / self.steps_per_epoch
+        tokens = int(metrics.pop("num_input_tokens"))  # all processes
+        padded = int(metrics.pop("num_padded_tokens"))  # all processes, padding included
+        state.num_tokens += tokens
+        state.total_flos += float(self.flos_per_token * padded)  # padding included, as transformers
+        if args.include_num_input_tokens_seen != "no":
+            state.num_input_tokens_seen += padded if args.include_num_input_tokens_seen == "all" else tokens
+        metrics["step_time"] = step_time
+        metrics["tokens_per_second"] = tokens / step_time
+
+    def _end_step(self, metrics: dict, window: list[dict], step_losses: list[float]) -> None:
+        """The step's metrics into the log ``window`` and its loss into ``step_losses`` (unless logging_nan_inf_filter
+        keeps a non-finite one out); the progress bar advances; on_step_end (and on_epoch_end) fire."""
+        window.append(metrics)
+        if math.isfinite(metrics["loss"]) or not self.args.logging_nan_inf_filter:
+            step_losses.append(metrics["loss"])
+        self.run_log.advance(self._progress(metrics))
+        self.callback_handler.fire("step_end")
+        if self.state.global_step % self.steps_per_epoch == 0:
+            self.callback_handler.fire("epoch_end")
+
+    def _stopped_by_callback(self) -> bool:
+        """Whether a callback asked training to stop (e.g. transformers' EarlyStoppingCallback)."""
+        if not self.callback_handler.requested("should_training_stop"):
+            return False
+        if self.accelerator.is_main_process:
+            logger.info(f"a callback stopped training at step {self.state.global_step}")
+        return True
+
+    def _finish_run(self, started_at: float, first_step: int, step_losses: list[float]) -> TrainOutput:
+        """Close the progress bar, settle the best model, fire on_train_end, close the trackers; train()'s output."""
+        self.run_log.close()
+        self._settle_best_model()
+        self.accelerator.wait_for_everyone()
+        self.callback_handler.fire("train_end")
+        self._close_trackers()
         training_loss = sum(step_losses) / max(len(step_losses), 1)
         return TrainOutput(self.state.global_step, training_loss,
                            self._train_summary(training_loss, time.time() - started_at, first_step))
 
-    def _train_summary(self, training_loss: float, runtime: float, first_step: int) -> dict:
-        """transformers' TrainOutput.metrics for this call of train(): its runtime and rates, the mean loss, the epoch."""
-        steps, runtime = self.state.global_step - first_step, max(runtime, 1e-9)
-        return {"train_runtime": round(runtime, 4),
-                "train_samples_per_second": round(steps * self.effective_batch_size / runtime, 3),
-                "train_steps_per_second": round(steps / runtime, 3),
-                "total_flos": self.state.total_flos, "train_loss": training_loss, "epoch": self.state.epoch}
-
-    def _progress(self, step_stats: dict) -> dict:
-        """What the progress bar shows beside step and time left: loss, reward (GRPO), tokens/s."""
-        shown = {k: step_stats[k] for k in ("loss", "reward") if k in step_stats}
-        shown["tok/s"] = round(step_stats["tokens_per_second"])
-        return shown
-
-    def _checkpoint_now(self) -> str:
-        """A whole (resumable) checkpoint of the current step: the one just written, or a new one (also when
-        save_only_model wrote a model-only one at this step)."""
-        path = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        try:
-            if not verify_checkpoint(path).get("model_only"):
-                return path
-        except CheckpointError:
-            pass
-        return self.save_checkpoint(whole=True)
-
-    def _stop_on_signal(self, signum: int) -> None:
-        """A process received SIGTERM/SIGINT: every process checkpoints this step and exits non-zero."""
-        path = self._checkpoint_now()
-        if self.accelerator.is_main_process:
-            logger.error(f"stopped by a signal after step {self.state.global_step}; checkpoint written to {path}. "
-                         f"Resume with trainer.train(resume_from_checkpoint=True), or run the same command with "
-                         f"--resume_from_checkpoint true.")
-        raise SystemExit(StopOnSignal.exit_code(signum))
-
-    def _check_nonfinite(self, grad_norm: float | None) -> None:
-        """Count optimizer steps skipped for a non-finite loss or gradient norm; stop after too many in a row."""
-        state = self.state
-        if grad_norm is None or math.isfinite(grad_norm):
-            state.consecutive_nonfinite = 0
-            return
-        state.consecutive_nonfinite += 1
-        state.total_nonfinite += 1
-        if state.consecutive_nonfinite < self.args.max_consecutive_nonfinite_steps:
-            if self.accelerator.is_main_process:
-                logger.warning(f"step {state.global_step}: non-finite loss or gradient norm; the update was skipped "
-                               f"({state.consecutive_nonfinite} in a row, {state.total_nonfinite} in total).")
-            return
-        path = self._checkpoint_now()
-        raise NonFiniteError(
-            f"{state.consecutive_nonfinite} consecutive optimizer steps (up to step {state.global_step}) had a "
-            f"non-finite loss or gradient norm, so their updates were skipped and training stopped "
-            f"(max_consecutive_nonfinite_steps={self.args.max_consecutive_nonfinite_steps}). The checkpoint {path} "
-            f"holds the weights from before them. Usual causes: a learning rate too high "
-            f"(learning_rate={self.args.learning_rate}), fp16 overflow (try bf16), or rows that produce inf/NaN "
-            f"(check the data and the reward functions).")
-
-    def _optimizer_step(self, batches: list[dict], stop_requested: bool = False) -> dict:
-        """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics.
+    def _optimizer_step(self, batches: list[MicroBatch], stop_requested: bool = False) -> dict:
+        """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics, reduced
+        over processes: ``loss``, ``num_input_tokens``, ``num_padded_tokens`` and ``stop_requested`` (sums), the
+        ``compute_loss`` statistics, ``learning_rate``, ``grad_norm`` (None where the backend reports none) and
+        ``nonfinite_steps``.
 
         A step whose gradient norm is not finite (a non-finite loss makes it so) is not applied: its
         gradients are dropped (DeepSpeed does the same inside its step). ``stop_requested`` is this process's
@@ -515,17 +461,17 @@ class BaseTrainer(Evaluation):
         metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))
         return metrics
 
-    def _count(self, batches: list[dict]) -> tuple[BatchCounts, float, float]:
+    def _count(self, batches: list[MicroBatch]) -> tuple[BatchCounts, float, float]:
         """Tokens and sequences the loss covers in this step, summed over micro-batches and processes; and this
         process's input tokens, without and with padding."""
         acc = self.accelerator
         local = torch.zeros(4, device=acc.device)
         for batch in batches:
-            mask = batch["loss_mask"]
+            mask = batch.loss_mask  # [B, T]
             local[0] += mask.sum()
             local[1] += (mask.sum(-1) > 0).sum()
-            local[2] += batch["num_input_tokens"]
-            local[3] += batch["num_padded_tokens"]
+            local[2] += batch.num_input_tokens
+            local[3] += batch.num_padded_tokens
         tokens, sequences = dist.all_reduce_sum(acc, local[:2]).tolist()
         counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches),
                              max_completion_length=getattr(self.args, "max_completion_length", 1))
@@ -536,133 +482,3 @@ class BaseTrainer(Evaluation):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return self.accelerator.clip_grad_norm_(params, max_norm)
 
-    def _log_eval_save(self, window: list[dict], force_log: bool = False) -> None:
-        args, state = self.args, self.state
-        step, last = state.global_step, state.global_step == self.max_steps
-        epoch_end = step % self.steps_per_epoch == 0
-        log_due = {"steps": step % args.logging_steps == 0 or last, "epoch": epoch_end or last, "no": False}
-        callbacks = self.callback_handler  # a callback may ask for a log, an evaluation or a checkpoint
-        if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log \
-                or callbacks.requested("should_log"):
-            record = {"step": step, "epoch": round(state.epoch, 4)}
-            for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
-                values = [w[name] for w in window if name in w]
-                if name == "loss" and args.logging_nan_inf_filter:  # as transformers: the finite steps' mean
-                    values = [v for v in values if math.isfinite(v)] or values
-                record[name] = sum(values) / len(values)
-            record["num_tokens"] = state.num_tokens
-            if args.include_num_input_tokens_seen != "no":
-                record["num_input_tokens_seen"] = state.num_input_tokens_seen
-            self._publish(record)
-            window.clear()
-            for warning in self.health.check(state.log_history):
-                if self.accelerator.is_main_process:
-                    logger.warning(f"health: {warning}")
-            self.on_log(record)
-            callbacks.fire("log", logs={k: v for k, v in record.items() if k != "step"})
-        elif args.logging_strategy == "no":
-            window.clear()  # nothing will log these steps
-        eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
-                    and step >= args.eval_delay) or (
-            args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay) \
-            or callbacks.requested("should_evaluate")
-        new_best = self._record_evaluation() if eval_due else False
-        save_due = (args.save_strategy == "steps" and (step % args.save_steps == 0 or last)) or (
-            args.save_strategy == "epoch" and (epoch_end or last)) or (args.save_strategy == "best" and new_best) \
-            or callbacks.requested("should_save")
-        if save_due:
-            self.save_checkpoint()
-
-    # ------------------------------------------------------------------ logging (transformers' methods)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """transformers' Trainer.log: record ``logs`` at the current step (with ``epoch``, and
-        ``num_input_tokens_seen`` when counted) in log_history, metrics.jsonl, the trackers while train() runs,
-        and the callbacks' on_log. Call it on every process, as the trainer's own records are (the main process
-        writes the file and the trackers). ``start_time`` is accepted for transformers' signature; records carry
-        their own timing (step_time, tokens_per_second)."""
-        record = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), **logs}
-        if self.args.include_num_input_tokens_seen != "no":
-            record.setdefault("num_input_tokens_seen", self.state.num_input_tokens_seen)
-        self._publish(record)
-        self.callback_handler.fire("log", logs={k: v for k, v in record.items() if k != "step"})
-
-    def _publish(self, record: dict) -> None:
-        """A metrics record into log_history, metrics.jsonl and the console, and to the trackers while open (train()
-        finishes them at its end: a record after it stays in the history and the file)."""
-        self.run_log.record(self.state.log_history, record)
-        if self.trackers and self._trackers_open:
-            self.accelerator.log(numeric_metrics(record), step=record["step"])
-
-    # transformers' functions, bound as in its Trainer: they read is_world_process_zero, args.output_dir, state
-    log_metrics = trainer_pt_utils.log_metrics  # "***** eval metrics *****" on the main process
-    save_metrics = trainer_pt_utils.save_metrics  # output_dir/<split>_results.json and all_results.json
-    save_state = trainer_pt_utils.save_state  # output_dir/trainer_state.json
-
-    # ------------------------------------------------------------------ evaluation, checkpoints, saving
-
-    def _record_evaluation(self) -> bool:
-        """Evaluate (which logs the metrics). Returns whether metric_for_best_model improved."""
-        metrics = self.evaluate()
-        args = self.args
-        if args.metric_for_best_model is None:
-            return False
-        return update_best(self.state, metrics, args.metric_for_best_model, args.greater_is_better,
-                           type(args).__name__)
-
-    def _load_best_model(self) -> None:
-        """load_best_model_at_end: a whole checkpoint is restored as on resume (weights, optimizer, schedule; as
-        transformers does under DeepSpeed), a model-only one into the model's weights. ``self.state`` stays."""
-        path, acc = self.state.best_model_checkpoint, self.accelerator
-        if acc.is_main_process:
-            logger.info(f"loading the best model from {path} ({self.args.metric_for_best_model} "
-                        f"{self.state.best_metric:.6g} at step {self.state.best_global_step})")
-        if verify_checkpoint(path).get("model_only"):
-            load_model_only_checkpoint(self.unwrapped_model, path)
-        else:
-            acc.load_state(path)
-        acc.wait_for_everyone()
-
-    def save_checkpoint(self, whole: bool = False) -> str:
-        """Write ``output_dir/checkpoint-<step>`` (model-only with save_only_model, unless ``whole``) and
-        rotate old ones away, keeping the best."""
-        args, state = self.args, self.state
-        if state.best_global_step is not None:  # the best evaluation's checkpoint, once it exists
-            best = os.path.join(args.output_dir, f"checkpoint-{state.best_global_step}")
-            if state.best_global_step == state.global_step or os.path.isdir(best):
-                state.best_model_checkpoint = best
-        state.stateful_callbacks = self.callback_handler.states()
-        model_only = args.save_only_model and not whole
-        path = save_checkpoint(self.accelerator, args.output_dir, state.global_step, state, args.to_dict(),
-                               write_extra=self.save_extra_state, write_model=self.save_model if model_only else None)
-        if self.accelerator.is_main_process:
-            rotate_checkpoints(args.output_dir, args.save_total_limit, best=state.best_model_checkpoint)
-        self.accelerator.wait_for_everyone()
-        self.callback_handler.fire("save")
-        return path
-
-    def end(self) -> None:
-        """Finish the trackers and destroy the distributed process group (transformers' Trainer.end). Call it
-        once, at the very end of a script: train, evaluate and save_model need the other processes."""
-        self.accelerator.end_training()
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save the model in Hugging Face format (safetensors) with its tokenizer; under ZeRO-3 the full weights
-        are gathered first; with PEFT only the adapter is saved. Every process must call this."""
-        output_dir = output_dir or self.args.output_dir
-        state_dict = dist.full_state_dict(self.accelerator, self.model)
-        if self.accelerator.is_main_process:
-            _drop_tied_copies(self.unwrapped_model, state_dict)
-            os.makedirs(output_dir, exist_ok=True)
-            self.unwrapped_model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-            self.processing_class.save_pretrained(output_dir)
-        self.accelerator.wait_for_everyone()
-
-
-
-def _drop_tied_copies(model, state_dict: dict) -> None:
-    """DeepSpeed returns tied weights (e.g. lm_head = embed_tokens) as separate copies, which transformers cannot
-    recognise as tied when saving; keep only the weight the model loads, as a plain save would."""
-    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        if tied in state_dict and source in state_dict and torch.equal(state_dict[tied], state_dict[source]):
-            del state_dict[tied]

@@ -1,7 +1,9 @@
 """Training configurations: dataclasses with TRL's field names, validated at construction.
 
-Every field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and ``docs/config-reference.md`` are
-generated from it. Errors name the field and what would be valid.
+Every field is declared with ``opt(default, help, <constraints>)``: the help text (``metadata["help"]``) feeds the
+CLI's ``--help`` and ``docs/config-reference.md``; the constraints (allowed values, bounds) are checked for every
+field at construction and shown in the reference. Only rules relating several fields are written by hand in
+``__post_init__``. Errors name the field and what would be valid.
 """
 
 from __future__ import annotations
@@ -20,11 +22,68 @@ from trainers.logs import LOG_LEVELS
 from trainers.schedules import check_scheduler_kwargs
 
 
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a help text (mutable defaults are copied per instance)."""
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, finite: bool = False, note: str | None = None) -> Any:
+    """A config field: its default, its help text and its constraints (a mutable default is copied per instance).
+
+    The constraints are declared here once: ``check_constraints`` enforces them when a config is built and
+    docs/config-reference.md shows them (``describe_constraints``). ``choices``: the allowed values (for a list
+    field, of each item); ``ge``, ``gt``, ``le``, ``lt``: bounds (>=, >, <=, <); ``finite``: no inf or nan. With
+    both choices and bounds, either is valid (max_steps: >= 1, or -1). None passes wherever the field's type
+    allows it. ``note``, a few words on why, follows the constraint in errors and in the reference.
+    """
+    declared = {"choices": None if choices is None else tuple(choices), "ge": ge, "gt": gt, "le": le, "lt": lt,
+                "finite": finite or None, "note": note}
+    metadata = {"help": help, **{k: v for k, v in declared.items() if v is not None}}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+_BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+
+
+def describe_constraints(f: dataclasses.Field) -> str:
+    """A field's declared constraints in words ("one of: 'a', 'b'", "in [0, 1)", "≥ 1, or None"); "" if none."""
+    m = f.metadata
+    low, high = [next((k for k in pair if k in m), None) for pair in (("ge", "gt"), ("le", "lt"))]
+    if low and high:
+        words = f"in {'[' if low == 'ge' else '('}{m[low]}, {m[high]}{']' if high == 'le' else ')'}"
+    else:
+        words = " and ".join(f"{_BOUNDS[k]} {m[k]}" for k in (low, high) if k)
+    if m.get("finite"):
+        words = f"a finite number {words}".strip()
+    if "choices" in m:
+        listed = ", ".join(repr(c) for c in m["choices"])
+        if words:
+            words = f"{words}, or {' or '.join(repr(c) for c in m['choices'])}"
+        else:
+            words = f"a list of: {listed}" if str(f.type).startswith("list") else f"one of: {listed}"
+    if words and "None" in str(f.type):
+        words += ", or None"
+    return f"{words} ({m['note']})" if words and m.get("note") else words
+
+
+def _satisfies(m, value: Any) -> bool:
+    """Whether ``value`` (not None, of the field's type) meets the constraints in a field's metadata ``m``."""
+    choices = m.get("choices", ())
+    if isinstance(value, (list, tuple)):  # a list field: each item must be one of the choices
+        return all(item in choices for item in value)
+    if value in choices:
+        return True
+    if not any(k in m for k in (*_BOUNDS, "finite")):
+        return False  # choices only, and it is none of them
+    return (("ge" not in m or value >= m["ge"]) and ("gt" not in m or value > m["gt"])
+            and ("le" not in m or value <= m["le"]) and ("lt" not in m or value < m["lt"])
+            and (not m.get("finite") or not isinstance(value, float) or math.isfinite(value)))
+
+
+def check_constraints(config) -> None:
+    """Check every field's constraints declared with ``opt`` (after the type check)."""
+    for f in dataclasses.fields(config):
+        value, declared = getattr(config, f.name), describe_constraints(f)
+        if value is not None and declared and not _satisfies(f.metadata, value):
+            raise ConfigError(f"{type(config).__name__}: `{f.name}={value!r}` is invalid; it must be {declared}.")
 
 
 # transformers' schedules, except the two stepped by an evaluation metric (reduce_lr_on_plateau, greedy)
@@ -105,9 +164,8 @@ _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "dict": d
 def _matches(value: Any, annotation: str) -> bool:
     """Whether ``value`` fits a field annotation written as a string ("int | None", "list[float] | None", ...)."""
     for part in (p.strip() for p in annotation.split("|")):
-        if part.startswith("list[") and isinstance(value, (list, tuple)):
-            inner = part[5:-1]
-            if all(_matches(item, inner) for item in value):
+        if part.startswith("list["):
+            if isinstance(value, (list, tuple)) and all(_matches(item, part[5:-1]) for item in value):
                 return True
             continue
         expected = _TYPES.get(part)
@@ -139,63 +197,75 @@ class TrainingConfig:
     """Options shared by every trainer: batch sizes, optimizer, schedule, logging, evaluation and saving."""
 
     output_dir: str = opt("trainer_output", "Where checkpoints, metrics.jsonl and the final model are written.")
+    # Batches
     per_device_train_batch_size: int = opt(
-        8, "Training samples per process per micro-step (for GRPO: completions, not prompts)."
+        8, "Training samples per process per micro-step (for GRPO: completions, not prompts).", ge=1
     )
-    per_device_eval_batch_size: int = opt(8, "Evaluation samples per process per forward pass.")
+    per_device_eval_batch_size: int = opt(8, "Evaluation samples per process per forward pass.", ge=1)
     gradient_accumulation_steps: int = opt(
         1, "Micro-steps whose gradients are summed before one optimizer step. The effective batch size is "
-        "per_device_train_batch_size x processes x gradient_accumulation_steps."
+        "per_device_train_batch_size x processes x gradient_accumulation_steps.", ge=1
     )
-    learning_rate: float = opt(5e-5, "Peak learning rate of AdamW.")
-    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.")
-    adam_beta1: float = opt(0.9, "AdamW beta1.")
-    adam_beta2: float = opt(0.999, "AdamW beta2.")
-    adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
-    optim: str = opt("adamw_torch_fused", f"Optimizer: one of {OPTIMIZERS} (both are torch AdamW).")
-    max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm to this value; 0 or None disables clipping.")
-    num_train_epochs: float = opt(3.0, "Passes over the training data (ignored when max_steps > 0).")
-    max_steps: int = opt(-1, "Total optimizer steps; overrides num_train_epochs when > 0.")
+    # Optimizer and schedule
+    learning_rate: float = opt(5e-5, "Peak learning rate of AdamW.", gt=0, finite=True)
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay.", ge=0)
+    adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, lt=1)
+    adam_beta2: float = opt(0.999, "AdamW beta2.", ge=0, lt=1)
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon.", gt=0)
+    optim: str = opt("adamw_torch_fused", "Optimizer (both are torch AdamW).", choices=OPTIMIZERS)
+    max_grad_norm: float | None = opt(1.0, "Clip the global gradient norm to this value.", ge=0,
+                                      note="0 or None disables clipping")
+    num_train_epochs: float = opt(
+        3.0, "Passes over the training data (ignored when max_steps > 0; must be > 0 otherwise).", finite=True)
+    max_steps: int = opt(-1, "Total optimizer steps; overrides num_train_epochs when > 0.", choices=(-1,), ge=1,
+                         note="-1 trains for num_train_epochs")
     lr_scheduler_type: str = opt(
-        "linear", f"Learning-rate schedule, transformers' own (the warm-up's first step runs at lr 0; 'constant' "
-        f"ignores warm-up): one of {LR_SCHEDULER_TYPES}."
+        "linear", "Learning-rate schedule, transformers' own (the warm-up's first step runs at lr 0; 'constant' "
+        "ignores warm-up).", choices=LR_SCHEDULER_TYPES
     )
     lr_scheduler_kwargs: dict | None = opt(
         None, "Extra arguments of the schedule, as in transformers: e.g. {'min_lr_rate': 0.1} for "
         "cosine_with_min_lr, {'num_cycles': 2} for cosine_with_restarts, {'num_decay_steps': 100} for "
         "warmup_stable_decay."
     )
-    warmup_steps: float = opt(0, "Linear warmup length in optimizer steps; a value below 1 is a fraction of all steps.")
-    warmup_ratio: float = opt(0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).")
+    warmup_steps: float = opt(
+        0, "Linear warmup length in optimizer steps (a whole number); a value below 1 is a fraction of all steps.",
+        ge=0)
+    warmup_ratio: float = opt(
+        0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).", ge=0, lt=1)
+    # Logging
     logging_strategy: str = opt(
-        "steps", f"When to log metrics: one of {STRATEGIES}. 'steps': every logging_steps and at the last step; "
-        "'epoch': at the end of each epoch and at the last step; 'no': never (logging_first_step still logs step 1)."
+        "steps", "When to log metrics. 'steps': every logging_steps and at the last step; 'epoch': at the end of "
+        "each epoch and at the last step; 'no': never (logging_first_step still logs step 1).", choices=STRATEGIES
     )
-    logging_steps: int = opt(10, "Log metrics every this many optimizer steps (logging_strategy='steps').")
+    logging_steps: int = opt(10, "Log metrics every this many optimizer steps (logging_strategy='steps').", ge=1)
     logging_nan_inf_filter: bool = opt(
         True, "Leave a non-finite step's loss out of the logged loss and train()'s training_loss (the step itself is "
         "skipped either way, and counted in nonfinite_steps)."
     )
     log_level: str = opt(
-        "passive", f"Level of this project's and transformers' loggers on the main process: one of {LOG_LEVELS}; "
-        "'passive' leaves them as they are."
+        "passive", "Level of this project's and transformers' loggers on the main process; 'passive' leaves them "
+        "as they are.", choices=LOG_LEVELS
     )
-    log_level_replica: str = opt("warning", "log_level for the other processes.")
+    log_level_replica: str = opt("warning", "log_level for the other processes.", choices=LOG_LEVELS)
     logging_first_step: bool = opt(
         True, "Also log the first step (TRL's default is False; here the first loss is shown unless you turn it off).")
-    eval_strategy: str = opt("no", f"When to evaluate on eval_dataset: one of {STRATEGIES}.")
+    # Evaluation and checkpoints
+    eval_strategy: str = opt("no", "When to evaluate on eval_dataset.", choices=STRATEGIES)
     eval_on_start: bool = opt(
         False, "Evaluate once before the first training step (a check of the set-up), as transformers does.")
-    eval_steps: int | None = opt(None, "Evaluate every this many steps (eval_strategy='steps'); defaults to logging_steps.")
-    eval_delay: float = opt(0, "Skip evaluations before this many steps (eval_strategy='steps') or epochs ('epoch').")
+    eval_steps: int | None = opt(
+        None, "Evaluate every this many steps (eval_strategy='steps'); defaults to logging_steps.", ge=1)
+    eval_delay: float = opt(
+        0, "Skip evaluations before this many steps (eval_strategy='steps') or epochs ('epoch').", ge=0)
     save_strategy: str = opt(
-        "steps", f"When to write a checkpoint: one of {SAVE_STRATEGIES}; 'best' writes one after each evaluation "
-        "that improves metric_for_best_model."
+        "steps", "When to write a checkpoint; 'best' writes one after each evaluation that improves "
+        "metric_for_best_model.", choices=SAVE_STRATEGIES
     )
-    save_steps: int = opt(500, "Write a checkpoint every this many steps (save_strategy='steps').")
+    save_steps: int = opt(500, "Write a checkpoint every this many steps (save_strategy='steps').", ge=1)
     save_total_limit: int | None = opt(
         None, "Keep at most this many checkpoints; the oldest are removed first, never the newest one nor the best "
-        "(when metric_for_best_model is set)."
+        "(when metric_for_best_model is set).", ge=1
     )
     save_only_model: bool = opt(
         False, "Checkpoints hold only the model, in Hugging Face format (from_pretrained loads them): no optimizer, "
@@ -215,9 +285,10 @@ class TrainingConfig:
         "save_strategy to match (save_steps a multiple of eval_steps), or save_strategy='best'."
     )
     include_num_input_tokens_seen: str | bool = opt(
-        "no", f"Log num_input_tokens_seen, the input tokens trained on so far over all processes: one of "
-        f"{TOKEN_COUNTS} ('all' counts padding too; True means 'all', False 'no')."
+        "no", "Log num_input_tokens_seen, the input tokens trained on so far over all processes ('all' counts "
+        "padding too).", choices=TOKEN_COUNTS, note="True means 'all', False 'no'"
     )
+    # Seeds, precision, memory
     seed: int = opt(42, "Seed for model init, data order and sampling.")
     data_seed: int | None = opt(None, "Seed for the data order alone; None uses seed.")
     bf16: bool | None = opt(
@@ -236,8 +307,10 @@ class TrainingConfig:
     activation_checkpointing_kwargs: dict | None = opt(
         None, "transformers 5's name for gradient_checkpointing_kwargs (if both are given, they must agree)."
     )
+    # Trackers, model loading, data order
     report_to: str | list[str] = opt(
-        "none", "Trackers to log to: 'none', 'all', or names such as 'tensorboard', 'wandb'. metrics.jsonl is always written."
+        "none", "Trackers to log to: 'none', 'all', or names such as 'tensorboard', 'wandb'. metrics.jsonl is always "
+        "written. None is refused (transformers 4 read it as 'all', others as 'none')."
     )
     run_name: str | None = opt(None, "A name for this run, shown by trackers.")
     disable_tqdm: bool = opt(False, "Hide the progress bar.")
@@ -247,12 +320,13 @@ class TrainingConfig:
     trust_remote_code: bool = opt(False, "Allow custom modelling code from the model folder.")
     router_aux_loss_coef: float | None = opt(
         None, "Weight of a Mixture-of-Experts model's router load-balancing loss, added to the training loss. None "
-        "takes the model config's; 0 turns it off. An error with a model that has no router."
+        "takes the model config's; 0 turns it off. An error with a model that has no router.", ge=0, finite=True
     )
     train_sampling_strategy: str = opt(
-        "random", f"Training order: one of {SAMPLING_STRATEGIES}. 'random' reshuffles every epoch (unless "
-        "shuffle_dataset=False), 'sequential' keeps the dataset order, 'group_by_length' puts rows of similar length "
-        "in the same batch (transformers' mega-batches; less padding; GRPO: by prompt length)."
+        "random", "Training order. 'random' reshuffles every epoch (unless shuffle_dataset=False), 'sequential' "
+        "keeps the dataset order, 'group_by_length' puts rows of similar length in the same batch (transformers' "
+        "mega-batches; less padding; GRPO: by prompt length).", choices=SAMPLING_STRATEGIES,
+        note="transformers' 'batch_rebalance' is not supported"
     )
     shuffle_dataset: bool = opt(True, "Reshuffle the training rows every epoch (seeded, identical on every process).")
     remove_unused_columns: bool = opt(True, "Accepted for TRL compatibility; columns a trainer does not use are never fed to the model.")
@@ -262,6 +336,7 @@ class TrainingConfig:
         "scripts pass it to trainer.train(resume_from_checkpoint=...); train() called without that argument uses "
         "it too (transformers' Trainer ignores it there)."
     )
+    # For scripts, resuming and launchers
     do_train: bool = opt(False, "For your script, as in transformers: whether it should train. The trainer does not read it.")
     do_eval: bool = opt(
         False, "For your script, as in transformers: whether it should evaluate (set to True when eval_strategy "
@@ -278,7 +353,7 @@ class TrainingConfig:
     )
     torch_empty_cache_steps: int | None = opt(
         None, "Return the accelerator's cached memory to the device every this many steps (torch.cuda.empty_cache "
-        "and the like; nothing on CPU): lower peak memory for a few percent of speed."
+        "and the like; nothing on CPU): lower peak memory for a few percent of speed.", ge=1
     )
     dataloader_drop_last: bool = opt(
         False, "Drop each epoch's last incomplete global batch (GRPO: its last incomplete generation round, which "
@@ -292,89 +367,49 @@ class TrainingConfig:
         None, "TF32 matmuls on an Ampere or newer GPU: True turns them on, False off, None leaves torch's "
         "setting. True without such a GPU is an error."
     )
+    # Distributed training and failures
     ddp_find_unused_parameters: bool | None = opt(
         None, "DistributedDataParallel's find_unused_parameters. None: False (DDP's faster default; transformers "
         "picks True unless gradient checkpointing is on). Set True when DDP reports parameters without gradients."
     )
-    ddp_bucket_cap_mb: int | None = opt(None, "DistributedDataParallel's bucket_cap_mb (None: DDP's 25).")
+    ddp_bucket_cap_mb: int | None = opt(None, "DistributedDataParallel's bucket_cap_mb (None: DDP's 25).", ge=1)
     ddp_broadcast_buffers: bool | None = opt(
         None, "DistributedDataParallel's broadcast_buffers (None: DDP's True; GRPO's False, docs/distributed.md).")
     ddp_static_graph: bool | None = opt(None, "DistributedDataParallel's static_graph (None: DDP's False).")
     ddp_backend: str | None = opt(
-        None, f"Process-group backend, one of {DDP_BACKENDS}. None: nccl on GPUs, gloo on CPU."
+        None, "Process-group backend (transformers' choices). None: nccl on GPUs, gloo on CPU.", choices=DDP_BACKENDS
     )
-    ddp_timeout: int = opt(1800, "Seconds a collective may wait for the other processes before failing.")
+    ddp_timeout: int = opt(1800, "Seconds a collective may wait for the other processes before failing.", ge=1)
     max_consecutive_nonfinite_steps: int = opt(
         10, "Optimizer steps with a non-finite loss or gradient norm are skipped; after this many in a row, "
-        "training stops with a checkpoint and an explanation."
+        "training stops with a checkpoint and an explanation.", ge=1
     )
 
     def __post_init__(self):
         _check_types(self)
-        name = type(self).__name__
-        for f in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                  "logging_steps", "save_steps", "max_consecutive_nonfinite_steps", "ddp_timeout"):
-            value = getattr(self, f)
-            check_field(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, f, value,
-                   "it must be a positive integer")
-        check_field(isinstance(self.learning_rate, (int, float)) and not isinstance(self.learning_rate, bool)
-               and self.learning_rate > 0
-               and math.isfinite(self.learning_rate), name, "learning_rate", self.learning_rate,
-               "it must be a positive number")
-        check_field(self.weight_decay >= 0, name, "weight_decay", self.weight_decay, "it must be >= 0")
-        for f in ("adam_beta1", "adam_beta2"):
-            check_field(0 <= getattr(self, f) < 1, name, f, getattr(self, f), "it must be in [0, 1)")
-        check_field(self.adam_epsilon > 0, name, "adam_epsilon", self.adam_epsilon, "it must be > 0")
-        check_field(self.optim in OPTIMIZERS, name, "optim", self.optim, f"valid: {OPTIMIZERS}")
-        check_field(self.max_grad_norm is None or self.max_grad_norm >= 0, name, "max_grad_norm", self.max_grad_norm,
-               "it must be >= 0 (0 or None disables clipping)")
-        check_field(math.isfinite(self.num_train_epochs) and (self.num_train_epochs > 0 or self.max_steps > 0), name, "num_train_epochs", self.num_train_epochs,
-               "it must be > 0 unless max_steps > 0")
-        check_field(isinstance(self.max_steps, int) and (self.max_steps > 0 or self.max_steps == -1), name, "max_steps",
-               self.max_steps, "it must be a positive integer, or -1 to train for num_train_epochs")
-        check_field(self.lr_scheduler_type in LR_SCHEDULER_TYPES, name, "lr_scheduler_type", self.lr_scheduler_type,
-               f"valid: {LR_SCHEDULER_TYPES}")
-        problem = check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs or {})
-        check_field(problem is None, name, "lr_scheduler_kwargs", self.lr_scheduler_kwargs, str(problem))
-        check_field(self.warmup_steps >= 0, name, "warmup_steps", self.warmup_steps, "it must be >= 0")
-        check_field(self.warmup_steps < 1 or float(self.warmup_steps).is_integer(), name, "warmup_steps",
-               self.warmup_steps, "a value >= 1 counts steps and must be a whole number")
-        check_field(0 <= self.warmup_ratio < 1, name, "warmup_ratio", self.warmup_ratio, "it must be in [0, 1)")
-        check_field(not (self.warmup_steps and self.warmup_ratio), name, "warmup_ratio", self.warmup_ratio,
-               "set warmup_steps or warmup_ratio, not both")
-        for f in ("log_level", "log_level_replica"):
-            check_field(getattr(self, f) in LOG_LEVELS, name, f, getattr(self, f), f"valid: {LOG_LEVELS}")
-        check_field(self.train_sampling_strategy in SAMPLING_STRATEGIES, name, "train_sampling_strategy",
-               self.train_sampling_strategy, f"valid: {SAMPLING_STRATEGIES} (transformers' 'batch_rebalance' is not "
-               f"supported)")
-        check_field(self.logging_strategy in STRATEGIES, name, "logging_strategy", self.logging_strategy,
-               f"valid: {STRATEGIES}")
-        check_field(self.eval_strategy in STRATEGIES, name, "eval_strategy", self.eval_strategy, f"valid: {STRATEGIES}")
+        # Values transformers also takes, turned into the form the checks expect
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true" or None  # from a flag
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' mapping
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        check_constraints(self)  # each field's own choices and bounds, declared with opt()
+        # Rules that relate fields to each other or to the environment
+        name = type(self).__name__
+        check_field(self.num_train_epochs > 0 or self.max_steps > 0, name, "num_train_epochs", self.num_train_epochs,
+                    "it must be > 0 unless max_steps > 0")
+        problem = check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs or {})
+        check_field(problem is None, name, "lr_scheduler_kwargs", self.lr_scheduler_kwargs, str(problem))
+        check_field(self.warmup_steps < 1 or float(self.warmup_steps).is_integer(), name, "warmup_steps",
+                    self.warmup_steps, "a value >= 1 counts steps and must be a whole number")
+        check_field(not (self.warmup_steps and self.warmup_ratio), name, "warmup_ratio", self.warmup_ratio,
+                    "set warmup_steps or warmup_ratio, not both")
         if self.eval_strategy != "no":
             self.do_eval = True  # transformers' rule, for scripts that read do_eval
         launcher_rank = os.environ.get("LOCAL_RANK")
         check_field(self.local_rank == -1 or launcher_rank is None or str(self.local_rank) == launcher_rank, name,
-               "local_rank", self.local_rank, f"the launcher set LOCAL_RANK={launcher_rank} for this process")
-        check_field(self.save_strategy in SAVE_STRATEGIES, name, "save_strategy", self.save_strategy,
-               f"valid: {SAVE_STRATEGIES}")
-        check_field(self.eval_steps is None or self.eval_steps > 0, name, "eval_steps", self.eval_steps,
-               "it must be a positive integer")
-        check_field(self.eval_delay >= 0, name, "eval_delay", self.eval_delay, "it must be >= 0")
-        check_field(self.save_total_limit is None or self.save_total_limit > 0, name, "save_total_limit",
-               self.save_total_limit, "it must be a positive integer or None")
-        check_field(self.ddp_backend is None or self.ddp_backend in DDP_BACKENDS, name, "ddp_backend", self.ddp_backend,
-               f"valid: {DDP_BACKENDS} or None")
+                    "local_rank", self.local_rank, f"the launcher set LOCAL_RANK={launcher_rank} for this process")
         check_field(not self.tf32 or tf32_available(), name, "tf32", self.tf32,
-               "TF32 needs an Ampere or newer NVIDIA GPU, and none is visible here; leave tf32 at None")
-        for f in ("torch_empty_cache_steps", "ddp_bucket_cap_mb"):
-            value = getattr(self, f)
-            check_field(value is None or value > 0, name, f, value, "it must be a positive integer or None")
-        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' mapping
-            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
-        check_field(self.include_num_input_tokens_seen in TOKEN_COUNTS, name, "include_num_input_tokens_seen",
-               self.include_num_input_tokens_seen, f"valid: {TOKEN_COUNTS}, True or False")
+                    "TF32 needs an Ampere or newer NVIDIA GPU, and none is visible here; leave tf32 at None")
         self._check_best_model(name)
         # transformers 5 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); the old
         # names still work there. Either is accepted; afterwards both hold the same value.
@@ -383,19 +418,10 @@ class TrainingConfig:
             given, before = getattr(self, new), getattr(self, old)
             if given is not None:
                 check_field(before in (None, False) or before == given, name, new, given,
-                       f"it disagrees with {old}={before!r}; give one of the two")
+                            f"it disagrees with {old}={before!r}; give one of the two")
                 setattr(self, old, given)
             setattr(self, new, getattr(self, old))
         check_field(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
-        check_field(self.router_aux_loss_coef is None or (self.router_aux_loss_coef >= 0
-                                                     and math.isfinite(self.router_aux_loss_coef)),
-               name, "router_aux_loss_coef", self.router_aux_loss_coef, "it must be a number >= 0, or None")
-        # None meant "all" in transformers 4 and means "none" elsewhere: refused rather than guessed
-        check_field(isinstance(self.report_to, (str, list, tuple)), name, "report_to", self.report_to,
-               "give 'none', 'all', a tracker name or a list of names")
-        reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        check_field(all(isinstance(r, str) for r in reports), name, "report_to", self.report_to,
-               "give a tracker name or a list of names")
 
     @property
     def ddp_kwargs(self) -> dict:

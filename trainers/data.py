@@ -81,3 +81,30 @@ def as_dataset(data, name: str):
     if len(data) == 0:
         raise DatasetFormatError(f"{name} is empty.")
     return data
+
+
+def tokenize_prompts(dataset, name: str, tokenizer, chat_template_kwargs: dict | None = None
+                     ) -> tuple[list[dict], list[list[int]]]:
+    """A prompt dataset (a 'prompt' column: a string, or a list of messages rendered with the chat template and
+    its generation prompt) -> (its rows, each prompt's token ids). Errors name the dataset and the row."""
+    dataset = as_dataset(dataset, name)
+    if "prompt" not in dataset.column_names:
+        raise DatasetFormatError(f"{name} has columns {dataset.column_names}; GRPO needs a 'prompt' column "
+                                 f"(a string, or a list of {{'role', 'content'}} messages).")
+    rows = dataset.to_list()
+    kwargs = dict(chat_template_kwargs or {})
+    ids = []
+    for index, row in enumerate(rows):
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            check_messages(prompt, f"{name} row {index}: 'prompt'")
+            text = render_chat(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        elif isinstance(prompt, str):
+            ids.append(tokenizer(prompt)["input_ids"])
+        else:
+            raise DatasetFormatError(f"{name} row {index}: 'prompt' must be a string or a list of messages, "
+                                     f"got {type(prompt).__name__}.")
+        if not ids[-1]:
+            raise DatasetFormatError(f"{name} row {index}: the prompt is empty.")
+    return rows, ids

@@ -11,9 +11,14 @@ import sys
 
 import torch
 
-import trainers.grpo
-from trainers import GRPOConfig, GRPOTrainer, losses
+import trainers.grpo.trainer
+from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
+from trainers.grpo import objectives
+from trainers.grpo.rewards import RewardLogs
+from trainers.grpo.rollout import decode, score_completions
+from trainers.grpo.sampling import Samples
+from trainers.samplers import group_slots
 
 
 def digits(completions, **kwargs):
@@ -50,37 +55,37 @@ def main():
     if os.environ.get("GRPO_JOB_CHECKPOINTING") == "1":
         args.gradient_checkpointing = True
     shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
-    share = trainers.grpo.shared_prompt_logprobs
+    share = trainers.grpo.trainer.shared_prompt_logprobs
 
     def recording_share(*call_args, **kwargs):
         out = share(*call_args, **kwargs)
         shared_forwards.append(out is not None)
         return out
 
-    trainers.grpo.shared_prompt_logprobs = recording_share
+    trainers.grpo.trainer.shared_prompt_logprobs = recording_share
     masks = []  # GRPO_JOB_TOP_ENTROPY_QUANTILE: each micro-batch's loss-token entropies and which were kept
     if "GRPO_JOB_TOP_ENTROPY_QUANTILE" in os.environ:
         args.top_entropy_quantile = float(os.environ["GRPO_JOB_TOP_ENTROPY_QUANTILE"])
 
         def recording(entropy, mask, threshold):
-            kept = losses.high_entropy_mask(entropy, mask, threshold)
+            kept = objectives.high_entropy_mask(entropy, mask, threshold)
             masks.append({"entropy": entropy[mask.bool()].tolist(), "kept": kept[mask.bool()].tolist()})
             return kept
 
-        trainers.grpo.high_entropy_mask = recording
+        trainers.grpo.trainer.high_entropy_mask = recording
     if os.environ.get("GRPO_JOB_SYNC_REF") == "1":  # the reference moves halfway to the policy after the last step
         args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
     reward = digits
     forwards = []  # GRPO_JOB_SKIP ("1" or "0": skip_zero_gradient_rows): (rows, with gradient) of each forward
     if "GRPO_JOB_SKIP" in os.environ:
         args.beta, args.skip_zero_gradient_rows, reward = 0.0, os.environ["GRPO_JOB_SKIP"] == "1", idle_on_rank_0
-        policy_forward = GRPOTrainer._policy_forward
+        policy_forward = GRPOTrainer.policy_logprobs
 
         def recording(self, model, rows, **options):
-            forwards.append([rows["completion_ids"].shape[0], torch.is_grad_enabled()])
+            forwards.append([rows.completion_ids.shape[0], torch.is_grad_enabled()])
             return policy_forward(self, model, rows, **options)
 
-        GRPOTrainer._policy_forward = recording
+        GRPOTrainer.policy_logprobs = recording
     rollout_prompts = []  # GRPO_JOB_ROLLOUT_FUNC: what each call of the rollout function was given
 
     def rollout(prompts, trainer):
@@ -96,7 +101,7 @@ def main():
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
                           rollout_func=rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None)
     acc = trainer.accelerator
-    reference = getattr(trainer._ref_model, "module", trainer._ref_model)
+    reference = getattr(trainer.ref_model, "module", trainer.ref_model)
 
     def reference_checksum():
         with gathered_parameters(acc, reference):
@@ -107,17 +112,17 @@ def main():
         initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
 
     # One round by hand, to record what each process holds.
-    slots = trainer._local_slots(0)
+    slots = group_slots(trainer.prompt_sampler.batch(0), args.num_generations, acc.num_processes, acc.process_index)
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
-    local_rewards = trainer._score([trainer.train_rows[i] for i in slots],
-                                   *trainer._decode([trainer.train_rows[i] for i in slots],
-                                                    [ids[m.bool()].tolist() for ids, m in
-                                                     zip(batch["completion_ids"], batch["completion_attention"])]),
-                                   [ids[m.bool()].tolist() for ids, m in
-                                    zip(batch["completion_ids"], batch["completion_attention"])])
-    round_report = {"slots": slots, "completions": batch["completion_ids"].tolist(), "rewards": local_rewards[:, 0].tolist(),
-                    "advantages": batch["advantages"].tolist()}
-    trainer._rollout_round = -1  # let training regenerate round 0 itself
+    rows_of_round = [trainer.train_rows[i] for i in slots]
+    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_attention)]
+    prompts, completions = decode(trainer.processing_class, rows_of_round, completion_ids)
+    local_rewards = score_completions(trainer, rows_of_round, prompts, completions,
+                                      Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
+    round_report = {"slots": slots, "completions": batch.completion_ids.tolist(), "rewards": local_rewards[:, 0].tolist(),
+                    "advantages": batch.advantages.tolist()}
+    trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself
 
     trainer.train()
     with gathered_parameters(acc, trainer.model):

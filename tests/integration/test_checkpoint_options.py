@@ -152,7 +152,7 @@ def test_include_num_input_tokens_seen(tiny_model_dir, tmp_path, mode):
         assert seen == [r["num_tokens"] for r in history]
         return
     # "all" (True maps to it) counts every position fed to the model, padding included: rows x padded width
-    padded = [trainer.micro_batch(step, 0)["input_ids"].numel() for step in range(4)]
+    padded = [trainer.micro_batch(step, 0).input_ids.numel() for step in range(4)]
     assert seen == [sum(padded[:k + 1]) for k in range(4)]
     assert seen[-1] > history[-1]["num_tokens"]  # some rows were padded
 
@@ -167,7 +167,7 @@ def test_eval_delay_skips_the_early_evaluations(tiny_model_dir, tmp_path):
 def test_data_seed_sets_the_data_order_apart_from_seed(tiny_model_dir, tmp_path):
     def first_batch(**seeds):
         trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, **seeds), train_dataset=ROWS)
-        return trainer.micro_batch(0, 0)["input_ids"]
+        return trainer.micro_batch(0, 0).input_ids
 
     assert torch.equal(first_batch(seed=0, data_seed=5), first_batch(seed=1, data_seed=5))
     assert not torch.equal(first_batch(seed=0, data_seed=5), first_batch(seed=0, data_seed=6))

@@ -27,8 +27,8 @@ def test_the_bonus_subtracts_coef_times_the_mean_entropy(tiny_model_dir, tmp_pat
     assert b["loss"] == pytest.approx(p["loss"] - 0.5 * p["entropy"], rel=1e-5)  # one micro-batch, one process
     assert b["entropy_coef"] == 0.5 and "entropy_coef" not in p
     # and the gradient: the update differs
-    moved = [torch.equal(x, y) for x, y in zip(weights(plain).values(), weights(bonus).values())]
-    assert not all(moved)
+    same = [torch.equal(x, y) for x, y in zip(weights(plain).values(), weights(bonus).values(), strict=True)]
+    assert not all(same)
 
 
 def test_adaptive_coefficient_follows_the_entropy_target(tiny_model_dir, tmp_path):

@@ -1,6 +1,8 @@
 """GRPO end to end on a tiny model, one CPU process."""
 
+import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -26,6 +28,17 @@ def config(tmp_path, **overrides):
     return GRPOConfig(**{**base, **overrides})
 
 
+ABC_HELLO = [{"prompt": "abc"}, {"prompt": "hello"}]  # with shuffle_dataset=False: rows 0..7 "abc", 8..15 "hello"
+
+
+def ending(tokenizer, abc_ends: bool) -> dict:
+    """generation_kwargs (HF generate's sequence_bias) under which no completion ends, except, with ``abc_ends``,
+    each completion of "abc": its EOS alone, right after the prompt. So a round certainly has the completions it
+    needs, whatever the seed: a random policy ends about 1 completion in 259 per token on its own."""
+    eos, last = tokenizer.eos_token_id, tokenizer("abc")["input_ids"][-1]
+    return {"sequence_bias": {(eos,): -100.0, **({(last, eos): 200.0} if abc_ends else {})}}
+
+
 def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits,
                           args=config(tmp_path, max_steps=24, logging_steps=4), train_dataset=PROMPTS)
@@ -42,16 +55,28 @@ def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
                 "frac_reward_zero_std", "num_tokens", "step_time",
                 "learning_rate", "grad_norm"):
         assert key in last, key
-    assert 0 < last["completions/mean_length"] <= 8
-    first = trainer.state.log_history[0]
-    if first["completions/clipped_ratio"] == 1.0:  # no completion ended: TRL's convention is 0
-        assert first["completions/mean_terminated_length"] == 0.0
-    some_ended = [r for r in trainer.state.log_history if r["completions/clipped_ratio"] < 1.0]
-    assert some_ended  # (with this seed, some did)
-    for r in some_ended:  # averages over the steps of a record, each step's over its terminated completions
-        assert 0 < r["completions/min_terminated_length"] <= r["completions/mean_terminated_length"] \
-            <= r["completions/max_terminated_length"] < 8
+    # the length metrics' values: test_length_metrics_of_a_round
     assert last["entropy"] < trainer.state.log_history[0]["entropy"]  # the policy sharpened
+
+
+@pytest.mark.parametrize("abc_ends, expected", [
+    # "abc": 8 completions of 1 token (its EOS, ended); "hello": 8 of max_completion_length=8 (truncated)
+    (True, {"mean_length": 4.5, "min_length": 1.0, "max_length": 8.0, "clipped_ratio": 0.5,
+            "mean_terminated_length": 1.0, "min_terminated_length": 1.0, "max_terminated_length": 1.0}),
+    # no completion ended: TRL's convention logs the terminated lengths as 0
+    (False, {"mean_length": 8.0, "min_length": 8.0, "max_length": 8.0, "clipped_ratio": 1.0,
+             "mean_terminated_length": 0.0, "min_terminated_length": 0.0, "max_terminated_length": 0.0}),
+])
+def test_length_metrics_of_a_round(tiny_model_dir, tokenizer, tmp_path, abc_ends, expected):
+    """TRL's completion length metrics (the EOS counts in a length; a completion ended if it has one)."""
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=ABC_HELLO,
+                          args=config(tmp_path, shuffle_dataset=False, generation_kwargs=ending(tokenizer, abc_ends)))
+    trainer.prepare_step(0)
+    lengths = trainer.micro_batch(0, 0).completion_attention.sum(1).tolist()
+    assert lengths == [1 if abc_ends else 8] * 8 + [8] * 8
+    metrics = {}
+    trainer.after_optimizer_step(metrics)  # the round's metrics join the step's
+    assert {key: metrics[f"completions/{key}"] for key in expected} == expected
 
 
 def test_peft_grpo_trains_only_adapters_and_beta_uses_the_base_model(tiny_model_dir, tmp_path):
@@ -61,7 +86,7 @@ def test_peft_grpo_trains_only_adapters_and_beta_uses_the_base_model(tiny_model_
                           train_dataset=PROMPTS,
                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  task_type="CAUSAL_LM"))
-    assert trainer._ref_model is None  # no second copy: the base model with adapters disabled is the reference
+    assert trainer.ref_model is None  # no second copy: the base model with adapters disabled is the reference
     before = {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
     trainer.train()
     after = trainer.unwrapped_model.state_dict()
@@ -75,52 +100,64 @@ def test_peft_grpo_trains_only_adapters_and_beta_uses_the_base_model(tiny_model_
 def test_beta_logs_a_growing_kl_to_a_frozen_reference(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, beta=0.05, max_steps=4),
                           train_dataset=PROMPTS)
-    reference = {k: v.clone() for k, v in trainer._ref_model.state_dict().items()}
+    reference = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
     trainer.train()
     kls = [r["kl"] for r in trainer.state.log_history]
     assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-4, kls
-    for key, value in trainer._ref_model.state_dict().items():
+    for key, value in trainer.ref_model.state_dict().items():
         assert torch.equal(value, reference[key]), f"reference model changed: {key}"
 
 
 @pytest.mark.parametrize("options", [
     {"importance_sampling_level": "sequence"},  # GSPO
-    {"num_iterations": 2},  # rollouts reused with old log-probs
     {"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dr_grpo"},
     {"scale_rewards": "batch", "epsilon_high": 0.28},
-])
+])  # num_iterations=2: test_num_iterations_reuses_each_round_with_its_old_logps
 def test_variants_train(tiny_model_dir, tmp_path, options):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, max_steps=4, **options),
                           train_dataset=PROMPTS)
     trainer.train()
     history = trainer.state.log_history
-    assert len(history) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
-    if options.get("num_iterations") == 2:
-        assert trainer.need_old_logps
-        # each round serves 2 optimizer steps: steps 2 and 4 reuse it, so only steps 1 and 3 log rewards
-        assert ["reward" in r for r in history] == [True, False, True, False]
-        # on the reuse pass the policy moved, so some ratios leave the clip range or at least move off 1
-        assert trainer._rollout.old_logps is not None
+    assert len(history) == 4 and all(math.isfinite(r["loss"]) for r in history)
+
+
+def test_num_iterations_reuses_each_round_with_its_old_logps(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, max_steps=4, num_iterations=2),
+                          train_dataset=PROMPTS)
+    assert trainer.need_old_logps
+    trainer.train()
+    history = trainer.state.log_history
+    assert len(history) == 4 and all(math.isfinite(r["loss"]) for r in history)
+    # each round serves 2 optimizer steps: steps 2 and 4 reuse it, so only steps 1 and 3 log rewards
+    assert ["reward" in r for r in history] == [True, False, True, False]
+    # the last round (steps 3 and 4) kept the log-probs it was sampled with; the policy has moved since
+    batch = trainer.micro_batch(3, 0)
+    assert batch.old_logps is not None
+    with torch.no_grad():
+        current = trainer.policy_logprobs(trainer.model, batch)["logps"]
+    mask = batch.loss_mask.bool()
+    assert mask.any() and (current - batch.old_logps)[mask].abs().max() > 1e-3
 
 
 def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, num_iterations=2),
                           train_dataset=PROMPTS)
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
     with torch.no_grad():
-        current = trainer._policy_forward(trainer.model, batch)["logps"]
-    mask = batch["loss_mask"].bool()
-    torch.testing.assert_close(current[mask], batch["old_logps"][mask], rtol=1e-5, atol=1e-5)
+        current = trainer.policy_logprobs(trainer.model, batch)["logps"]
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(current[mask], batch.old_logps[mask], rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
 def shared_prompt_calls(monkeypatch) -> list[bool]:
     """Whether each shared_prompt_logprobs call of GRPOTrainer did share (False: it fell back to one forward
     per row)."""
-    import trainers.grpo
+    import trainers.grpo.trainer
 
     calls = []
-    share = trainers.grpo.shared_prompt_logprobs
+    share = trainers.grpo.trainer.shared_prompt_logprobs
 
     def recording(*args, **kwargs):
         out = share(*args, **kwargs)
@@ -145,6 +182,7 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
     forwards (prompts, then completions); they must share one cast of each weight, as one forward per row has."""
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, bf16=True),
                           train_dataset=PROMPTS)
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
     counts = trainer._count([batch])[0]
     matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
@@ -201,15 +239,27 @@ def test_generation_batch_semantics(tiny_model_dir, tmp_path):
                                       gradient_accumulation_steps=2, steps_per_generation=4))
     assert trainer.generation_batch_size == 16 and trainer.prompts_per_round == 4
     assert trainer.need_old_logps  # a round spans 2 optimizer steps
-    rounds = []
+    built = []
+    build_round = trainer.build_round
+
+    def recording(index):
+        built.append(index)
+        return build_round(index)
+
+    trainer.build_round = recording
     for step in range(2):
         for a in range(2):
+            trainer.prepare_step(step)
             batch = trainer.micro_batch(step, a)
-            assert batch["completion_ids"].shape[0] == 4
-            rounds.append(trainer._rollout_round)
-    assert rounds == [0, 0, 0, 0]
-    trainer.micro_batch(2, 0)
-    assert trainer._rollout_round == 1
+            assert batch.completion_ids.shape[0] == 4
+            assert batch.prompt_group.tolist() == [0] * 4  # a quarter of the round: one prompt's 4 completions
+    assert built == [0]  # one round served the 4 micro-batches of steps 0 and 1
+    trainer.prepare_step(2)
+    assert built == [0, 1] and trainer.micro_batch(2, 0).completion_ids.shape[0] == 4
+    with pytest.raises(RuntimeError, match="prepare_step"):  # round 0 was dropped once no step needed it
+        trainer.micro_batch(1, 0)
+    with pytest.raises(RuntimeError, match="prepare_step"):  # a micro-batch of a round not built
+        trainer.micro_batch(4, 0)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -240,7 +290,7 @@ def test_conversational_prompts_columns_and_log_completions(tiny_model_dir, tmp_
     trainer.train()
     assert isinstance(seen["prompt"], list) and seen["prompt"][0]["role"] == "user"
     assert seen["completion"][0]["role"] == "assistant" and isinstance(seen["completion"][0]["content"], str)
-    assert seen["tag"].startswith("t") and seen["n"] == 16
+    assert seen["tag"] == "t" + seen["prompt"][0]["content"].removeprefix("say ") and seen["n"] == 16  # its row's
     with open(os.path.join(tmp_path / "out", "completions.jsonl")) as f:
         logged = [json.loads(line) for line in f]
     assert len(logged) == 16 and {"prompt", "completion", "reward", "advantage", "step"} <= logged[0].keys()
@@ -254,20 +304,27 @@ def test_dynamic_sampling_drops_zero_variance_groups(tiny_model_dir, tmp_path):
     rows = [{"prompt": "abc"}, {"prompt": "hello"}]
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=constant_for_first_prompt, train_dataset=rows,
                           args=config(tmp_path, dynamic_sampling=True, max_steps=1, shuffle_dataset=False))
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
-    first_group = batch["loss_mask"][:8]
-    assert first_group.sum() == 0 and batch["loss_mask"][8:].sum() > 0
-    assert trainer.step_metrics()["dynamic_sampling/dropped_groups"] == 1
+    first_group = batch.loss_mask[:8]
+    assert first_group.sum() == 0 and batch.loss_mask[8:].sum() > 0
+    metrics = {}
+    trainer.after_optimizer_step(metrics)  # the round's metrics join the step's
+    assert metrics["dynamic_sampling/dropped_groups"] == 1
 
 
-def test_mask_truncated_completions(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
-                          args=config(tmp_path, mask_truncated_completions=True, max_completion_length=3))
+def test_mask_truncated_completions(tiny_model_dir, tokenizer, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=ABC_HELLO,
+                          args=config(tmp_path, mask_truncated_completions=True, max_completion_length=3,
+                                      shuffle_dataset=False, generation_kwargs=ending(tokenizer, abc_ends=True)))
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
     eos = trainer.processing_class.eos_token_id
-    for ids, attention, mask in zip(batch["completion_ids"], batch["completion_attention"], batch["loss_mask"]):
-        ended = eos in ids[attention.bool()].tolist()
-        assert bool(mask.any()) == ended
+    ended = [eos in ids[attention.bool()].tolist() for ids, attention in zip(batch.completion_ids,
+                                                                            batch.completion_attention)]
+    assert ended == [True] * 8 + [False] * 8  # "abc": its EOS alone; "hello": cut at 3 tokens
+    assert batch.loss_mask[:8].tolist() == batch.completion_attention[:8].float().tolist()  # ended: trained
+    assert batch.loss_mask[8:].sum() == 0 and batch.completion_attention[8:].sum() == 8 * 3  # truncated: masked
 
 
 def test_evaluation_reports_reward(tiny_model_dir, tmp_path):
@@ -275,7 +332,8 @@ def test_evaluation_reports_reward(tiny_model_dir, tmp_path):
                           args=config(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8))
     trainer.train()
     evals = [r for r in trainer.state.log_history if "eval_reward" in r]
-    assert len(evals) == 1 and 0 <= evals[0]["eval_reward"] <= 1 and "eval_rewards/digits/mean" in evals[0]
+    assert len(evals) == 1  # at step 2 of 2
+    assert evals[0]["eval_reward"] == pytest.approx(evals[0]["eval_rewards/digits/mean"])  # its one function, weight 1
 
 
 def test_a_reward_model_folder_serves_as_a_reward_function(tiny_model_dir, tokenizer, tmp_path):
@@ -301,6 +359,7 @@ def test_clip_ratio_min_and_max_are_the_micro_batch_ratios(tiny_model_dir, tmp_p
                           args=config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2))
     trainer.train()
     history = trainer.state.log_history
+    assert len(history) == 4
     for record in history:
         assert record["clip_ratio/low_min"] == pytest.approx(record["clip_ratio/low_mean"], abs=1e-7)
         assert record["clip_ratio/high_max"] == pytest.approx(record["clip_ratio/high_mean"], abs=1e-7)
@@ -315,12 +374,13 @@ def test_use_bias_correction_kl_changes_the_gradient_not_the_value(tiny_model_di
 
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
                           args=config(tmp_path, beta=0.5, per_device_train_batch_size=8))
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
     with torch.no_grad():  # the policy moves away from the reference, so the KL and its gradient are not zero
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    batch = {**batch, "advantages": torch.zeros_like(batch["advantages"])}  # the KL term alone
-    counts = BatchCounts(tokens=float(batch["loss_mask"].sum()), sequences=8.0, micro_batches=1)
+    batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))  # the KL term alone
+    counts = BatchCounts(tokens=float(batch.loss_mask.sum()), sequences=8.0, micro_batches=1)
     results = {}
     for correction in (True, False):
         trainer.args.use_bias_correction_kl = correction

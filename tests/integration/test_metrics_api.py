@@ -172,7 +172,7 @@ def test_metric_options_are_checked_before_loading(tiny_model_dir, tmp_path):
                    compute_metrics=no_compute_result)
     with pytest.raises(ConfigError, match="SFTTrainer needs args of type SFTConfig"):
         SFTTrainer(model=tiny_model_dir, args=object(), train_dataset=ROWS, compute_metrics=Seen())
-    with pytest.raises(ConfigError, match="include_for_metrics.*'inputs' and 'loss'"):
+    with pytest.raises(ConfigError, match="include_for_metrics.*'inputs', 'loss'"):
         SFTConfig(include_for_metrics=["labels"])
     clash = SFTTrainer(model=tiny_model_dir, args=args(tmp_path), train_dataset=ROWS, eval_dataset=EVAL,
                        compute_metrics=lambda p: {"mean_token_accuracy": 1.0})

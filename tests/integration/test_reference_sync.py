@@ -22,15 +22,15 @@ def build(model, tmp_path, **overrides):
 def test_the_reference_mixes_toward_the_policy_every_n_steps(tiny_model_dir, tmp_path):
     trainer = build(tiny_model_dir, tmp_path, max_steps=3, sync_ref_model=True, ref_model_sync_steps=2,
                     ref_model_mixup_alpha=0.25)
-    start = params(trainer._ref_model)
+    start = params(trainer.ref_model)
     policy_after_2 = []
     trainer.on_log = lambda record: policy_after_2.extend(params(trainer.unwrapped_model)) \
         if record["step"] == 2 else None
     trainer.train()
     # synced once, after step 2: ref = 0.75 x the start + 0.25 x the policy of step 2; step 3 left it alone
-    for ref, first, policy in zip(trainer._ref_model.parameters(), start, policy_after_2, strict=True):
+    for ref, first, policy in zip(trainer.ref_model.parameters(), start, policy_after_2, strict=True):
         torch.testing.assert_close(ref.detach(), 0.75 * first + 0.25 * policy, rtol=1e-6, atol=1e-7)
-    assert not all(torch.equal(a, b) for a, b in zip(start, params(trainer._ref_model)))
+    assert not all(torch.equal(a, b) for a, b in zip(start, params(trainer.ref_model)))
 
 
 def test_a_resumed_run_keeps_the_moved_reference(tiny_model_dir, tmp_path):
@@ -42,7 +42,7 @@ def test_a_resumed_run_keeps_the_moved_reference(tiny_model_dir, tmp_path):
     assert (tmp_path / "split" / "out" / "checkpoint-2" / "reference.pt").is_file()
     resumed = build(tiny_model_dir, tmp_path / "split", **options)
     resumed.train(resume_from_checkpoint=True)
-    for a, b in zip(params(straight._ref_model), params(resumed._ref_model), strict=True):
+    for a, b in zip(params(straight.ref_model), params(resumed.ref_model), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert resumed.state.log_history[-1]["kl"] == pytest.approx(straight.state.log_history[-1]["kl"], rel=1e-4)
 

@@ -155,8 +155,8 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_di
         return (loss * float("nan") if trainer.state.global_step == 2 else loss), stats  # the third step
 
     trainer.compute_loss = poisoned
-    trainer.step_metrics = lambda: snapshots.append(
-        {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}) or {}
+    trainer.after_optimizer_step = lambda metrics: snapshots.append(
+        {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()})
     trainer.train()
     assert_identical(snapshots[1], snapshots[2])  # step 3 changed nothing
     assert not torch.equal(snapshots[2]["model.norm.weight"], snapshots[3]["model.norm.weight"])  # step 4 trained

@@ -63,7 +63,7 @@ def test_train_sampling_strategy_orders_the_rows(tiny_model_dir, tmp_path):
     rows = [{"text": "x" * (1 + (i * 7) % 60)} for i in range(256)]  # mixed lengths
 
     def padded_positions(trainer):  # over one epoch: what the micro-batches hold, padding included
-        return sum(int(trainer.micro_batch(step, 0)["input_ids"].numel()) for step in range(trainer.steps_per_epoch))
+        return sum(int(trainer.micro_batch(step, 0).input_ids.numel()) for step in range(trainer.steps_per_epoch))
 
     trainers = {strategy: SFTTrainer(model=tiny_model_dir, train_dataset=rows, args=sft_config(
         tmp_path / strategy, train_sampling_strategy=strategy, max_steps=2))

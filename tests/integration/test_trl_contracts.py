@@ -1,5 +1,6 @@
 """Contracts a TRL script relies on, each found by running TRL 1.16 and this project side by side."""
 
+import dataclasses
 import json
 import math
 
@@ -243,13 +244,14 @@ def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
                           train_dataset=[{"prompt": "ab"}] * 4,
                           args=grpo_args(tmp_path, importance_sampling_level="sequence", num_iterations=2,
                                          generation_kwargs={"min_new_tokens": 6}))
-    batch = dict(trainer.micro_batch(0, 0))
-    logps = trainer._policy_forward(trainer.model, batch)["logps"].detach()  # [4, 6]
-    batch["old_logps"] = logps - torch.tensor([1.0, 0.0, 0.0, 0.0]).unsqueeze(1)  # row 0: ratio e > 1 + ε
-    batch["advantages"] = torch.tensor([1.0, 1.0, -1.0, 1.0])
-    batch["loss_mask"] = batch["loss_mask"].clone()
-    batch["loss_mask"][1] = 0.0  # a masked (e.g. truncated) row still counts as one unclipped completion
-    counts = BatchCounts(tokens=float(batch["loss_mask"].sum()), sequences=4.0, micro_batches=1)
+    trainer.prepare_step(0)
+    batch = trainer.micro_batch(0, 0)
+    logps = trainer.policy_logprobs(trainer.model, batch)["logps"].detach()  # [4, 6]
+    loss_mask = batch.loss_mask.clone()
+    loss_mask[1] = 0.0  # a masked (e.g. truncated) row still counts as one unclipped completion
+    batch = dataclasses.replace(batch, old_logps=logps - torch.tensor([1.0, 0.0, 0.0, 0.0]).unsqueeze(1),  # row 0: e > 1 + ε
+                                advantages=torch.tensor([1.0, 1.0, -1.0, 1.0]), loss_mask=loss_mask)
+    counts = BatchCounts(tokens=float(batch.loss_mask.sum()), sequences=4.0, micro_batches=1)
     _, stats = trainer.compute_loss(trainer.model, batch, counts)
     high, rows = stats["clip_ratio/high_mean"]
     assert (float(high), float(rows)) == (1.0, 4.0)  # by tokens it would be 6 / 18
@@ -452,7 +454,7 @@ def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_pat
     kept = []  # (kept tokens, loss tokens) per micro-batch
 
     def recording(entropy, mask, threshold):
-        result = trainers.losses.high_entropy_mask(entropy, mask, threshold)
+        result = trainers.grpo.objectives.high_entropy_mask(entropy, mask, threshold)
         kept.append((int(result.sum()), int(mask.sum())))
         return result
 
@@ -477,7 +479,7 @@ def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir,
     calls = []
 
     def recording(logps, old, advantages, mask, threshold):
-        result = trainers.losses.off_policy_sequence_mask(logps, old, advantages, mask, threshold)
+        result = trainers.grpo.objectives.off_policy_sequence_mask(logps, old, advantages, mask, threshold)
         calls.append((result.squeeze(1).clone(), advantages.clone()))
         return result
 

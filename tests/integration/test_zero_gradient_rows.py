@@ -1,6 +1,8 @@
 """skip_zero_gradient_rows: completions whose loss gradient is zero by construction (advantage 0 with beta=0, or
 no loss tokens) stay out of the backward, with the same loss, statistics and gradients as training every row."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,49 +30,56 @@ def loss_stats_grads(trainer, batch, skip: bool):
     trainer.args.skip_zero_gradient_rows = skip
     trainer.__dict__.pop("skips_zero_gradient_rows", None)  # a cached property
     forwards = []
-    policy_forward = trainer._policy_forward
+    policy_forward = trainer.policy_logprobs
 
     def recording(model, rows, **options):
-        forwards.append((rows["completion_ids"].shape[0], torch.is_grad_enabled()))
+        forwards.append((rows.completion_ids.shape[0], torch.is_grad_enabled()))
         return policy_forward(model, rows, **options)
 
-    trainer._policy_forward = recording
+    trainer.policy_logprobs = recording
     try:
         trainer.model.zero_grad(set_to_none=True)
         counts = trainer._count([batch])[0]
         loss, stats = trainer.compute_loss(trainer.model, batch, counts)
         loss.backward()
     finally:
-        del trainer._policy_forward
+        del trainer.policy_logprobs
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     values = {name: float(value.value) if isinstance(value, Extreme) else tuple(float(v) for v in value)
               for name, value in stats.items()}
     return float(loss.detach()), values, grads, forwards
 
 
+# The forwards with skipping, (rows, with gradient), when the "abc" group (the first 8 rows) has advantage 0:
+SPLIT = [(8, True), (8, False)]  # advantage 0 is idle: forwarded without gradient for the logged entropy
+ALL = [(16, True)]  # beta or an entropy bonus: advantage 0 still has a gradient, and no row is silent
+TRAINED_ONLY = [(8, True)]  # dynamic_sampling: the "abc" group has no loss tokens, so is not forwarded at all
+
 CASES = {
-    "dapo": {},
-    "grpo": {"loss_type": "grpo"},
-    "bnpo": {"loss_type": "bnpo"},
-    "dr_grpo": {"loss_type": "dr_grpo"},
-    "cispo": {"loss_type": "cispo"},
-    "sapo": {"loss_type": "sapo"},
-    "vespo": {"loss_type": "vespo"},
-    "sequence-level": {"importance_sampling_level": "sequence"},
-    "two-iterations": {"num_iterations": 2},
-    "top-entropy": {"top_entropy_quantile": 0.5},
-    "off-policy-mask": {"off_policy_mask_threshold": 0.01, "num_iterations": 2},
-    "dynamic-sampling": {"dynamic_sampling": True},
-    "beta": {"beta": 0.1},
-    "beta-dynamic-sampling": {"beta": 0.1, "dynamic_sampling": True},
-    "entropy-bonus": {"entropy_coef": 0.01},
-    "gradient-checkpointing": {"gradient_checkpointing": True},
+    "dapo": ({}, SPLIT),
+    "grpo": ({"loss_type": "grpo"}, SPLIT),
+    "bnpo": ({"loss_type": "bnpo"}, SPLIT),
+    "dr_grpo": ({"loss_type": "dr_grpo"}, SPLIT),
+    "cispo": ({"loss_type": "cispo"}, SPLIT),
+    "sapo": ({"loss_type": "sapo"}, SPLIT),
+    "vespo": ({"loss_type": "vespo"}, SPLIT),
+    "sequence-level": ({"importance_sampling_level": "sequence"}, SPLIT),
+    "two-iterations": ({"num_iterations": 2}, SPLIT),
+    "top-entropy": ({"top_entropy_quantile": 0.5}, SPLIT),
+    "off-policy-mask": ({"off_policy_mask_threshold": 0.01, "num_iterations": 2}, SPLIT),
+    "dynamic-sampling": ({"dynamic_sampling": True}, TRAINED_ONLY),
+    "beta": ({"beta": 0.1}, ALL),
+    "beta-dynamic-sampling": ({"beta": 0.1, "dynamic_sampling": True}, TRAINED_ONLY),  # silent rows still idle
+    "entropy-bonus": ({"entropy_coef": 0.01}, ALL),
+    "gradient-checkpointing": ({"gradient_checkpointing": True}, SPLIT),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_loss_statistics_and_gradients(tiny_model_dir, tmp_path, case):
-    trainer = trainer_for(tiny_model_dir, tmp_path, **CASES[case])
+    options, expected = CASES[case]
+    trainer = trainer_for(tiny_model_dir, tmp_path, **options)
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
     with torch.no_grad():  # away from the sampling policy, so ratios differ from 1 and clipping happens
         for p in trainer.model.parameters():
@@ -79,15 +88,8 @@ def test_same_loss_statistics_and_gradients(tiny_model_dir, tmp_path, case):
     loss, stats, grads, forwards = loss_stats_grads(trainer, batch, skip=True)
 
     # the "abc" group (the first 8 rows) has advantage 0; with dynamic_sampling also no loss tokens
-    assert torch.all(batch["advantages"][:8] == 0) and torch.all(batch["advantages"][8:] != 0)
+    assert torch.all(batch.advantages[:8] == 0) and torch.all(batch.advantages[8:] != 0)
     assert forwards_all == [(16, True)]
-    options = CASES[case]
-    if options.get("beta") or options.get("entropy_coef"):  # advantage 0 still has a gradient: only silent rows idle
-        expected = [(8, True)] if options.get("dynamic_sampling") else [(16, True)]
-    elif options.get("dynamic_sampling"):
-        expected = [(8, True)]  # no loss tokens: not forwarded at all
-    else:
-        expected = [(8, True), (8, False)]  # forwarded without gradient for the logged entropy
     assert forwards == expected
 
     assert loss == pytest.approx(loss_all, rel=1e-5, abs=1e-7)
@@ -102,14 +104,15 @@ def test_same_loss_statistics_and_gradients(tiny_model_dir, tmp_path, case):
 
 def test_a_micro_batch_of_idle_rows_keeps_one_row_in_the_backward(tiny_model_dir, tmp_path):
     trainer = trainer_for(tiny_model_dir, tmp_path)
+    trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
-    batch = {**batch, "advantages": torch.zeros_like(batch["advantages"])}
+    batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))
     loss_all, stats_all, grads_all, _ = loss_stats_grads(trainer, batch, skip=False)
     loss, stats, grads, forwards = loss_stats_grads(trainer, batch, skip=True)
     assert forwards == [(1, True), (15, False)]
     assert loss == loss_all == 0.0
     assert stats["entropy"] == pytest.approx(stats_all["entropy"], rel=1e-5)
-    assert grads.keys() == grads_all.keys() and all(float(g.abs().max()) == 0.0 for g in grads.values())
+    assert grads.keys() == grads_all.keys() and grads and all(float(g.abs().max()) == 0.0 for g in grads.values())
 
 
 def test_training_is_the_same_with_and_without_skipping(tiny_model_dir, tmp_path):

@@ -43,7 +43,7 @@ def test_render_covers_every_field_and_escapes_pipes():
     for line in page.splitlines():
         if line.startswith("| `"):
             cells = line.replace("\\|", "").strip("|").split("|")
-            assert len(cells) in (2, 4), line
+            assert len(cells) in (2, 5), line
 
 
 def test_subclass_sections_list_only_added_or_overridden_fields():
@@ -52,3 +52,29 @@ def test_subclass_sections_list_only_added_or_overridden_fields():
     assert "| `learning_rate` |" in sft and "| `max_length` |" in sft
     assert "| `per_device_train_batch_size` |" not in sft  # inherited unchanged: only in TrainingConfig's table
     assert "(#trainingconfig)" in sft
+
+
+def test_constraints_are_shown_from_the_declarations():
+    """Each field's Valid values cell comes from its opt() declaration, the one the config checks."""
+    rows = {line.split(" | ")[0][3:-1]: line for line in render().splitlines() if line.startswith("| `")}
+    assert "| one of: 'grpo', 'bnpo', 'dr_grpo', 'dapo'," in rows["loss_type"]
+    assert "| ≥ 1 |" in rows["per_device_train_batch_size"]
+    assert "| in [0, 1) |" in rows["adam_beta1"]
+    assert "| ≥ 1, or -1 (-1 trains for num_train_epochs) |" in rows["max_steps"]
+    assert "| ≥ 1, or None |" in rows["eval_steps"]
+    assert "| ≥ 2 (GRPO compares completions within a group) |" in rows["num_generations"]
+    assert "| a list of: 'inputs', 'loss' |" in rows["include_for_metrics"]
+    assert "`output_dir` | `str` | `'trainer_output'` |  |" in rows["output_dir"]  # no constraint: an empty cell
+
+
+def test_a_changed_constraint_alone_lists_the_field_under_the_subclass():
+    from trainers.tools.config_reference import _fields
+
+    base = CONFIG_CLASSES[0]
+    same_help = next(f for f in dataclasses.fields(base) if f.name == "logging_steps").metadata["help"]
+
+    @dataclasses.dataclass
+    class Narrower(base):
+        logging_steps: int = opt(10, same_help, ge=5)  # same default and help, another bound
+
+    assert [f.name for f in _fields(Narrower)] == ["logging_steps"]

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import ConfigError, TrainingConfig
+from trainers.configs import ConfigError, TrainingConfig, check_constraints, describe_constraints, opt
 from trainers.grpo.config import GRPOConfig
 from trainers.sft.config import SFTConfig
 
@@ -115,6 +115,17 @@ INVALID = [
     (GRPOConfig, {"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
     (GRPOConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 20},
      "metric_for_best_model"),  # its default, 'loss': GRPO evaluation has none
+    (TrainingConfig, {"ddp_backend": "tcp"}, "ddp_backend"),
+    (SFTConfig, {"include_for_metrics": "inputs"}, "include_for_metrics"),  # a list, not a string
+    (GRPOConfig, {"reward_weights": 5}, "reward_weights"),
+    (TrainingConfig, {"log_level_replica": "loud"}, "log_level_replica"),
+    (TrainingConfig, {"router_aux_loss_coef": float("inf")}, "router_aux_loss_coef"),
+    (SFTConfig, {"include_for_metrics": ["inputs", "logits"]}, "include_for_metrics"),
+    (SFTConfig, {"neftune_noise_alpha": 0.0}, "neftune_noise_alpha"),
+    (GRPOConfig, {"entropy_target": -1.0}, "entropy_target"),
+    (GRPOConfig, {"vespo_k_pos": float("inf")}, "vespo_k_pos"),
+    (GRPOConfig, {"generation_engine": "vllm"}, "generation_engine"),
+    (GRPOConfig, {"vllm_importance_sampling_cap": -1.0}, "vllm_importance_sampling_cap"),
 ]
 
 
@@ -281,11 +292,13 @@ def test_trl_only_option_at_other_value_is_refused(cls, name, value):
 
 def test_trl_only_options_do_not_shadow_real_fields():
     """A TRL-only option is a field of no config, except TrainingArguments options only SFT implements
-    (neftune_noise_alpha, and what compute_metrics receives): GRPO still accepts them only at TRL's default."""
+    (neftune_noise_alpha, and what compute_metrics receives): GRPO still accepts them only at TRL's default;
+    and loss_type, GRPO's own field, which SFT accepts only at TRL's 'nll'."""
     fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in ALL_CONFIGS}
     sft_only = {"neftune_noise_alpha", "prediction_loss_only", "include_for_metrics", "eval_do_concat_batches",
                 "batch_eval_metrics"}
-    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == sft_only <= fields[SFTConfig]
+    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == sft_only | {"loss_type"}
+    assert sft_only <= fields[SFTConfig] and "loss_type" in fields[GRPOConfig] - fields[SFTConfig]
     with pytest.raises(ConfigError, match="only its default False"):
         GRPOConfig(batch_eval_metrics=True)
     assert SFTConfig(neftune_noise_alpha=5.0).neftune_noise_alpha == 5.0
@@ -373,7 +386,7 @@ def test_sampler_correction_options_are_checked():
     assert (config.vllm_importance_sampling_correction, config.vllm_importance_sampling_mode,
             config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max) == \
         (True, "sequence_mask", None, 3.0)  # TRL's defaults
-    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode.*valid: \\('token_truncate'"):
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode.*one of: 'token_truncate'"):
         GRPOConfig(vllm_importance_sampling_mode="token")
     with pytest.raises(ConfigError, match="vllm_importance_sampling_clip_min.*less than "
                                           "vllm_importance_sampling_clip_max \\(3.0\\)"):
@@ -428,3 +441,98 @@ def test_activation_checkpointing_is_transformers_5s_name_for_gradient_checkpoin
     assert SFTConfig(**SFTConfig(activation_checkpointing=True).to_dict()).gradient_checkpointing is True
     with pytest.raises(ConfigError, match="`activation_checkpointing=False`.*disagrees with gradient_checkpointing"):
         SFTConfig(gradient_checkpointing=True, activation_checkpointing=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Constraints declared with opt(): one declaration drives the check, the error and the reference
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Probe:
+    steps: int = opt(-1, "Steps.", choices=(-1,), ge=1, note="-1: unlimited")
+    rate: float | None = opt(0.5, "A rate.", gt=0, le=1, finite=True)
+    mode: str = opt("a", "A mode.", choices=("a", "b"))
+    parts: list[str] = opt([], "Parts.", choices=("x", "y"))
+    scale: float = opt(1.0, "No constraint.")
+
+
+def test_opt_stores_constraints_in_the_metadata():
+    fields = {f.name: f for f in dataclasses.fields(_Probe)}
+    assert dict(fields["rate"].metadata) == {"help": "A rate.", "gt": 0, "le": 1, "finite": True}
+    assert fields["mode"].metadata["choices"] == ("a", "b")
+    assert dict(fields["scale"].metadata) == {"help": "No constraint."}
+    assert _Probe().parts == [] and _Probe().parts is not _Probe().parts
+
+
+@pytest.mark.parametrize("name,words", [
+    ("steps", "≥ 1, or -1 (-1: unlimited)"), ("rate", "a finite number in (0, 1], or None"),
+    ("mode", "one of: 'a', 'b'"), ("parts", "a list of: 'x', 'y'"), ("scale", ""),
+])
+def test_constraints_in_words(name, words):
+    assert describe_constraints(next(f for f in dataclasses.fields(_Probe) if f.name == name)) == words
+
+
+@pytest.mark.parametrize("kwargs,ok", [
+    ({}, True), ({"steps": 3}, True), ({"steps": 0}, False), ({"steps": -2}, False),
+    ({"rate": None}, True), ({"rate": 1}, True), ({"rate": 0.0}, False), ({"rate": float("nan")}, False),
+    ({"mode": "b"}, True), ({"mode": "c"}, False), ({"parts": ["y", "x"]}, True), ({"parts": ["z"]}, False),
+    ({"scale": -1e9}, True),
+])
+def test_check_constraints(kwargs, ok):
+    probe = _Probe(**kwargs)
+    if ok:
+        check_constraints(probe)
+    else:
+        with pytest.raises(ConfigError, match=rf"^_Probe: `{next(iter(kwargs))}=.*` is invalid; it must be "):
+            check_constraints(probe)
+
+
+@pytest.mark.parametrize("cls,kwargs,message", [
+    (GRPOConfig, {"num_generations": 1},
+     "GRPOConfig: `num_generations=1` is invalid; it must be ≥ 2 (GRPO compares completions within a group)."),
+    (TrainingConfig, {"max_steps": 0},
+     "TrainingConfig: `max_steps=0` is invalid; it must be ≥ 1, or -1 (-1 trains for num_train_epochs)."),
+    (TrainingConfig, {"adam_beta1": 1.0}, "TrainingConfig: `adam_beta1=1.0` is invalid; it must be in [0, 1)."),
+    (SFTConfig, {"max_length": 0}, "SFTConfig: `max_length=0` is invalid; it must be ≥ 1, or None."),
+    (TrainingConfig, {"learning_rate": float("inf")},
+     "TrainingConfig: `learning_rate=inf` is invalid; it must be a finite number > 0."),
+    (TrainingConfig, {"optim": "sgd"},
+     "TrainingConfig: `optim='sgd'` is invalid; it must be one of: 'adamw_torch', 'adamw_torch_fused'."),
+    (TrainingConfig, {"max_grad_norm": -1.0},
+     "TrainingConfig: `max_grad_norm=-1.0` is invalid; it must be ≥ 0, or None (0 or None disables clipping)."),
+])
+def test_declared_constraint_errors_say_what_is_valid(cls, kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        cls(**kwargs)
+    assert str(info.value) == message
+
+
+def test_help_texts_do_not_restate_declared_choices():
+    """The reference shows each field's choices; a help text that lists them again goes stale."""
+    for cls in ALL_CONFIGS:
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices", ())
+            if len(choices) > 1:
+                assert repr(tuple(choices)) not in f.metadata["help"], f"{cls.__name__}.{f.name}"
+
+
+def test_no_field_accepts_a_single_value():
+    """A field with a single allowed value is a TRL-only option instead (accepted at TRL's default)."""
+    for cls in ALL_CONFIGS:
+        for f in dataclasses.fields(cls):
+            bounded = any(k in f.metadata for k in ("ge", "gt", "le", "lt", "finite"))
+            assert bounded or len(f.metadata.get("choices", (1, 2))) > 1, f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("cls,name,default,other", [
+    (SFTConfig, "packing_strategy", "bfd", "wrapped"), (SFTConfig, "loss_type", "nll", "dft"),
+    (GRPOConfig, "use_vllm", False, True),
+])
+def test_single_value_options_are_trl_only(cls, name, default, other):
+    """TRL 1.16's default is accepted and read back; any other value is refused with the TRL-only message."""
+    assert TRL_ONLY_OPTIONS[name] == default and name not in {f.name for f in dataclasses.fields(cls)}
+    assert getattr(cls(**{name: default}), name) == default == getattr(cls(), name)
+    with pytest.raises(ConfigError, match=rf"^{cls.__name__}: `{name}={other!r}` is a TRL option .*only its "
+                                          rf"default {default!r} is accepted"):
+        cls(**{name: other})

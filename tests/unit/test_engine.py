@@ -133,15 +133,23 @@ def packable_model(vocab: int):
     return model
 
 
-def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
-    model = packable_model(len(tokenizer))
+PACKS = engine._can_pack(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not PACKS, reason="needs oneDNN packed GEMM")
+def test_the_packed_layout_stacks_qkv_and_gate_up():
+    model = packable_model(96)
     run = engine._Decoder(model)
     run.pack_weights(6)
-    if engine._can_pack(torch.device("cpu"), torch.float32):
-        for layer in run.layers:  # q/k/v and gate/up stacked, under the first module of each stack
-            attn, mlp = layer.self_attn, layer.mlp
-            assert run.packed[id(attn.q_proj)][2] == [512, 128, 128] and run.packed[id(mlp.gate_proj)][2] == [1024, 1024]
-            assert run.packed[id(attn.o_proj)][2] == [512] and run.packed[id(mlp.down_proj)][2] == [512]
+    for layer in run.layers:  # q/k/v and gate/up stacked, under the first module of each stack
+        attn, mlp = layer.self_attn, layer.mlp
+        assert run.packed[id(attn.q_proj)][2] == [512, 128, 128] and run.packed[id(mlp.gate_proj)][2] == [1024, 1024]
+        assert run.packed[id(attn.o_proj)][2] == [512] and run.packed[id(mlp.down_proj)][2] == [512]
+
+
+def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
+    """Where packing runs (test_the_packed_layout_stacks_qkv_and_gate_up), the engine decodes through it."""
+    model = packable_model(len(tokenizer))
     params = SamplingParams(max_new_tokens=12, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     assert engine.generate(model, PROMPTS, params, pad, eos) == hf_generate(model, PROMPTS, params, pad, eos)
@@ -150,7 +158,7 @@ def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
     assert sum(a == b for a, b in zip(ours, hf)) >= len(PROMPTS) - 1, (ours, hf)
 
 
-@pytest.mark.skipif(not engine._can_pack(torch.device("cpu"), torch.float32), reason="needs oneDNN packed GEMM")
+@pytest.mark.skipif(not PACKS, reason="needs oneDNN packed GEMM")
 def test_projections_packed_together_give_each_modules_own_output(tokenizer):
     """One product over stacked weights (q/k/v with Qwen2's biases, gate/up) splits into every module's output;
     a stack mixing biased and unbiased layers gets zeros for the missing bias; a module without a plain weight
@@ -190,32 +198,40 @@ def test_under_bf16_autocast_the_engine_matches_hf(tokenizer, kind):
     assert matching >= len(PROMPTS) - 1, (ours, hf)  # bf16 rounding may flip a near-tie in one row at most
 
 
-def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
-    """A LoRA layer decodes through one packed product of W + B @ A x scaling: the same greedy tokens as HF's
-    three products, the model's weights untouched, and a disabled or DoRA adapter keeps PEFT's own forward."""
+def lora_model(vocab: int, **options):
     from peft import LoraConfig, get_peft_model
 
-    def lora_model(**options):
-        model = get_peft_model(packable_model(len(tokenizer)), LoraConfig(r=8, target_modules="all-linear", **options))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.02)  # a non-trivial adapter
-        return model.eval()
+    model = get_peft_model(packable_model(vocab), LoraConfig(r=8, target_modules="all-linear", **options))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)  # a non-trivial adapter
+    return model.eval()
 
-    model = lora_model()
+
+@pytest.mark.skipif(not PACKS, reason="needs oneDNN packed GEMM")
+def test_a_lora_layer_packs_its_merged_weight():
+    """A LoRA layer's packed product is one of W + B @ A x scaling: the module's own output."""
+    model = lora_model(96)
     mlp = model.get_base_model().model.layers[0].mlp
-    before = mlp.gate_proj.base_layer.weight.clone()
     run = engine._Decoder(model)
     run.pack_weights(6)
-    if engine._can_pack(torch.device("cpu"), torch.float32):
-        assert run.packed[id(mlp.gate_proj)][2] == [1024, 1024] and id(mlp.down_proj) in run.packed
-        merged = mlp.gate_proj.base_layer.weight + mlp.gate_proj.get_delta_weight("default")
-        x = torch.randn(6, 512)
-        gate, up = run.linears([mlp.gate_proj, mlp.up_proj], x)
-        torch.testing.assert_close(gate, mlp.gate_proj(x), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(gate, x @ merged.T, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(up, mlp.up_proj(x), rtol=1e-4, atol=1e-4)
+    assert run.packed[id(mlp.gate_proj)][2] == [1024, 1024] and id(mlp.down_proj) in run.packed
+    merged = mlp.gate_proj.base_layer.weight + mlp.gate_proj.get_delta_weight("default")
+    x = torch.randn(6, 512)
+    gate, up = run.linears([mlp.gate_proj, mlp.up_proj], x)
+    torch.testing.assert_close(gate, mlp.gate_proj(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gate, x @ merged.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(up, mlp.up_proj(x), rtol=1e-4, atol=1e-4)
+
+
+def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
+    """A LoRA layer decodes through one packed product of W + B @ A x scaling where packing runs
+    (test_a_lora_layer_packs_its_merged_weight): the same greedy tokens as HF's three products, the model's
+    weights untouched, and a disabled or DoRA adapter keeps PEFT's own forward."""
+    model = lora_model(len(tokenizer))
+    mlp = model.get_base_model().model.layers[0].mlp
+    before = mlp.gate_proj.base_layer.weight.clone()
     params = SamplingParams(max_new_tokens=12, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     ours = engine.generate(model, PROMPTS, params, pad, eos)
@@ -226,6 +242,6 @@ def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
         plain = engine.generate(model, PROMPTS, params, pad, eos)
         assert plain == hf_generate(model, PROMPTS, params, pad, eos)
     assert plain != ours, "the adapters change the greedy tokens (else this test shows nothing)"
-    dora = lora_model(use_dora=True)
+    dora = lora_model(len(tokenizer), use_dora=True)
     assert engine._effective_weight(dora.get_base_model().model.layers[0].mlp.gate_proj) is None
     assert engine.generate(dora, PROMPTS, params, pad, eos) == hf_generate(dora, PROMPTS, params, pad, eos)

@@ -1,4 +1,4 @@
-"""trainers/grpo_logs.py by hand: TRL's round metrics and the completions records."""
+"""trainers/grpo/metrics.py by hand: TRL's round metrics and the completions records."""
 
 import json
 
@@ -26,7 +26,8 @@ def test_round_metrics_by_hand():
     assert m["rewards/acc/mean"] == 0.75 and m["rewards/fmt/mean"] == pytest.approx(2 / 3)  # the None left out
     # no completion ended: TRL's convention is 0; functions sharing a name log their mean
     m = round_metrics(rewards, per_func, ["same", "same"], std_in_use, lengths, torch.ones(4))
-    assert m["completions/mean_terminated_length"] == m["completions/max_terminated_length"] == 0.0
+    assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"],
+            m["completions/max_terminated_length"]) == (0.0, 0.0, 0.0)
     assert m["rewards/same/mean"] == pytest.approx((0.75 + 2 / 3) / 2)
 
 

@@ -1,4 +1,4 @@
-"""The memory planner (trainers/planner.py): byte arithmetic per strategy, recommendations, output, flags."""
+"""The memory planner (trainers/tools/planner/): byte arithmetic per strategy, recommendations, output, flags."""
 
 import argparse
 import json
@@ -164,7 +164,7 @@ def test_the_cheapest_fitting_template_is_recommended_in_cost_order():
                                                 ("zero3", 4.79), ("zero3_offload", 5.37)])
 def test_cpu_estimates_are_within_25_percent_of_the_measured_303m_table(monkeypatch, template, measured):
     """docs/distributed.md: SFT, fp32, 2 processes, micro-batch 4 x 128 tokens, peak RSS per rank."""
-    monkeypatch.setattr(planner, "resolve_shape", lambda inputs: SHAPE_303M)
+    monkeypatch.setattr(planner.plan, "resolve_shape", lambda inputs: SHAPE_303M)  # what make_plan calls
     plan = plan_for(model_size="0.5B", method="sft", num_gpus=2, per_device_batch=4, max_length=128, device="cpu",
                     gpu_memory=24)
     assert plan.estimate_for(template).total_gb == pytest.approx(measured, rel=0.25)
@@ -195,6 +195,51 @@ def test_a_new_template_file_shows_up_in_the_plan(tmp_path):
     assert [e.template for e in plan.estimates] == ["single_gpu", "zero2_offload"]
     assert plan.estimate_for("zero2_offload").strategy == "zero2_offload"
     assert plan.estimate_for("zero2_offload").host_bytes > 0
+
+
+def test_no_template_is_an_error_naming_the_folder_never_nothing_fits(tmp_path, monkeypatch, capsys):
+    from trainers.tools import cli, templates
+
+    with pytest.raises(templates.TemplatesNotFoundError, match=str(tmp_path)):
+        planner.load_templates(tmp_path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        planner.load_templates(tmp_path / "missing")
+    with pytest.raises(templates.TemplatesNotFoundError):
+        make_plan(PlanInputs(model_size="7B"), [])
+    with pytest.raises(templates.TemplatesNotFoundError, match=str(tmp_path)):
+        planner.run(parse("--model-size", "7B", "--templates-dir", str(tmp_path)))
+    # the shipped folder itself empty (a package installed without its data): the same error, from `trainers plan`
+    monkeypatch.setattr(templates, "templates_dir", lambda: tmp_path)
+    with pytest.raises(templates.TemplatesNotFoundError, match=f"shipped templates' folder '{tmp_path}'"):
+        planner.load_templates()
+    assert cli.main(["plan", "--model-size", "7B", "--num-gpus", "8"]) == 2
+    captured = capsys.readouterr()
+    assert "Nothing fits" not in captured.out and str(tmp_path) in captured.err
+    with pytest.raises(ConfigError, match=str(tmp_path)):
+        cli.resolve_template("zero3")
+
+
+def test_the_shipped_templates_are_package_data_and_the_checkout_folder_links_to_them():
+    import os
+
+    from tests.conftest import CONFIGS
+    from trainers.tools import templates
+
+    folder = templates.templates_dir()
+    assert folder.name == "templates" and folder.parent.name == "trainers"
+    assert set(templates.shipped_templates()) == {"single_gpu", "multi_gpu", "zero1", "zero2", "zero3",
+                                                  "zero3_offload", "fsdp2"}
+    assert os.path.realpath(CONFIGS) == str(folder.resolve())  # accelerate_configs/ -> trainers/templates/
+    assert templates.is_shipped(os.path.join(CONFIGS, "zero3.yaml"))
+
+
+def test_a_templates_dir_plans_for_its_files_and_prints_their_paths(tmp_path, capsys):
+    (tmp_path / "big.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 8\n"
+                                       "deepspeed_config:\n  zero_stage: 3\n")
+    assert planner.run(parse("--model-size", "7B", "--num-gpus", "8", "--templates-dir", str(tmp_path))) == 0
+    text = capsys.readouterr().out
+    assert "Recommended: big" in text
+    assert f"accelerate launch --config_file {tmp_path / 'big.yaml'} --num_processes 8" in text
 
 
 # ---------------------------------------------------------------------------------------------------- output

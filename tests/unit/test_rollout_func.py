@@ -22,7 +22,7 @@ def test_a_valid_answer_keeps_its_rows_and_passes_other_keys_to_the_rewards():
     rollout = check(output(logprobs=[[-1.0, -2, -0.5], [0.0]], env_mask=[[1, 0, 1], [1]], score=[0.5, 1.0],
                            source="env", answer=torch.tensor([3, 4]).tolist()))
     assert rollout.prompt_ids == [[1, 2], [3]] and rollout.completion_ids == [[4, 5, 6], [7]]
-    assert rollout.logprobs == [[-1.0, -2.0, -0.5], [0.0]] and rollout.env_mask == [[1, 0, 1], [1]]
+    assert rollout.logprobs == [[-1.0, -2.0, -0.5], [0.0]] and rollout.model_mask == [[1, 0, 1], [1]]
     # a list is one value per row; anything else is every row's value (TRL's rule)
     assert rollout.extra == {"score": [0.5, 1.0], "source": ["env", "env"], "answer": [3, 4]}
 

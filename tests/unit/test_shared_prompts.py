@@ -1,4 +1,4 @@
-"""Completions of one prompt share its forward (modeling.shared_prompt_logprobs): the same log-probs, entropy and
+"""Completions of one prompt share its forward (trainers/grpo/shared_prompt.py, shared_prompt_logprobs): the same log-probs, entropy and
 gradients as one forward over prompt + completion per row, for ragged prompts, padded completions, groups
 split across micro-batches, LoRA and bf16 autocast."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trainers.grpo.batch import policy_inputs
+from trainers.grpo.batch import MicroBatch, prompt_groups
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.modeling import token_logprobs
 
@@ -37,26 +37,29 @@ def make_batch(groups=((7, 3), (4, 3), (9, 2)), completion_length=6, pad_id=0):
     for row in range(0, B, 2):  # every other completion ended early (EOS then padding)
         attention[row, 2 + row % 3:] = 0
     completion_ids[attention == 0] = pad_id
-    return {"prompt_ids": torch.stack(prompt_ids), "prompt_mask": torch.stack(prompt_mask),
-            "completion_ids": completion_ids, "completion_attention": attention}
+    prompt_ids, prompt_mask = torch.stack(prompt_ids), torch.stack(prompt_mask)
+    groups = prompt_groups([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)])
+    return MicroBatch(prompt_ids, prompt_mask, completion_ids, attention, torch.tensor(groups),
+                      loss_mask=attention.float(), advantages=torch.zeros(B))
 
 
 def one_forward(model, batch, temperature=1.0):
-    input_ids, attention_mask, position_ids = policy_inputs(batch)
-    return token_logprobs(model, input_ids, batch["completion_ids"], attention_mask, position_ids,
-                          temperature=temperature, logits_to_keep=batch["completion_ids"].shape[1], with_entropy=True)
+    input_ids, attention_mask, position_ids = batch.model_inputs()
+    return token_logprobs(model, input_ids, batch.completion_ids, attention_mask, position_ids,
+                          temperature=temperature, logits_to_keep=batch.completion_ids.shape[1], with_entropy=True)
 
 
 def shared(model, batch, temperature=1.0):
-    return shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                  batch["completion_attention"], temperature=temperature, with_entropy=True)
+    return shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                  batch.completion_attention, batch.prompt_group, temperature=temperature,
+                                  with_entropy=True)
 
 
 def run(forward, model, batch, bf16=False, **kwargs):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = forward(model, batch, **kwargs)
-    mask = batch["completion_attention"].float()
+    mask = batch.completion_attention.float()
     loss = (out["logps"] * mask).sum() / mask.sum() + 0.1 * (out["logps"].exp() * mask).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -82,15 +85,15 @@ def test_same_logps_entropy_and_gradients(kind, temperature):
     model, batch = make_model(kind), make_batch()
     expected = run(one_forward, model, batch, temperature=temperature)
     got = run(shared, model, batch, temperature=temperature)
-    assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch["completion_attention"])
+    assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch.completion_attention)
 
 
 def test_group_split_across_micro_batches_and_single_token_completions():
     """Only some rows share (a group cut by the micro-batch boundary), and completions of one token."""
     model = make_model()
     batch = make_batch(groups=((5, 1), (6, 2), (3, 1)), completion_length=1)
-    batch["completion_attention"][:] = 1
-    assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
+    batch.completion_attention[:] = 1
+    assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch.completion_attention)
 
 
 def test_no_shared_prompt_returns_none():
@@ -99,18 +102,18 @@ def test_no_shared_prompt_returns_none():
 
 
 def test_pad_ids_under_the_mask_do_not_split_a_group():
-    """Equal prompts are found equal whatever token sits under their padding."""
+    """Rows of one group may differ under their padding (masked out): the shared forward runs one of them."""
     model, batch = make_model(), make_batch(groups=((4, 3), (9, 1)))
-    batch["prompt_ids"][1, :2] = 77  # masked out
+    batch.prompt_ids[1, :2] = 77  # masked out
     expected, got = run(one_forward, model, batch), run(shared, model, batch)
-    assert_same(expected, got, 1e-4, 1e-5, batch["completion_attention"])
+    assert_same(expected, got, 1e-4, 1e-5, batch.completion_attention)
 
 
 def test_bf16_autocast_within_bf16_tolerance():
     model, batch = make_model(), make_batch()
     expected = run(one_forward, model, batch, bf16=True)
     got = run(shared, model, batch, bf16=True)
-    assert_same(expected, got, rtol=3e-2, atol=3e-2, mask=batch["completion_attention"])
+    assert_same(expected, got, rtol=3e-2, atol=3e-2, mask=batch.completion_attention)
 
 
 def test_lora_gradients_match():
@@ -121,7 +124,7 @@ def test_lora_gradients_match():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     batch = make_batch()
-    assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
+    assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch.completion_attention)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -139,7 +142,7 @@ def test_under_gradient_checkpointing_the_prompt_cache_survives_the_replay(check
     replayed = [layer.gradient_checkpointing for layer in model.model.layers]
     assert replayed == ([True, False] if checkpointing.get("every_n_layers") else [True, True])
     got = run(shared, model, batch)
-    assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch["completion_attention"])
+    assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch.completion_attention)
     # The layers got transformers' rule back: a cache is dropped under checkpointing outside this forward.
     assert all("_can_checkpoint_with_cache" not in vars(layer) for layer in model.model.layers)
     assert not model.model.layers[0]._can_checkpoint_with_cache
@@ -159,7 +162,7 @@ def test_lora_under_gradient_checkpointing():
     model.base_model.model.activation_checkpointing_enable()
     model.enable_input_require_grads()
     assert all(layer.gradient_checkpointing for layer in model.base_model.model.model.layers)
-    assert_same(expected, run(shared, model, batch), 1e-4, 1e-5, batch["completion_attention"])
+    assert_same(expected, run(shared, model, batch), 1e-4, 1e-5, batch.completion_attention)
 
 
 def test_reentrant_checkpoints_fall_back_to_one_forward_per_row():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -66,3 +68,30 @@ def decoupled_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, 
     advantages = (summed - torch.nanmean(summed)) / (nanstd(summed) + eps)
     zero_std = torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std)).all(dim=-1).squeeze(1)
     return torch.nan_to_num(advantages, nan=0.0), summed, zero_std
+
+
+@dataclass(frozen=True)
+class RoundAdvantages:
+    """A round's rewards and advantages over every process's completions (G = generation_batch_size)."""
+
+    rewards: torch.Tensor  # [G] weighted sums of the functions (NaN where none applied)
+    advantages: torch.Tensor  # [G]
+    zero_std: torch.Tensor  # [G / num_generations] bool: groups whose rewards are all equal
+    # the std the advantages were scaled by, as TRL counts it for frac_reward_zero_std: per group [G /
+    # num_generations], or the batch's (scale_rewards="batch", GDPO) as a 0-d tensor
+    std_in_use: torch.Tensor
+
+
+def round_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str, multi_objective_aggregation: str) -> RoundAdvantages:
+    """Rewards [G, F] (NaN: a function's "not applicable") -> the round's advantages: GRPO's group-relative
+    ones of the weighted sum (``group_advantages``), or GDPO's per-function normalization
+    (multi_objective_aggregation="normalize_then_sum", ``decoupled_advantages``)."""
+    rewards = combine_rewards(rewards_per_func, weights)  # [G]
+    if multi_objective_aggregation == "normalize_then_sum":
+        advantages, scaled, zero_std = decoupled_advantages(rewards_per_func, weights, num_generations)
+        return RoundAdvantages(rewards, advantages, zero_std, nanstd(scaled))
+    advantages, zero_std = group_advantages(rewards, num_generations, scale_rewards)
+    # a NaN std (a group with fewer than two scored completions) is not zero
+    std = nanstd(rewards) if scale_rewards == "batch" else nanstd(rewards.view(-1, num_generations), dim=1)
+    return RoundAdvantages(rewards, advantages, zero_std, std)

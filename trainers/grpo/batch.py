@@ -1,16 +1,77 @@
-"""A GRPO generation round's rows on one process (``Rollout``) and the micro-batches cut from them.
+"""The typed records a GRPO round travels in: ``Rollout`` (one generation round's rows on this process, built by
+the rollout stage, trainers/grpo/rollout.py) and ``MicroBatch`` (the slice of it one forward/backward trains on).
 
-A round is sampled and scored once (trainers/grpo.py) and then serves ``steps_per_generation`` micro-steps,
-``num_iterations`` times over; each micro-batch is a contiguous slice with its all-padding columns trimmed.
+A round is sampled and scored once and then serves ``steps_per_generation`` micro-steps, ``num_iterations``
+times over; each micro-batch is a contiguous slice with its all-padding columns trimmed. Rows that share a
+prompt are known from the start (``prompt_groups``) and carried on both records, so the shared prompt forward
+(trainers/grpo/shared_prompt.py) needs no search for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from trainers.modeling import positions_from_mask
+
+
+def prompt_groups(prompt_ids: list[list[int]]) -> list[int]:
+    """Each row's distinct prompt, numbered in order of first appearance: [[1, 2], [1, 2], [3]] -> [0, 0, 1]."""
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault(tuple(ids), len(seen)) for ids in prompt_ids]
+
+
+def renumbered(groups: torch.Tensor) -> torch.Tensor:
+    """Group ids of a subset of rows, renumbered 0..U-1 in order of first appearance. groups: [B] -> [B]."""
+    values = groups.tolist()
+    return torch.tensor(prompt_groups([[v] for v in values]), dtype=torch.long, device=groups.device)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one forward/backward of GRPO reads: B completions with their prompts and per-token terms."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] right-padded
+    completion_attention: torch.Tensor  # [B, C] 1 on real completion tokens
+    prompt_group: torch.Tensor  # [B] long: the row's distinct prompt, 0..U-1 (rows of a group share the prompt)
+    loss_mask: torch.Tensor  # [B, C] float: tokens that count in the loss
+    advantages: torch.Tensor  # [B]
+    old_logps: torch.Tensor | None = None  # [B, C] under the policy that sampled (None: equal to the current ones)
+    ref_logps: torch.Tensor | None = None  # [B, C] under the reference model (beta > 0)
+    sampler_logps: torch.Tensor | None = None  # [B, C] a rollout function's, NaN where it gave none
+    sampler_weights: torch.Tensor | None = None  # [B, C] or [B, 1]: pi_old / pi_sampler (importance correction)
+    # include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens (0-d tensors); a
+    # round trained on again (num_iterations > 1) counts them once, as in TRL
+    num_input_tokens: torch.Tensor | float = 0.0
+    num_padded_tokens: torch.Tensor | float = 0.0
+
+    def rows(self, index: torch.Tensor) -> "MicroBatch":
+        """Some of the rows (``index``: [b] indices), all-padding columns trimmed, prompt groups renumbered."""
+        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index])
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                fields[f.name] = value
+            elif f.name.startswith("prompt_") and value.dim() == 2:
+                fields[f.name] = value[index, first:]
+            elif value.dim() == 2 and value.shape[1] > 1:
+                fields[f.name] = value[index, :width]
+            else:
+                fields[f.name] = value[index]
+        fields["prompt_group"] = renumbered(self.prompt_group[index])
+        return MicroBatch(**fields)
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """prompt + completion -> (input_ids, attention_mask, position_ids), each [B, P + C]; positions count
+        real tokens only (``positions_from_mask``)."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.completion_attention], dim=1)
+        return input_ids, attention_mask, positions_from_mask(attention_mask)
 
 
 @dataclass(frozen=True)
@@ -19,33 +80,25 @@ class Rollout:
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, C] right-padded, cut after the first EOS
+    completion_ids: torch.Tensor  # [N, C] right-padded
     completion_attention: torch.Tensor  # [N, C] 1 on real completion tokens
+    prompt_group: torch.Tensor  # [N] long: the row's distinct prompt (``prompt_groups``)
     loss_mask: torch.Tensor  # [N, C] float: tokens that count in the loss
     advantages: torch.Tensor  # [N]
-    old_logps: torch.Tensor | None  # [N, C] log-probs under the policy that sampled (None: equal to current)
-    ref_logps: torch.Tensor | None  # [N, C] log-probs under the reference model (beta > 0)
+    old_logps: torch.Tensor | None = None  # [N, C] under the policy that sampled (None: equal to current)
+    ref_logps: torch.Tensor | None = None  # [N, C] under the reference model (beta > 0)
     # a rollout function's log-probs: [N, C], NaN where it gave none; and the loss's importance weights
     # pi_old / pi_sampler for them (vllm_importance_sampling_correction): [N, C] per token, [N, 1] per completion
     sampler_logps: torch.Tensor | None = None
     sampler_weights: torch.Tensor | None = None
 
-    def micro_batch(self, start: int, end: int) -> dict:
-        """Rows [start, end), with all-padding columns trimmed on both sides."""
-        prompt_mask = self.prompt_mask[start:end]
-        first, width = unpadded_columns(prompt_mask, self.completion_attention[start:end])
-        cut = lambda t: None if t is None else t[start:end, :width]  # noqa: E731
-        batch = {
-            "prompt_ids": self.prompt_ids[start:end, first:], "prompt_mask": prompt_mask[:, first:],
-            "completion_ids": cut(self.completion_ids), "completion_attention": cut(self.completion_attention),
-            "loss_mask": cut(self.loss_mask), "advantages": self.advantages[start:end],
-            "old_logps": cut(self.old_logps), "ref_logps": cut(self.ref_logps),
-            "sampler_logps": cut(self.sampler_logps), "sampler_weights": cut(self.sampler_weights),
-        }
-        batch["num_input_tokens"] = batch["prompt_mask"].sum() + batch["completion_attention"].sum()
-        # include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens in every mode
-        batch["num_padded_tokens"] = batch["num_input_tokens"]
-        return batch
+    def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> MicroBatch:
+        """Rows [start, end), all-padding columns trimmed. ``count_tokens=False``: a round trained on again
+        (num_iterations > 1), whose tokens were counted the first time."""
+        batch = MicroBatch(**self.__dict__).rows(torch.arange(start, end, device=self.advantages.device))
+        tokens = batch.prompt_mask.sum() + batch.completion_attention.sum()
+        tokens = tokens if count_tokens else tokens * 0
+        return dataclasses.replace(batch, num_input_tokens=tokens, num_padded_tokens=tokens)
 
     def to(self, device) -> "Rollout":
         return Rollout(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
@@ -56,22 +109,3 @@ def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tens
     prompt_mask: [B, P] left-padded; completion_attention: [B, C] right-padded."""
     first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1] - 1
     return first, max(int(completion_attention.sum(1).max()), 1)
-
-
-def policy_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """The forward's inputs (prompt and completion ids and masks) of some rows of a micro-batch, all-padding
-    columns trimmed. rows: [b] indices."""
-    first, width = unpadded_columns(batch["prompt_mask"][rows], batch["completion_attention"][rows])
-    return {"prompt_ids": batch["prompt_ids"][rows, first:], "prompt_mask": batch["prompt_mask"][rows, first:],
-            "completion_ids": batch["completion_ids"][rows, :width],
-            "completion_attention": batch["completion_attention"][rows, :width]}
-
-
-def policy_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """prompt + completion -> (input_ids, attention_mask, position_ids), each [B, P + C].
-
-    Position ids count real tokens only (``positions_from_mask``).
-    """
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_attention"]], dim=1)
-    return input_ids, attention_mask, positions_from_mask(attention_mask)

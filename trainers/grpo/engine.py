@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainers.grpo.batch import prompt_groups
+
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 SUPPORTED_EXTRA = {"min_new_tokens"}  # generation_kwargs the engine understands; anything else uses HF generate
 
@@ -58,8 +60,15 @@ _PACK_MIN_WEIGHT = {torch.float32: 64 * 1024, torch.bfloat16: 0}
 
 
 def _can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN's packed linear runs here. Its bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on
+    a CPU without them (e.g. an AVX2-only host) it raises "mkldnn_reorder_linear_weight: bf16 path needs the
+    cpu support ...", so bf16 weights stay unpacked there."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
+                                                                                        "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -276,9 +285,9 @@ def generate(model, prompt_ids: list[list[int]], params, pad_id: int, eos_ids: s
     run.pack_weights(n)
 
     # distinct prompts, left-padded to a common length P
-    distinct: dict[tuple, int] = {}
-    row_of = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids], device=device)  # [N]
-    prompts = list(distinct)
+    groups = prompt_groups(prompt_ids)
+    row_of = torch.tensor(groups, device=device)  # [N]: row -> its distinct prompt
+    prompts = [prompt_ids[groups.index(g)] for g in range(max(groups) + 1)]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)  # [U, P]
     keep = torch.zeros((len(prompts), width), dtype=torch.bool, device=device)

@@ -1,10 +1,20 @@
-"""Sampling completions for a batch of prompts from the policy itself (HF ``generate`` with a KV cache)."""
+"""The sampling interface of GRPO's rollout stage, and the samplers that draw from the policy itself.
+
+A sampler takes this process's prompts of a round (the dataset's ``prompt`` values and their token ids) and
+sampling parameters, and returns ``Samples``: one completion per prompt, with the sampler's own log-probs and
+a mask of the tokens the model wrote where it has them. ``PolicySampler`` samples from the policy being
+trained (the lean engine, trainers/grpo/engine.py, or HF ``generate``); a user's ``rollout_func`` is another
+sampler (trainers/grpo/user_rollout.py). A new backend is one new class with a ``sample`` method.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+
+from trainers import distributed as dist
 
 
 @dataclass(frozen=True)
@@ -19,6 +29,23 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     do_sample: bool = True
     extra: dict = field(default_factory=dict)  # GRPOConfig.generation_kwargs
+
+
+@dataclass(frozen=True)
+class Samples:
+    """A sampler's answer for N prompts: one completion each."""
+
+    prompt_ids: list[list[int]]  # the prompts as trained on (a rollout function may return its own)
+    completion_ids: list[list[int]]  # each cut after its first EOS (or max_completion_length long)
+    logprobs: list[list[float]] | None = None  # the sampler's, per completion token (NaN: a token it did not score)
+    model_mask: list[list[int]] | None = None  # per completion token: 1 the model wrote it, 0 an environment did
+    extra: dict[str, list] = field(default_factory=dict)  # per-row values for the reward functions
+
+
+class Sampler(Protocol):
+    """What the rollout stage samples through. Every process calls ``sample`` together (ZeRO-3 gathers)."""
+
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,14 +107,44 @@ def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_
 
 def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
              engine: str = "auto", synced_gpus: bool = False) -> list[list[int]]:
-    """Completions from ``model``: the lean engine (trainers/engine.py) where it supports the model and the
-    options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf"."""
+    """Completions from ``model``: the lean engine (trainers/grpo/engine.py) where it supports the model and the
+    options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf". "auto" takes the
+    lean engine on CPU only: it has not been measured on a GPU, where HF ``generate`` is the default."""
     from trainers.grpo import engine as lean
 
+    on_cpu = next(model.parameters()).device.type == "cpu"
     usable = not synced_gpus and lean.supports(model, params.extra)
+    if engine == "auto" and not on_cpu:
+        return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)
     if engine == "lean" and not usable:
         raise ValueError("generation_engine='lean' supports Llama/Mistral/Qwen2/Qwen3 models, generation_kwargs "
                          f"{sorted(lean.SUPPORTED_EXTRA)}, and ZeRO-3 only with ds3_gather_for_generation=True.")
     if engine != "hf" and usable:
         return lean.generate(model, prompt_ids, params, pad_id, eos_ids)
     return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)
+
+
+class PolicySampler:
+    """Samples from the policy being trained: eval mode, no gradients, under the training forward's autocast
+    (bf16 mixed precision samples from the bf16 policy it trains); under ZeRO-3 the weights are gathered for
+    the round (ds3_gather_for_generation) or generation runs with synced_gpus. ``trainer``: a GRPOTrainer."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        trainer = self.trainer
+        acc, args = trainer.accelerator, trainer.args
+        model = trainer.unwrapped_model
+        was_training = model.training
+        model.eval()
+        gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
+        synced = dist.zero_stage(acc) == 3 and not gather
+        with dist.gathered_parameters(acc, trainer.model, enabled=gather), acc.autocast():
+            completions = generate(model, prompt_ids, params, trainer.processing_class.pad_token_id,
+                                   trainer.eos_ids, engine=args.generation_engine, synced_gpus=synced)
+        model.train(was_training)
+        return completions
+
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        return Samples(prompt_ids, self.generate(prompt_ids, params))

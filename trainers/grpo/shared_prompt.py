@@ -108,6 +108,7 @@ def shared_prompt_logprobs(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_attention: torch.Tensor,
+    prompt_group: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
@@ -120,21 +121,23 @@ def shared_prompt_logprobs(
     decides.
 
     prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
-    Returns tensors of shape [B, C], or None when no two rows share a prompt or the model's gradient
-    checkpoints would lose the cache (``_replayed_layers``): use ``token_logprobs`` then.
+    prompt_group: [B], each row's distinct prompt numbered 0..U-1 (trainers/grpo/batch.py ``prompt_groups``):
+    rows of one group hold the same prompt. Returns tensors of shape [B, C], or None when no two rows share a
+    prompt or the model's gradient checkpoints would lose the cache (``_replayed_layers``): use
+    ``token_logprobs`` then.
     """
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
-    # Pad ids zeroed so that equal prompts compare equal whatever sits under their padding (it is masked out).
-    mask = prompt_mask.to(prompt_ids.dtype)
-    rows = torch.cat([prompt_ids * mask, mask], dim=1)  # [B, 2P]
-    distinct, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]: row -> its prompt
-    if distinct.shape[0] == B:
+    row_prompt = prompt_group.to(prompt_ids.device)  # [B]: row -> its prompt
+    groups = row_prompt.tolist()
+    distinct = max(groups) + 1
+    if distinct == B:
         return None
     replayed = _replayed_layers(model)
     if replayed is None:
         return None
-    ids_u, mask_u = distinct[:, :P], distinct[:, P:]  # [U, P] each
+    first = torch.tensor([groups.index(g) for g in range(distinct)], device=prompt_ids.device)  # [U]
+    ids_u, mask_u = prompt_ids[first], prompt_mask[first]  # [U, P] each
     with float32_attention_on_cpu(model, prompt_ids.device), _cache_kept(replayed):
         # use_cache=False: the layers update the cache they are given either way, and True would make a
         # checkpointed layer warn that it turns caching off.

@@ -1,4 +1,5 @@
-"""Custom rollouts for GRPO: TRL's ``rollout_func(prompts, trainer) -> dict`` contract, checked.
+"""Custom rollouts for GRPO: TRL's ``rollout_func(prompts, trainer) -> dict`` contract, checked, as a sampler of
+the rollout stage (``RolloutFuncSampler``).
 
 A rollout function replaces the trainer's sampling: multi-turn episodes, tool calls, another inference engine.
 It gets this process's prompts of a round (dataset ``prompt`` values, each repeated ``num_generations`` times,
@@ -17,25 +18,15 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from trainers import distributed as dist
 from trainers.errors import RolloutError, TrainersError
+from trainers.grpo.sampling import Samples, SamplingParams
 from trainers.modeling import context_length, vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
-
-
-@dataclass(frozen=True)
-class UserRollout:
-    """A rollout function's answer for N rows, checked."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]] | None  # the sampler's, per completion token
-    env_mask: list[list[int]] | None  # 1: a model token (trained on), 0: an environment token
-    extra: dict[str, list]  # per-row values for the reward functions
 
 
 def _rows(output: Mapping, key: str, n: int) -> list:
@@ -67,7 +58,7 @@ def _numbers(row, key: str, index: int, kind: type) -> list:
 
 
 def check_rollout(output, n: int, max_completion_length: int, vocab_size: int | None,
-                  context: int | None) -> UserRollout:
+                  context: int | None) -> Samples:
     """Check a rollout function's ``output`` for ``n`` prompts; errors name the key and the row."""
     if not isinstance(output, Mapping):
         raise RolloutError(f"rollout_func returned {type(output).__name__}; it must return a dict with the keys "
@@ -112,10 +103,10 @@ def check_rollout(output, n: int, max_completion_length: int, vocab_size: int | 
             continue
         # TRL's rule: a list holds one value per row; anything else is every row's value
         extra[key] = _rows(output, key, n) if isinstance(value, list) else [value] * n
-    return UserRollout(prompts, completions, logprobs, env_mask, extra)
+    return Samples(prompts, completions, logprobs, env_mask, extra)
 
 
-def call_rollout_func(func, prompts: list, trainer) -> UserRollout:
+def call_rollout_func(func, prompts: list, trainer) -> Samples:
     """Call ``func`` on (copies of) this process's ``prompts``; its errors become RolloutErrors."""
     try:
         output = func(copy.deepcopy(prompts), trainer)
@@ -147,3 +138,20 @@ def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: 
     counted = mask.bool() & ~torch.isnan(delta)
     delta = torch.where(counted, delta, torch.zeros_like(delta))
     return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())
+
+
+class RolloutFuncSampler:
+    """A user's ``rollout_func`` behind the sampling interface: every process calls it; a failure on one stops
+    all (the others would wait in the next collective). ``params`` are the trainer's own (the function reads
+    ``trainer.args`` or calls ``trainer.generate`` with its own)."""
+
+    def __init__(self, func, trainer):
+        self.func, self.trainer = func, trainer
+
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        try:
+            samples, error = call_rollout_func(self.func, prompts, self.trainer), None
+        except Exception as caught:
+            samples, error = None, caught
+        dist.raise_together(self.trainer.accelerator, error)
+        return samples

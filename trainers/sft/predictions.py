@@ -8,10 +8,10 @@ stand-in rows (it had none left) are dropped. The batches then concatenate along
 along the length (``eval_do_concat_batches=False``: a list of batches), and become numpy arrays for
 ``EvalPrediction``, or stay tensors for ``batch_eval_metrics``.
 
-Labels are transformers' unshifted labels (``data.transformers_labels``): ``labels[t]`` is the token position
-``t`` is trained to be (-100 where it is not trained), so ``logits[:, t]`` predicts ``labels[:, t + 1]``.
-Position 0 is always -100 here (nothing predicts it; transformers' collators leave the token id there, which a
-shifted metric never reads).
+Labels are transformers' unshifted labels (``trainers.sft.tokenize.transformers_labels``): ``labels[t]`` is the
+token position ``t`` is trained to be (-100 where it is not trained), so ``logits[:, t]`` predicts
+``labels[:, t + 1]``. Position 0 is always -100 here (nothing predicts it; transformers' collators leave the token
+id there, which a shifted metric never reads).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
 
 from trainers.errors import ConfigError
 from trainers.logs import logger
+from trainers.sft.batch import SFTBatch
 from trainers.sft.tokenize import transformers_labels
 
 PAD = -100  # transformers' padding_index for predictions, labels and inputs
@@ -82,18 +83,18 @@ class Predictions:
         self.preds, self.labels, self.inputs, self.losses = (EvalLoopContainer(concat, PAD) for _ in range(4))
         self.batch_metrics: dict = {}  # compute_metrics' return for the last batch (batch_eval_metrics)
 
-    def add(self, rows: list[int], batch: dict, logits: torch.Tensor, loss: torch.Tensor, last: bool) -> None:
+    def add(self, rows: list[int], batch: SFTBatch, logits: torch.Tensor, loss: torch.Tensor, last: bool) -> None:
         """One evaluation batch of this process. rows: the eval rows it holds (empty: a stand-in batch whose rows
         are dropped after the gather); logits [B, T, V]; loss: the batch's mean token loss."""
         acc = self.accelerator
         size = logits.shape[0]
         ids = torch.tensor(rows if rows else [-1] * size, device=logits.device)  # [B]
-        labels = acc.pad_across_processes(transformers_labels(batch["target_ids"]), dim=1, pad_index=PAD)  # [B, T*]
+        labels = acc.pad_across_processes(transformers_labels(batch.target_ids), dim=1, pad_index=PAD)  # [B, T*]
         logits = acc.pad_across_processes(logits, dim=1, pad_index=PAD)  # [B, T*, V]
         preds = self.preprocess(logits, labels) if self.preprocess is not None else logits
         parts: dict[str, Any] = {"preds": preds, "labels": labels}
         if "inputs" in self.include:
-            parts["inputs"] = acc.pad_across_processes(batch["input_ids"], dim=1, pad_index=PAD)
+            parts["inputs"] = acc.pad_across_processes(batch.input_ids, dim=1, pad_index=PAD)
         if "loss" in self.include:
             parts["losses"] = loss.detach().float().reshape(1).repeat(size)  # transformers: the mean, per row
         # Processes may hold different numbers of rows (the last batches): pad the rows too, then gather.

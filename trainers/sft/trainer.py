@@ -13,6 +13,7 @@ from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import context_length, generation_eos_ids, token_logprobs, vocabulary_size
 from trainers.samplers import local_slice
+from trainers.sft.batch import SFTBatch
 from trainers.sft.config import SFTConfig
 from trainers.sft.predictions import Predictions, check_metric_functions
 from trainers.sft.tokenize import (
@@ -56,7 +57,8 @@ class SFTTrainer(BaseTrainer):
             raise ConfigError(f"formatting_func must be a function (row -> str), got {type(formatting_func).__name__}.")
         self.formatting_func = formatting_func
         # transformers' compute_metrics(EvalPrediction) -> dict, over the logits of every evaluation
-        # (trainers/predictions.py); preprocess_logits_for_metrics(logits, labels) shrinks each batch's logits first
+        # (trainers/sft/predictions.py); preprocess_logits_for_metrics(logits, labels) shrinks each batch's logits
+        # first
         if args is None or isinstance(args, SFTConfig):  # another type gets BaseTrainer's error
             check_metric_functions(compute_metrics, preprocess_logits_for_metrics, args or self.config_class())
         self.compute_metrics = compute_metrics
@@ -192,28 +194,25 @@ class SFTTrainer(BaseTrainer):
     def optimizer_steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch
 
-    def _to_device(self, batch: dict) -> dict:
-        batch = {k: v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        batch["loss_mask"] = (batch["target_ids"] != IGNORE).float()  # [B, T]
-        return batch
+    def _to_device(self, collated: dict) -> SFTBatch:
+        """A Collator's output as a batch on this process's device."""
+        return SFTBatch.from_collated(collated, self.accelerator.device)
 
-    def micro_batch(self, step: int, accumulation_index: int) -> dict:
+    def micro_batch(self, step: int, accumulation_index: int) -> SFTBatch:
         args, acc = self.args, self.accelerator
         rows = local_slice(self.sampler.batch(step), accumulation_index, acc.process_index,
                            args.per_device_train_batch_size, acc.num_processes)
-        batch = self._to_device(self.collator([self.train_rows[i] for i in rows]))
-        batch["num_padded_tokens"] = batch["input_ids"].numel()  # include_num_input_tokens_seen="all"
-        return batch
+        return self._to_device(self.collator([self.train_rows[i] for i in rows]))
 
     # ------------------------------------------------------------------ loss
 
-    def _forward(self, model, batch: dict, with_router_loss: bool = False, with_logits: bool = False) -> dict:
-        return token_logprobs(model, batch["input_ids"], batch["target_ids"], attention_mask=batch["attention_mask"],
-                              position_ids=batch["position_ids"], with_accuracy=True, with_router_loss=with_router_loss,
+    def _forward(self, model, batch: SFTBatch, with_router_loss: bool = False, with_logits: bool = False) -> dict:
+        return token_logprobs(model, batch.input_ids, batch.target_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, with_accuracy=True, with_router_loss=with_router_loss,
                               with_logits=with_logits)
 
-    def compute_loss(self, model, batch: dict, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
-        mask = batch["loss_mask"]  # [B, T]
+    def compute_loss(self, model, batch: SFTBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        mask = batch.loss_mask  # [B, T]
         if self.compute_loss_func is not None:  # the user's loss over the whole step's tokens, as transformers
             num_items = torch.tensor(counts.tokens, device=mask.device)  # every process and micro-batch
             loss, out = self._user_loss(model, batch, num_items)
@@ -226,14 +225,14 @@ class SFTTrainer(BaseTrainer):
             return loss, stats  # as TRL: the function's loss alone (a MoE model's aux_loss is in its outputs)
         return self.add_router_loss(loss, out, counts, stats), stats
 
-    def _user_loss(self, model, batch: dict, num_items_in_batch: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    def _user_loss(self, model, batch: SFTBatch, num_items_in_batch: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """compute_loss_func(outputs, labels, num_items_in_batch) on the model's outputs (logits, and aux_loss for
         a MoE model) and transformers' labels; num_items_in_batch is None in evaluation, as in transformers."""
         router = bool(self.router_aux_loss_coef)
         out = self._forward(model, batch, with_router_loss=router, with_logits=True)
         outputs = MoeCausalLMOutputWithPast(logits=out["logits"], aux_loss=out["aux_loss"]) if router \
             else CausalLMOutputWithPast(logits=out["logits"])
-        loss = self.compute_loss_func(outputs, transformers_labels(batch["target_ids"]),
+        loss = self.compute_loss_func(outputs, transformers_labels(batch.target_ids),
                                       num_items_in_batch=num_items_in_batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError(f"compute_loss_func must return the loss as a one-element tensor, got "
@@ -266,7 +265,7 @@ class SFTTrainer(BaseTrainer):
             chunk = mine[start : start + size]
             batch = self._to_device(collator([self.eval_rows[i] for i in chunk or [0]]))
             weight = 1.0 if chunk else 0.0
-            mask = batch["loss_mask"] * weight
+            mask = batch.loss_mask * weight  # [B, T]
             if self.compute_loss_func is not None:
                 batch_loss, out = self._user_loss(self.model, batch, None)
                 rows = float(len(chunk))

@@ -19,13 +19,13 @@ import difflib
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, TrainersError
 from trainers.tools.argparsing import add_config_arguments, config_overrides
+from trainers.tools.templates import resolve_template, templates_dir  # noqa: F401  (cli.resolve_template)
 
 # Keys of a run's YAML that are not config fields: what to train, on what, and how to launch it.
 RUN_KEYS = {
@@ -41,24 +41,6 @@ GRPO_RUN_KEYS = {"reward_funcs": "Built-in reward names (accuracy, format, overl
                                  "reward-model folders. Default: accuracy."}
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
-
-
-def templates_dir() -> Path:
-    """The shipped Accelerate templates (a source checkout or an editable install)."""
-    return Path(__file__).resolve().parent.parent / "accelerate_configs"
-
-
-def resolve_template(name_or_path: str) -> str:
-    """``zero3`` / ``zero3.yaml`` -> the shipped template's path; an existing file -> itself."""
-    if os.path.isfile(name_or_path):
-        return os.path.abspath(name_or_path)
-    stem = name_or_path[:-5] if name_or_path.endswith(".yaml") else name_or_path
-    path = templates_dir() / f"{stem}.yaml"
-    if path.is_file():
-        return str(path)
-    shipped = sorted(p.stem for p in templates_dir().glob("*.yaml"))
-    raise ConfigError(f"--accelerate_config {name_or_path!r} is neither a file nor a shipped template; "
-                      f"shipped: {shipped}.")
 
 
 def config_class(method: str):

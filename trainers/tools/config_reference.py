@@ -1,6 +1,7 @@
 """The configuration reference (docs/config-reference.md), generated from the config dataclasses.
 
-Each class's docstring and each field's ``metadata["help"]`` are the single source; regenerate the page with
+Each class's docstring and each field's ``opt()`` declaration (its help text and its constraints, the ones
+``TrainingConfig.__post_init__`` checks) are the single source; regenerate the page with
 
     python -m trainers.tools.config_reference > docs/config-reference.md
 
@@ -13,7 +14,7 @@ import dataclasses
 import inspect
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import TrainingConfig
+from trainers.configs import TrainingConfig, describe_constraints
 from trainers.grpo.config import GRPOConfig
 from trainers.sft.config import SFTConfig
 
@@ -49,19 +50,19 @@ def _fields(cls) -> list[dataclasses.Field]:
     for f in fields:
         inherited = base.get(f.name)
         if (inherited is None or _default(f) != _default(inherited) or str(f.type) != str(inherited.type)
-                or f.metadata.get("help") != inherited.metadata.get("help")):
+                or dict(f.metadata) != dict(inherited.metadata)):
             out.append(f)
     return out
 
 
 def _table(fields: list[dataclasses.Field], overridden: dict[str, dataclasses.Field]) -> list[str]:
-    lines = ["| Field | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    lines = ["| Field | Type | Default | Valid values | Description |", "| --- | --- | --- | --- | --- |"]
     for f in fields:
         help_text = f.metadata.get("help", "")
         if f.name in overridden and _default(f) != _default(overridden[f.name]):
             help_text = f"{help_text} (Overrides {_BASE.__name__}'s default {_code(repr(_default(overridden[f.name])))}.)"
         lines.append(f"| {_cell(_code(f.name))} | {_cell(_code(str(f.type)))} | {_cell(_code(repr(_default(f))))} "
-                     f"| {_cell(help_text)} |")
+                     f"| {_cell(describe_constraints(f))} | {_cell(help_text)} |")
     return lines
 
 
@@ -91,7 +92,9 @@ def render() -> str:
         "Every config rejects an option it does not know with a `ConfigError` that names it (and suggests close",
         "names); a TRL option this project does not implement is accepted only at TRL's default",
         f"([see below]({_anchor('TRL options accepted only at their default')})). The same fields are the",
-        "`trainers sft` / `trainers grpo` command-line flags and YAML keys.",
+        "`trainers sft` / `trainers grpo` command-line flags and YAML keys. A value outside a field's *Valid",
+        "values* (declared beside its default) raises `ConfigError` when the config is built, and so do options",
+        "that cannot work together (e.g. `packing` without a `max_length`).",
         "",
     ]
     base_fields = {f.name: f for f in dataclasses.fields(_BASE)}

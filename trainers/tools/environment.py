@@ -6,6 +6,8 @@ import importlib.metadata
 import os
 import platform
 
+from trainers.tools.templates import resolve_template
+
 PACKAGES = ("trainers", "torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "safetensors", "trl",
             "matplotlib", "tensorboard")
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED",
@@ -48,8 +50,6 @@ def distributed_setup(template: str | None = None) -> dict[str, str]:
         out["launch"] = "single process (not started by accelerate launch / torchrun)"
     if template:
         import yaml
-
-        from trainers.tools.cli import resolve_template
 
         path = resolve_template(template)
         with open(path) as f:

@@ -1,0 +1,81 @@
+"""Imports flow one way (docs/design.md): the core knows no trainer and no tool, GRPO does not import SFT (nor SFT
+GRPO), the library never imports the tools, and no two modules import each other, even lazily inside a function.
+
+Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "trainers"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every ``trainers`` module ``path`` imports (``from trainers import x`` counts as trainers.x when x is one)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("trainers")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainers"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                names.add(candidate if candidate in MODULES else node.module)
+    return names
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()}
+
+
+def room(name: str) -> str:
+    """The room a module lives in: 'grpo', 'sft', 'tools', or 'core' (the top of the package)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in ("grpo", "sft", "tools") else "core"
+
+
+# the modules whose job is to re-export: the package's public names, and TRL's `trl.rewards` path
+FACADES = {"trainers", "trainers.rewards"}
+ALLOWED = {"core": {"core"}, "grpo": {"core", "grpo"}, "sft": {"core", "sft"},
+           "tools": {"core", "grpo", "sft", "tools"}}
+
+
+def test_the_graph_was_read():
+    assert {"trainers.base", "trainers.grpo.trainer", "trainers.sft.trainer", "trainers.tools.cli"} <= set(GRAPH)
+    assert "trainers.base" in GRAPH["trainers.grpo.trainer"]  # the reader finds imports at all
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - FACADES))
+def test_each_room_imports_only_the_rooms_below_it(name):
+    wrong = {dep for dep in GRAPH[name] if dep not in FACADES and room(dep) not in ALLOWED[room(name)]}
+    wrong |= {dep for dep in GRAPH[name] if dep in FACADES and room(name) != "tools"}  # the library never uses them
+    assert not wrong, f"{name} ({room(name)}) imports {sorted(wrong)}"
+
+
+def test_no_import_cycles():
+    """Between modules; a package's __init__ re-exporting its own modules is not a cycle of the code."""
+    edges = {name: {dep for dep in deps if not name.startswith(dep + ".") and dep in GRAPH}
+             for name, deps in GRAPH.items() if name not in FACADES}
+    edges = {name: {dep for dep in deps if dep not in FACADES and not MODULES[dep].name == "__init__.py"}
+             for name, deps in edges.items()}
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == "open":
+                cycle = path[path.index(dep):] + [dep] if dep in path else [node, dep]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])

@@ -1,0 +1,220 @@
+"""GRPO's rollout stage: one generation round, built forward from the round's dataset rows to a ``Rollout``.
+
+    rows -> sample (a Sampler: the policy, or a rollout_func)   sample_and_score
+         -> decode -> score (the reward functions)               sample_and_score
+         -> gather the rewards of every process -> advantages  (trainers/grpo/advantages.py)
+         -> loss masks (model tokens, truncation, dynamic sampling)
+         -> old and reference log-probs (when the loss needs them)
+         -> the sampler's log-probs against the trainer's (importance weights)
+         -> metrics and the completions table
+         -> Rollout (trainers/grpo/batch.py), which the micro-batches are cut from
+
+Every process runs the stage together: sampling may gather weights (ZeRO-3), rewards are gathered, and a
+failure in user code on one process stops all (``dist.raise_together``). Evaluation samples and scores through
+the same ``sample_and_score``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainers import distributed as dist
+from trainers.data import is_conversational
+from trainers.grpo.advantages import round_advantages
+from trainers.grpo.batch import Rollout, prompt_groups
+from trainers.grpo.metrics import round_metrics, sample_records
+from trainers.grpo.objectives import sampler_importance_weights
+from trainers.grpo.rewards import RewardLogs, call_rewards
+from trainers.grpo.sampling import Samples, SamplingParams, left_pad, right_pad
+from trainers.grpo.user_rollout import logprob_gap, padded_logprobs
+from trainers.stats import Extreme, reduce_extremes, reduce_pairs
+
+
+@dataclass(frozen=True)
+class Scored:
+    """This process's completions of a round (or an evaluation batch), decoded and scored."""
+
+    samples: Samples
+    prompts: list  # the rows' dataset prompts
+    completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
+    rewards_per_func: torch.Tensor | None  # [n, F] float32, NaN where a function returned None; None: not scored
+    logs: RewardLogs  # what the reward functions passed to log_metric / log_extra
+
+
+@dataclass(frozen=True)
+class Round:
+    """What building a round gives the trainer: the rows to train on, and what it logs about them."""
+
+    rollout: Rollout
+    metrics: dict[str, float]  # TRL's round metrics, over every process
+    completions: list[dict] | None  # log_completions: every process's records (main process writes them)
+
+
+def sample_and_score(trainer: Any, rows: list[dict], prompt_ids: list[list[int]],
+                     params: SamplingParams | None = None, score: bool = True) -> Scored:
+    """Sample one completion per row through ``trainer.sampler``, decode it, and (with ``score``) call the reward
+    functions. Every process calls this together; ``score=False`` on a process that only keeps the others
+    company in the collectives (evaluation's last batch)."""
+    samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)
+    prompts, completions = decode(trainer.processing_class, rows, samples.completion_ids)
+    logs, rewards, error = RewardLogs(), None, None
+    if score:
+        try:  # user code: a failure on one process must stop all of them
+            rewards = score_completions(trainer, rows, prompts, completions, samples, logs)
+        except Exception as caught:
+            error = caught
+    dist.raise_together(trainer.accelerator, error)
+    return Scored(samples, prompts, completions, rewards, logs)
+
+
+def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tuple[list, list]:
+    """(prompts, completions): completions as text, or as one assistant message for a conversational prompt."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows]
+    completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                   for p, t in zip(prompts, texts)]
+    return prompts, completions
+
+
+def score_completions(trainer: Any, rows: list[dict], prompts: list, completions: list, samples: Samples,
+                      logs: RewardLogs) -> torch.Tensor:
+    """[n, F] rewards of this process's completions (NaN where a function returned None). The dataset's other
+    columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL)."""
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    columns.update(samples.extra)
+    # as in TRL, columns named like the call's own arguments are not passed on
+    columns = {key: values for key, values in columns.items() if key not in ("prompt", "completion", "completion_ids")}
+    return call_rewards(trainer.rewards, prompts, completions, samples.completion_ids, columns,
+                        {"trainer_state": trainer.state}, logs)
+
+
+@torch.no_grad()
+def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> Round:
+    """The rollout stage for this process's ``rows`` of one round (module docstring)."""
+    args, acc = trainer.args, trainer.accelerator
+    scored = sample_and_score(trainer, rows, prompt_ids)
+    samples = scored.samples
+    rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
+    adv = round_advantages(rewards_per_func, trainer.reward_weights, args.num_generations, args.scale_rewards,
+                           args.multi_objective_aggregation)
+    n, start = len(rows), acc.process_index * len(rows)
+    local_advantages = adv.advantages[start:start + n]  # [n]
+
+    pad_id = trainer.processing_class.pad_token_id
+    prompt_tensor, prompt_mask = left_pad(samples.prompt_ids, pad_id)  # [n, P]
+    completion_ids, attention = right_pad(samples.completion_ids, pad_id)  # [n, C]
+    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not be)
+    truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
+    model_tokens = attention  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
+    if samples.model_mask is not None:
+        model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
+    loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
+    groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)  # [n]
+    rollout = Rollout(prompt_tensor, prompt_mask, completion_ids, attention, groups, loss_mask,
+                      local_advantages).to(acc.device)
+    old = trainer.round_logprobs(trainer.model, rollout) if trainer.need_old_logps else None
+    ref = trainer.reference_logprobs(rollout) if args.beta > 0 else None
+    rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
+    sampler_metrics = {}
+    if trainer.rollout_func is not None:
+        sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, completion_ids.shape[1])
+        rollout, sampler_metrics = with_sampler_logps(trainer, rollout, sampler, model_tokens.to(acc.device))
+
+    lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
+    all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
+    names = [r.name for r in trainer.rewards]
+    metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
+    if args.dynamic_sampling:
+        metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+    metrics.update(sampler_metrics)
+    metrics.update(logged_metric_means(acc, scored.logs))
+    completions = None
+    if args.log_completions:
+        local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
+                               adv.rewards[start:start + n], local_advantages, scored.logs.extra)
+        completions = dist.gather_objects(acc, local)
+    return Round(rollout, metrics, completions)
+
+
+def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor, start: int,
+                 args: Any) -> tuple[torch.Tensor, int]:
+    """The tokens the loss counts ([n, C] float): the model's own, less truncated completions
+    (mask_truncated_completions) and groups without reward variance (dynamic_sampling; ``zero_std`` [G/num_generations]
+    over the round, this process's rows starting at row ``start``). Returns it and the number of groups dropped."""
+    loss_mask = model_tokens.float()
+    if args.mask_truncated_completions:
+        loss_mask[truncated] = 0.0
+    if not args.dynamic_sampling:
+        return loss_mask, 0
+    group_of_row = torch.arange(start, start + len(loss_mask)) // args.num_generations
+    loss_mask[zero_std[group_of_row]] = 0.0
+    return loss_mask, int(zero_std.sum())
+
+
+def logged_names(accelerator, logged: dict[str, list[float]]) -> dict[str, tuple[float, int]]:
+    """(sum, count) per name of what reward functions passed to log_metric on this process (``logged``: name ->
+    values), for every name any process logged (every process takes part, whether or not it logged a name)."""
+    local = {name: (sum(values), len(values)) for name, values in logged.items()}
+    names = sorted({name for part in dist.gather_objects(accelerator, [list(local)]) for name in part})
+    return {name: local.get(name, (0.0, 0)) for name in names}
+
+
+def logged_metric_means(accelerator, logs: RewardLogs) -> dict[str, float]:
+    """The mean over every process of each name reward functions passed to log_metric."""
+    logged = logged_names(accelerator, logs.metrics)
+    if not logged:
+        return {}
+    totals = dist.all_reduce_sum(accelerator, torch.tensor(list(logged.values()), device=accelerator.device))
+    return {name: total / count for name, (total, count) in zip(logged, totals.tolist())}
+
+
+def with_sampler_logps(trainer: Any, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
+                       ) -> tuple[Rollout, dict]:
+    """A rollout function's log-probs (``sampler``: [n, C], NaN where it gave none) against the trainer's own for
+    the model's tokens (``mask``), computed once per round (the old log-probs when it needs them anyway): TRL's
+    sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy; and, with
+    vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is multiplied by,
+    with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process; processes without
+    sampler log-probs take part in the collectives and count nothing."""
+    acc, args = trainer.accelerator, trainer.args
+    given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
+    if given.item() == 0:
+        return rollout, {}
+    current = rollout.old_logps if rollout.old_logps is not None else trainer.round_logprobs(trainer.model, rollout)
+    current = current.float()
+    mine = sampler is not None  # this process's rollout gave log-probs
+    sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
+    total, count, peak = logprob_gap(current, sampler, mask)
+    total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
+    metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
+               "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
+    weights = None
+    if args.vllm_importance_sampling_correction:
+        weights = sampler_importance_weights(current, sampler, mask, args.vllm_importance_sampling_mode,
+                                             args.vllm_importance_sampling_clip_min,
+                                             args.vllm_importance_sampling_clip_max)  # [n, C] or [n, 1]
+        # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
+        # log-prob (a process whose rollout gave none) count nothing
+        counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
+        metrics.update(pooled_extremes(acc, "sampling/importance_sampling_ratio",
+                                       weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
+    if not mine:
+        return rollout, metrics
+    return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
+
+
+def pooled_extremes(accelerator, name: str, values: torch.Tensor) -> dict:
+    """{name}/min, /mean and /max of this process's ``values`` and every other's (nothing when none has any)."""
+    pooled = reduce_pairs(accelerator, {f"{name}/mean": (values.sum(), values.numel())})  # NaN when none has any
+    if math.isnan(pooled[f"{name}/mean"]):
+        return {}
+    nothing = values.new_tensor(math.nan)  # a process without values is left out of the min and max
+    pooled.update(reduce_extremes(accelerator, {
+        f"{name}/min": [Extreme(values.min() if values.numel() else nothing, "min")],
+        f"{name}/max": [Extreme(values.max() if values.numel() else nothing, "max")]}))
+    return pooled
