@@ -30,51 +30,6 @@ def renumbered(groups: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
-    """What one forward/backward of GRPO reads: B completions with their prompts and per-token terms."""
-
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    completion_ids: torch.Tensor  # [B, C] right-padded
-    completion_attention: torch.Tensor  # [B, C] 1 on real completion tokens
-    prompt_group: torch.Tensor  # [B] long: the row's distinct prompt, 0..U-1 (rows of a group share the prompt)
-    loss_mask: torch.Tensor  # [B, C] float: tokens that count in the loss
-    advantages: torch.Tensor  # [B]
-    old_logps: torch.Tensor | None = None  # [B, C] under the policy that sampled (None: equal to the current ones)
-    ref_logps: torch.Tensor | None = None  # [B, C] under the reference model (beta > 0)
-    sampler_logps: torch.Tensor | None = None  # [B, C] a rollout function's, NaN where it gave none
-    sampler_weights: torch.Tensor | None = None  # [B, C] or [B, 1]: pi_old / pi_sampler (importance correction)
-    # include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens (0-d tensors); a
-    # round trained on again (num_iterations > 1) counts them once, as in TRL
-    num_input_tokens: torch.Tensor | float = 0.0
-    num_padded_tokens: torch.Tensor | float = 0.0
-
-    def rows(self, index: torch.Tensor) -> "MicroBatch":
-        """Some of the rows (``index``: [b] indices), all-padding columns trimmed, prompt groups renumbered."""
-        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index])
-        fields = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                fields[f.name] = value
-            elif f.name.startswith("prompt_") and value.dim() == 2:
-                fields[f.name] = value[index, first:]
-            elif value.dim() == 2 and value.shape[1] > 1:
-                fields[f.name] = value[index, :width]
-            else:
-                fields[f.name] = value[index]
-        fields["prompt_group"] = renumbered(self.prompt_group[index])
-        return MicroBatch(**fields)
-
-    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """prompt + completion -> (input_ids, attention_mask, position_ids), each [B, P + C]; positions count
-        real tokens only (``positions_from_mask``)."""
-        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-        attention_mask = torch.cat([self.prompt_mask, self.completion_attention], dim=1)
-        return input_ids, attention_mask, positions_from_mask(attention_mask)
-
-
-@dataclass(frozen=True)
 class Rollout:
     """One generation round's rows on this process (N = per_device_train_batch_size x steps_per_generation)."""
 
@@ -82,26 +37,61 @@ class Rollout:
     prompt_mask: torch.Tensor  # [N, P]
     completion_ids: torch.Tensor  # [N, C] right-padded
     completion_attention: torch.Tensor  # [N, C] 1 on real completion tokens
-    prompt_group: torch.Tensor  # [N] long: the row's distinct prompt (``prompt_groups``)
+    prompt_group: torch.Tensor  # [N] long: the row's distinct prompt, 0..U-1 (``prompt_groups``)
     loss_mask: torch.Tensor  # [N, C] float: tokens that count in the loss
     advantages: torch.Tensor  # [N]
-    old_logps: torch.Tensor | None = None  # [N, C] under the policy that sampled (None: equal to current)
+    old_logps: torch.Tensor | None = None  # [N, C] under the policy that sampled (None: equal to the current ones)
     ref_logps: torch.Tensor | None = None  # [N, C] under the reference model (beta > 0)
     # a rollout function's log-probs: [N, C], NaN where it gave none; and the loss's importance weights
     # pi_old / pi_sampler for them (vllm_importance_sampling_correction): [N, C] per token, [N, 1] per completion
     sampler_logps: torch.Tensor | None = None
     sampler_weights: torch.Tensor | None = None
 
-    def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> MicroBatch:
+    def rows(self, index: torch.Tensor):
+        """Some of the rows (``index``: [b] indices), as the same type, all-padding columns trimmed and prompt
+        groups renumbered."""
+        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index])
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                fields[f.name] = value
+            elif f.name in ("prompt_ids", "prompt_mask"):
+                fields[f.name] = value[index, first:]
+            elif value.dim() == 2 and value.shape[1] > 1:  # per completion token
+                fields[f.name] = value[index, :width]
+            else:  # per row
+                fields[f.name] = value[index]
+        fields["prompt_group"] = renumbered(self.prompt_group[index])
+        return type(self)(**fields)
+
+    def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> "MicroBatch":
         """Rows [start, end), all-padding columns trimmed. ``count_tokens=False``: a round trained on again
         (num_iterations > 1), whose tokens were counted the first time."""
-        batch = MicroBatch(**self.__dict__).rows(torch.arange(start, end, device=self.advantages.device))
-        tokens = batch.prompt_mask.sum() + batch.completion_attention.sum()
+        rows = self.rows(torch.arange(start, end, device=self.advantages.device))
+        tokens = rows.prompt_mask.sum() + rows.completion_attention.sum()
         tokens = tokens if count_tokens else tokens * 0
-        return dataclasses.replace(batch, num_input_tokens=tokens, num_padded_tokens=tokens)
+        return MicroBatch(**rows.__dict__, num_input_tokens=tokens, num_padded_tokens=tokens)
 
-    def to(self, device) -> "Rollout":
-        return Rollout(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """prompt + completion -> (input_ids, attention_mask, position_ids), each [N, P + C]; positions count
+        real tokens only (``positions_from_mask``)."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.completion_attention], dim=1)
+        return input_ids, attention_mask, positions_from_mask(attention_mask)
+
+    def to(self, device):
+        return type(self)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+
+
+@dataclass(frozen=True)
+class MicroBatch(Rollout):
+    """What one forward/backward of GRPO reads: B rows of a round (the fields above, with B for N), and the tokens
+    they count. include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens; a round
+    trained on again (num_iterations > 1) counts them once, as in TRL."""
+
+    num_input_tokens: torch.Tensor | float = 0.0  # 0-d
+    num_padded_tokens: torch.Tensor | float = 0.0  # 0-d: the same (GRPO's forward has no padding it counts)
 
 
 def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor) -> tuple[int, int]:

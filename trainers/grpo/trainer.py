@@ -31,7 +31,7 @@ from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import tokenize_prompts
 from trainers.errors import DatasetFormatError
-from trainers.grpo import engine
+from trainers.grpo import engine, rollout
 from trainers.grpo.advantages import combine_rewards
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.config import GRPOConfig
@@ -47,7 +47,7 @@ from trainers.grpo.objectives import (
     off_policy_sequence_mask,
 )
 from trainers.grpo.rewards import Reward, RewardModel, accuracy_reward, check_accuracy_references, resolve_reward
-from trainers.grpo.rollout import build_round, logged_names, sample_and_score
+from trainers.grpo.rollout import logged_names, sample_and_score
 from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.grpo.user_rollout import RolloutFuncSampler
@@ -196,7 +196,8 @@ class GRPOTrainer(BaseTrainer):
         completions wait for the step's log."""
         slots = group_slots(self.prompt_sampler.batch(round_index), self.args.num_generations,
                             self.accelerator.num_processes, self.accelerator.process_index)
-        built = build_round(self, [self.train_rows[i] for i in slots], [self.train_prompt_ids[i] for i in slots])
+        built = rollout.build_round(self, [self.train_rows[i] for i in slots],
+                                    [self.train_prompt_ids[i] for i in slots])
         self._round_metrics.append(built.metrics)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
