@@ -1,7 +1,7 @@
 """ZeRO-3 must partition model states: each of N ranks holds at most 1/N of them, plus a small stated margin.
 
 Model states here: parameters, fp32 master weights, gradients and Adam's two moments, counted from the
-tensors each rank actually holds (trainers/memory.py). In fp32 DeepSpeed keeps a master copy beside the
+tensors each rank actually holds (benchmarks/memory_probe.py). In fp32 DeepSpeed keeps a master copy beside the
 parameters, so the full set is 4 + 4 + 4 + 8 = 20 bytes per parameter; each of 2 ranks may hold half.
 """
 

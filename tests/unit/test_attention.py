@@ -1,4 +1,4 @@
-"""Float32 attention for bf16 training on CPU (trainers/attention.py): it computes the loss and gradients of the
+"""Float32 attention for bf16 training on CPU (trainers/host.py): it computes the loss and gradients of the
 plain bf16 path within bf16 tolerance, really runs in float32, and leaves the user's model as it was."""
 
 import contextlib
