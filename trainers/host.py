@@ -1,6 +1,9 @@
-"""Float32 attention for bf16 mixed-precision training on CPU.
+"""Tuning for the host the trainers run on, CPU workarounds in one place (the core calls them; none of them
+changes a result): float32 attention for bf16 training on CPU, glibc's allocator settings for CPU training, a
+pause at exit that lets gloo's worker threads finish, and a warning about DeepSpeed build locks an interrupted
+compile left behind. Each function's docstring has its measurement.
 
-PyTorch's CPU flash-attention kernel (what ``attn_implementation="sdpa"`` runs) is slower in bf16 than in
+Float32 attention. PyTorch's CPU flash-attention kernel (what ``attn_implementation="sdpa"`` runs) is slower in bf16 than in
 float32 at every length we train at: forward + backward of 16 rows × 12 / 4 heads × head dim 64 take 21.4 ms
 in bf16 against 9.2 ms in float32 at 80 tokens, and 89 against 86 ms at 272 tokens (2-core AVX-512 CPU,
 torch 2.13; docs/benchmarks.md). Under bf16 autocast the query, key and value come out of the projections in
@@ -130,14 +133,8 @@ def warn_on_stale_build_locks() -> list[str]:
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
-
-
 _HOST_BLOCK = 8 << 20  # 8 MiB
-
-
 _INT_MAX = 2**31 - 1
-
-
 # "system" leaves glibc's allocator settings alone (for comparisons, or when returning memory matters more)
 HOST_ALLOCATOR_ENV = "TRAINERS_HOST_ALLOCATOR"
 

@@ -16,7 +16,6 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
-
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum of reward functions, skipping NaN (a function's "not applicable").
 
@@ -25,7 +24,6 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     total = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)  # [N]
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     return total.masked_fill(unscorable, float("nan"))
-
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
@@ -47,7 +45,6 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     zero_std = torch.isclose(torch.nan_to_num(group_std, nan=0.0), torch.zeros_like(group_std))
     return torch.nan_to_num(advantages, nan=0.0), zero_std
-
 
 
 def decoupled_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,

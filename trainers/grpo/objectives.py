@@ -24,7 +24,6 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, counts: "BatchCount
     return (entropy * mask).sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
 
 
-
 def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """log π/π_old per token ([B, T]), or GSPO's length-normalized sequence ratio (arXiv:2507.18071) ([B, 1]):
     log w_i = (1/|o_i|) Σ_t (log π(o_i,t) - log π_old(o_i,t))."""
@@ -34,7 +33,6 @@ def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: t
     if level == "sequence":
         return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
     raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-
 
 
 def clipped_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
@@ -56,7 +54,6 @@ def clipped_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, eps
     return loss, low_clipped, high_clipped
 
 
-
 def cispo_policy_loss(logps: torch.Tensor, log_weights: torch.Tensor, advantages: torch.Tensor,
                       max_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, arXiv:2506.13585), per token: -min(w, ε_max).detach() · A · log π. The weight is
@@ -71,7 +68,6 @@ def cispo_policy_loss(logps: torch.Tensor, log_weights: torch.Tensor, advantages
     return loss, (weight > max_weight) & (adv > 0)
 
 
-
 def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
                      temperature_neg: float) -> torch.Tensor:
     """SAPO (arXiv:2511.20347), per token: -σ(τ·(w − 1)) · 4/τ · A, a smooth gate in place of the hard clip
@@ -82,7 +78,6 @@ def sapo_policy_loss(log_weights: torch.Tensor, advantages: torch.Tensor, temper
     adv = advantages.unsqueeze(-1)  # [B, 1]
     tau = torch.where(adv > 0, temperature_pos, temperature_neg)
     return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
-
 
 
 def vespo_policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -108,12 +103,10 @@ def vespo_policy_loss(logps: torch.Tensor, log_ratio: torch.Tensor, advantages: 
     return -phi * advantages.unsqueeze(-1) * logps, phi
 
 
-
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """The loss tokens whose entropy is at least ``threshold`` (top_entropy_quantile, arXiv:2506.01939: the
     policy gradient from the high-entropy "forking" tokens only). entropy, mask: [B, T]. Returns [B, T] bool."""
     return (entropy >= threshold) & mask.bool()
-
 
 
 def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
@@ -127,7 +120,6 @@ def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advan
     kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)  # [B, T]; NaN: a token the sampler did not score
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
     return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
-
 
 
 def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -149,7 +141,6 @@ def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor,
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
-
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -112,14 +112,12 @@ def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id:
     lean engine on CPU only: it has not been measured on a GPU, where HF ``generate`` is the default."""
     from trainers.grpo import engine as lean
 
-    on_cpu = next(model.parameters()).device.type == "cpu"
     usable = not synced_gpus and lean.supports(model, params.extra)
-    if engine == "auto" and not on_cpu:
-        return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)
     if engine == "lean" and not usable:
         raise ValueError("generation_engine='lean' supports Llama/Mistral/Qwen2/Qwen3 models, generation_kwargs "
                          f"{sorted(lean.SUPPORTED_EXTRA)}, and ZeRO-3 only with ds3_gather_for_generation=True.")
-    if engine != "hf" and usable:
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if engine == "lean" or (engine == "auto" and usable and on_cpu):
         return lean.generate(model, prompt_ids, params, pad_id, eos_ids)
     return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)
 

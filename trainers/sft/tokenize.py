@@ -17,7 +17,6 @@ from trainers.logs import logger
 IGNORE = -100
 
 
-
 FORMATS = {
     "language_modeling": "a text column (dataset_text_field, 'text' by default)",
     "conversational": "a 'messages' column (a list of {'role', 'content'} dicts; ShareGPT's 'conversations' of "
@@ -25,7 +24,6 @@ FORMATS = {
     "prompt_completion": "'prompt' and 'completion' columns (strings, or lists of messages)",
     "tokenized": "an 'input_ids' column (optionally 'labels' or 'completion_mask')",
 }
-
 
 
 def detect_format(columns: Sequence[str], text_field: str = "text", name: str = "The SFT dataset") -> str:
@@ -45,9 +43,7 @@ def detect_format(columns: Sequence[str], text_field: str = "text", name: str = 
     )
 
 
-
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's role names -> the chat templates' names
-
 
 
 def from_sharegpt(messages: Any) -> Any:
@@ -70,7 +66,6 @@ def from_sharegpt(messages: Any) -> Any:
     return converted
 
 
-
 def row_chat_kwargs(row: dict) -> dict:
     """A row's own ``apply_chat_template`` arguments, as in TRL: a 'tools' column (a list, or JSON text) and a
     'chat_template_kwargs' column (a dict)."""
@@ -91,7 +86,6 @@ def row_chat_kwargs(row: dict) -> dict:
     return kwargs
 
 
-
 def check_token_ids(ids: Any, where: str, allow_ignore: bool = False) -> list[int]:
     """A list of non-negative int token ids (and -100 where ``allow_ignore``)."""
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -101,7 +95,6 @@ def check_token_ids(ids: Any, where: str, allow_ignore: bool = False) -> list[in
         raise DatasetFormatError(f"{where} holds negative token id {bad[0]}" + (" (only -100 marks an ignored label)"
                                                                                 if allow_ignore else "") + ".")
     return list(ids)
-
 
 
 def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]],
@@ -114,7 +107,6 @@ def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]],
     encoded = tokenizer(text, add_special_tokens=special_tokens, return_offsets_mapping=True)
     in_span = [any(start < end_s and end > start_s for start_s, end_s in spans) for start, end in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), in_span
-
 
 
 def _assistant_spans(tokenizer, messages: list[dict], text: str, **chat_kwargs) -> list[tuple[int, int]]:
@@ -145,7 +137,6 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, **chat_kwargs) 
             )
         spans.append((start, len(through)))
     return spans
-
 
 
 def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eos_token: str,
@@ -230,7 +221,6 @@ def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eo
     raise ValueError(f"unknown format {fmt!r}")
 
 
-
 _warned: set[str] = set()
 
 
@@ -241,13 +231,11 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-
 def truncate(sample: dict, max_length: int | None, mode: str = "keep_start") -> dict:
     if max_length is None or len(sample["input_ids"]) <= max_length:
         return sample
     cut = slice(0, max_length) if mode == "keep_start" else slice(-max_length, None)
     return {k: v[cut] for k, v in sample.items()}
-
 
 
 def shift_targets(sample: dict) -> dict:
@@ -256,14 +244,12 @@ def shift_targets(sample: dict) -> dict:
     return {"input_ids": sample["input_ids"], "target_ids": list(labels[1:]) + [IGNORE]}
 
 
-
 def transformers_labels(target_ids: torch.Tensor) -> torch.Tensor:
     """Our targets (position t's next token) -> transformers' labels (position t's own token, -100 where not
     trained; position 0 always -100): [B, T] -> [B, T]. What compute_metrics and compute_loss_func receive."""
     labels = torch.full_like(target_ids, IGNORE)  # IGNORE is transformers' -100
     labels[:, 1:] = target_ids[:, :-1]
     return labels
-
 
 
 def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -287,7 +273,6 @@ def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-
 def pack_samples(samples: Sequence[dict], max_length: int) -> list[dict]:
     """Concatenate samples into rows of at most ``max_length`` tokens; ``position_ids`` restart per sample."""
     bins = pack_bfd([len(s["input_ids"]) for s in samples], max_length)
@@ -300,7 +285,6 @@ def pack_samples(samples: Sequence[dict], max_length: int) -> list[dict]:
             position_ids += list(range(len(samples[i]["input_ids"])))
         rows.append({"input_ids": input_ids, "target_ids": target_ids, "position_ids": position_ids})
     return rows
-
 
 
 @dataclass
