@@ -57,3 +57,9 @@ def rank_reports(folder, prefix: str = "report", num_processes: int = 2) -> list
         with open(os.path.join(folder, f"{prefix}-{rank}.json")) as f:
             reports.append(json.load(f))
     return reports
+
+
+def step_records(trainer) -> list[dict]:
+    """``trainer.state.log_history`` without train()'s closing summary record (train_runtime, train_loss, ...):
+    the records of steps and evaluations."""
+    return [record for record in trainer.state.log_history if "train_runtime" not in record]

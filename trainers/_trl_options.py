@@ -1,27 +1,21 @@
 """Options that TRL 1.16 (SFTConfig, GRPOConfig and transformers.TrainingArguments) has and this project does not.
 
 Generated from TRL 1.16 by introspection, plus the TRL options whose only supported value here is TRL's default
-(SFTConfig's packing_strategy and loss_type, GRPOConfig's use_vllm): a config field that accepts a single value
-is one of these instead. A TRL script may pass any of them at its TRL default (it changes nothing, so it is
-accepted, and reading it gives that default); any other value is refused with an error that names the option.
+(GRPOConfig's use_vllm): a config field that accepts a single value is one of these instead. A TRL script may
+pass any of them at its TRL default (it changes nothing, so it is accepted, and reading it gives that default); any
+other value is refused with an error that names the option.
 """
 
 TRL_ONLY_OPTIONS = {
-    'accelerator_config': None,
     'activation_offloading': False,
     'auto_find_batch_size': False,
     'average_tokens_across_devices': True,
     'batch_eval_metrics': False,
     'bf16_full_eval': False,
     'cache_implementation': None,
-    'cast_lm_head_to_fp32': False,
     'dataloader_in_order': True,
     'dataloader_multiprocessing_context': None,
-    'dataloader_num_workers': 0,
-    'dataloader_persistent_workers': False,
     'dataloader_pin_memory': True,
-    'dataloader_prefetch_factor': None,
-    'dataset_kwargs': None,
     'debug': '',
     'deepspeed': None,
     'enable_jit_checkpoint': False,
@@ -47,12 +41,10 @@ TRL_ONLY_OPTIONS = {
     'log_multimodal': True,
     'log_on_each_node': True,
     'log_unique_prompts': False,
-    'loss_type': 'nll',  # SFTConfig's (TRL's 'dft' is not implemented); GRPOConfig has its own field
     'max_tool_calling_iterations': None,
     'neftune_noise_alpha': None,
     'optim_args': None,
     'optim_target_modules': None,
-    'packing_strategy': 'bfd',  # SFTConfig's: packing is best-fit decreasing; TRL's 'bfd_split', 'wrapped' are not
     'parallelism_config': None,
     'prediction_loss_only': False,
     'project': 'huggingface',

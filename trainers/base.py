@@ -18,15 +18,17 @@ import time
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from accelerate.utils.memory import clear_device_cache
+from transformers import TrainingArguments
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
 from trainers.callbacks import CallbackHandler
 from trainers.checkpoint import TrainerState
-from trainers.configs import ConfigError, TrainingConfig, tf32_available
+from trainers.configs import ConfigError, TrainingConfig, config_from_training_arguments, tf32_available
+from trainers.errors import DatasetFormatError
 from trainers.evaluation import Evaluation, named_eval_datasets
 from trainers.health import HealthMonitor
 from trainers.interrupts import StopOnSignal
@@ -75,11 +77,24 @@ class MicroBatch(Protocol):
         ...
 
 
+def per_process_batch_size(args: TrainingConfig, option: str, num_processes: int) -> int:
+    """The rows each process takes per micro-batch for the per_device_* batch ``option``: the option itself, or
+    with accelerator_config's split_batches (the option counts all processes' rows) its share, which must be whole."""
+    size = getattr(args, option)
+    if not args.split_batches:
+        return size
+    if size % num_processes:
+        raise ConfigError(f"{type(args).__name__}: `{option}={size}` with accelerator_config's split_batches=True is "
+                          f"split among {num_processes} processes, so it must be a multiple of {num_processes}.")
+    return size // num_processes
+
+
 class BaseTrainer(Evaluation, RunLogging, Saving):
     """Owns the model, tokenizer, optimizer, schedule and the loop; evaluation, logging and checkpoints come from
     its mixins (see the module docstring)."""
 
     config_class: type[TrainingConfig] = TrainingConfig
+    _tag_names: tuple[str, ...] = ("trainers",)  # added to the model's model_tags (TRL's attribute, its ["trl", "sft"])
     # DistributedDataParallel arguments where the config's ddp_* option is None (the config's win)
     ddp_defaults: dict = {}
 
@@ -98,6 +113,8 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{type(self).__name__}")
+        if isinstance(args, TrainingArguments):  # a plain transformers one (or TRL's): converted, as TRL's SFTTrainer
+            args = config_from_training_arguments(self.config_class, args)
         if not isinstance(args, self.config_class):
             raise ConfigError(f"{type(self).__name__} needs args of type {self.config_class.__name__}, "
                               f"got {type(args).__name__}.")
@@ -109,6 +126,11 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             args.gradient_accumulation_steps, self._mixed_precision(), args.use_cpu, log_with=self.trackers,
             project_dir=args.output_dir, ddp_kwargs={**self.ddp_defaults, **args.ddp_kwargs}, backend=args.ddp_backend,
             timeout_seconds=args.ddp_timeout)
+        # rows per process per micro-batch: accelerator_config's split_batches divides the per_device_* sizes
+        self.per_process_train_batch_size = per_process_batch_size(args, "per_device_train_batch_size",
+                                                                   self.accelerator.num_processes)
+        self.per_process_eval_batch_size = per_process_batch_size(args, "per_device_eval_batch_size",
+                                                                  self.accelerator.num_processes)
         if args.save_only_model and args.load_best_model_at_end and dist.is_deepspeed(self.accelerator):
             # a model-only checkpoint holds the gathered full weights, which a sharded engine cannot load back
             raise ConfigError(f"{type(args).__name__}: `save_only_model=True` with `load_best_model_at_end=True` "
@@ -130,6 +152,8 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         # validates and tokenizes before the model loads; several named eval datasets (transformers' dict) each
         # become one set of evaluation rows, swapped in turn into the attributes EVAL_STATE names
         named = named_eval_datasets(eval_dataset)
+        if train_dataset is None:  # TRL's words
+            raise DatasetFormatError(f"`train_dataset` is required: {type(self).__name__} trains on it.")
         self.prepare_data(train_dataset, None if named else eval_dataset)
         self.eval_sets = {name: self._tokenized_eval_set(dataset, f"eval_dataset[{name!r}]")
                           for name, dataset in named.items()}
@@ -163,17 +187,22 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             with self._eval_set(eval_set):
                 self.check_eval_fit(model, label)
         self.after_load(model)
+        if hasattr(model, "add_model_tags"):  # transformers' model card tags, as TRL adds its own
+            model.add_model_tags(self._tag_names)
 
         if self._given_optimizer is not None:
             optimizer = self._given_optimizer
             check_optimizer_parameters(optimizer, model, self.accelerator)
         else:
             optimizer = build_optimizer(model, args, self.optimizer_cls_and_kwargs)
-        dist.configure_deepspeed(self.accelerator, args.per_device_train_batch_size,
+        dist.configure_deepspeed(self.accelerator, self.per_process_train_batch_size,
                                  args.gradient_accumulation_steps, args.max_grad_norm, model)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # transformers' pair: model_wrapped is what trains (DDP, a DeepSpeed engine, or the model itself), model
+        # the PreTrainedModel inside it (what user code, callbacks and save_model read)
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model = dist.unwrap(self.accelerator, self.model_wrapped)
         if args.ddp_kwargs and self.accelerator.num_processes > 1 and \
-                not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+                not isinstance(self.model_wrapped, torch.nn.parallel.DistributedDataParallel):
             names = ", ".join(f"ddp_{k}" for k in args.ddp_kwargs)
             logger.warning(f"DistributedDataParallel options ({names}) change nothing in this run: it uses "
                            f"{self.accelerator.distributed_type.value}, which syncs gradients itself.")
@@ -184,6 +213,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         # metrics.jsonl and the console; train() replaces it with one that drives the progress bar
         self.run_log = RunLog(self.accelerator, args.output_dir, 0, disable_tqdm=True)
         self._trackers_open = False  # between init_trackers and finish, inside train()
+        self.is_in_train = False
         self.after_prepare()
         # From here on, random draws (sampling, dropout) differ per process; data order has its own generators.
         set_seed(args.seed + self.accelerator.process_index)
@@ -316,7 +346,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
     @property
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all processes: per-device x processes x accumulation."""
-        return (self.args.per_device_train_batch_size * self.accelerator.num_processes
+        return (self.per_process_train_batch_size * self.accelerator.num_processes
                 * self.args.gradient_accumulation_steps)
 
     def _wrap_peft(self, model, peft_config):
@@ -326,7 +356,36 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
 
     @property
     def unwrapped_model(self):
-        return dist.unwrap(self.accelerator, self.model)
+        """The model without its training wrapper: ``model`` (transformers' name), kept for older scripts."""
+        return self.model
+
+    # ------------------------------------------------------------------ transformers' Trainer attributes
+
+    @property
+    def control(self):
+        """The TrainerControl the callbacks share (transformers' ``trainer.control``)."""
+        return self.callback_handler.control
+
+    @property
+    def is_deepspeed_enabled(self) -> bool:
+        return dist.is_deepspeed(self.accelerator)
+
+    @property
+    def is_fsdp_enabled(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP
+
+    def get_num_trainable_parameters(self) -> int:
+        """Parameters with requires_grad (on this process: a ZeRO-3 shard counts its share)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """The current learning rate of each optimizer parameter group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def push_to_hub(self, *args, **kwargs):
+        """transformers' push_to_hub: not available (no Hub access here); raises, so no upload is silently skipped."""
+        raise ConfigError(f"{type(self).__name__}.push_to_hub: this project does not upload to the Hub. Save with "
+                          f"trainer.save_model(dir) and upload that folder with huggingface_hub's upload_folder.")
 
     # ------------------------------------------------------------------ the loop
 
@@ -335,6 +394,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         output_dir, or its path; None: the config's). Returns the final step, the mean loss of this call's steps,
         and transformers' summary metrics."""
         args = self.args
+        self.is_in_train = True  # transformers' flag; False again when train() returns
         self._resume(args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint)
         started_at, first_step = self._start_run()
         window: list[dict] = []  # the metrics of the steps since the last log record
@@ -406,15 +466,19 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         return True
 
     def _finish_run(self, started_at: float, first_step: int, step_losses: list[float]) -> TrainOutput:
-        """Close the progress bar, settle the best model, fire on_train_end, close the trackers; train()'s output."""
+        """Close the progress bar, log the run's summary (transformers' last log_history entry: train_runtime, the
+        rates, total_flos, train_loss, epoch, step), settle the best model, fire on_train_end, close the trackers;
+        train()'s output."""
         self.run_log.close()
+        training_loss = sum(step_losses) / max(len(step_losses), 1)
+        summary = self._train_summary(training_loss, time.time() - started_at, first_step)
+        self.log({name: value for name, value in summary.items() if name != "epoch"})  # log() adds the epoch
         self._settle_best_model()
         self.accelerator.wait_for_everyone()
         self.callback_handler.fire("train_end")
         self._close_trackers()
-        training_loss = sum(step_losses) / max(len(step_losses), 1)
-        return TrainOutput(self.state.global_step, training_loss,
-                           self._train_summary(training_loss, time.time() - started_at, first_step))
+        self.is_in_train = False
+        return TrainOutput(self.state.global_step, training_loss, summary)
 
     def _optimizer_step(self, batches: list[MicroBatch], stop_requested: bool = False) -> dict:
         """Forward/backward every micro-batch of one optimizer step, then step. Returns the step's metrics, reduced
@@ -434,8 +498,8 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         step_stats = StepStats(acc.device)
         grad_norm = None
         for index, batch in enumerate(batches):
-            with acc.accumulate(self.model), dist.explained_ddp_errors():
-                loss, stats = self.compute_loss(self.model, batch, counts)
+            with acc.accumulate(self.model_wrapped), dist.explained_ddp_errors():
+                loss, stats = self.compute_loss(self.model_wrapped, batch, counts)
                 acc.backward(loss * scale)
                 loss_sum += loss.detach().float()
                 step_stats.add(stats)

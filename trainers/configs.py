@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -151,6 +152,8 @@ def _check_trl_only(config_name: str, name: str, value: Any) -> None:
     trl_default = TRL_ONLY_OPTIONS[name]
     if value == trl_default or (value is None and trl_default is None):
         return
+    if name == "debug" and value == []:  # TrainingArguments turns its default '' into [] (TrainingArguments.to_dict)
+        return
     raise ConfigError(
         f"{config_name}: `{name}={value!r}` is a TRL option that this project does not support "
         f"(only its default {trl_default!r} is accepted). Remove it; docs/migrating-from-trl.md lists "
@@ -189,6 +192,81 @@ def _check_types(config) -> None:
 def check_field(condition: bool, cls_name: str, name: str, value: Any, valid: str) -> None:
     if not condition:
         raise ConfigError(f"{cls_name}: `{name}={value!r}` is invalid; {valid}.")
+
+
+def resolve_pad_to_multiple_of(value: Any, cls_name: str) -> Any:
+    """TRL's pad_to_multiple_of values as an int or None: 'auto' (a multiple of 128 on AWS Neuron, which compiles
+    once per input shape; no padding elsewhere, and this project runs elsewhere) -> None; text from a command line
+    ('8', 'none', 'null') -> 8 or None. Other values are returned for the field's own checks."""
+    if not isinstance(value, str):
+        return value
+    if value == "auto" or value.lower() in ("none", "null"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{cls_name}: `pad_to_multiple_of={value!r}` is invalid; it must be an int >= 1, "
+                          f"'auto' or None.") from None
+
+
+def config_from_training_arguments(config_class: type, arguments) -> Any:
+    """A transformers.TrainingArguments (or a subclass such as TRL's configs) as ``config_class``, as TRL's
+    SFTTrainer converts one: every field through ``to_dict()``, so options this project does not take are refused
+    by name, as they would be given directly."""
+    fields = arguments.to_dict()
+    fields["hub_token"] = arguments.hub_token  # to_dict masks it
+    try:
+        return config_class(**fields)
+    except ConfigError as error:
+        raise ConfigError(f"args: the {type(arguments).__name__} given was converted to {config_class.__name__}, "
+                          f"which refuses it: {error}") from None
+
+
+# transformers' AcceleratorConfig keys and their defaults. Batches here are not DataLoaders: every process computes
+# its own rows of each global batch from one seeded order, so only the keys below that describe such batches apply.
+ACCELERATOR_CONFIG_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                               "use_seedable_sampler": True, "non_blocking": False,
+                               "gradient_accumulation_kwargs": None, "use_configured_state": False}
+# The keys accepted only at their default, and why
+ACCELERATOR_CONFIG_FIXED = {
+    "even_batches": "batches are always even here: the last global batch of an epoch is filled up with rows from the "
+                    "start of the epoch (dataloader_drop_last=True drops it instead)",
+    "use_seedable_sampler": "the data order is always a function of the seed (data_seed or seed)",
+    "non_blocking": "batches are built on each process and copied to its device directly",
+    "gradient_accumulation_kwargs": "set gradient_accumulation_steps instead",
+    "use_configured_state": "the trainer builds its Accelerator from the launch configuration",
+}
+
+
+def accelerator_config_dict(value: Any, config_name: str) -> dict | None:
+    """transformers' accelerator_config (None, a dict, a JSON file's path, or an AcceleratorConfig) as a dict of the
+    keys given, checked: an unknown key, a wrong type, or a key that applies only at its default is an error."""
+    option = f"{config_name}: accelerator_config"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not os.path.isfile(value):
+            raise ConfigError(f"{option}={value!r}: no such JSON file.")
+        with open(value, encoding="utf-8") as f:
+            try:
+                value = json.load(f)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{option}={value!r} is not valid JSON: {error}.") from None
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # transformers' AcceleratorConfig
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} must be a dict, a JSON file's path or an AcceleratorConfig, got "
+                          f"{type(value).__name__}.")
+    for key, given in value.items():
+        if key not in ACCELERATOR_CONFIG_DEFAULTS:
+            raise ConfigError(f"{option} has no key {key!r}; transformers' keys are {sorted(ACCELERATOR_CONFIG_DEFAULTS)}.")
+        if key in ("split_batches", "dispatch_batches"):
+            if not (isinstance(given, bool) or (given is None and key == "dispatch_batches")):
+                raise ConfigError(f"{option}[{key!r}]={given!r} must be True or False.")
+        elif given != ACCELERATOR_CONFIG_DEFAULTS[key] and not (key == "gradient_accumulation_kwargs" and given == {}):
+            raise ConfigError(f"{option}[{key!r}]={given!r} is not supported (only transformers' default "
+                              f"{ACCELERATOR_CONFIG_DEFAULTS[key]!r}): {ACCELERATOR_CONFIG_FIXED[key]}.")
+    return dict(value)
 
 
 @reject_unknown_options
@@ -359,6 +437,20 @@ class TrainingConfig:
         False, "Drop each epoch's last incomplete global batch (GRPO: its last incomplete generation round, which "
         "TRL always drops) instead of filling it up with rows from the start of the same epoch."
     )
+    dataloader_num_workers: int = opt(
+        0, "For a streamed train_dataset (a datasets.IterableDataset): background threads that prepare (tokenize, "
+        "pack) the next chunks of the stream while the model trains; the batches are the same as with 0. Map-style "
+        "datasets are tokenized before training (dataset_num_proc processes) and batched from memory: nothing to "
+        "overlap, so it has no effect there.", ge=0
+    )
+    dataloader_prefetch_factor: int | None = opt(
+        None, "Chunks of a streamed train_dataset prepared ahead per worker (None: 2, torch's default); needs "
+        "dataloader_num_workers > 0.", ge=1
+    )
+    dataloader_persistent_workers: bool = opt(
+        False, "Accepted for transformers' scripts (needs dataloader_num_workers > 0): the prefetch threads live as "
+        "long as the trainer either way, across epochs."
+    )
     full_determinism: bool = opt(
         False, "Deterministic algorithms only (transformers' enable_full_determinism: "
         "torch.use_deterministic_algorithms, cuDNN deterministic, the CUDA variables it needs); slower."
@@ -384,8 +476,16 @@ class TrainingConfig:
         10, "Optimizer steps with a non-finite loss or gradient norm are skipped; after this many in a row, "
         "training stops with a checkpoint and an explanation.", ge=1
     )
+    accelerator_config: dict | None = opt(
+        None, "transformers' accelerator_config (a dict, a path to a JSON file, or an AcceleratorConfig): "
+        "'split_batches' (True: per_device_train_batch_size and per_device_eval_batch_size are the batch of all "
+        "processes together, split among them) and 'dispatch_batches' (accepted: every process reads the same "
+        "data order and takes its own rows, which are the rows a dispatched batch would give it); the other keys "
+        "only at transformers' defaults."
+    )
 
     def __post_init__(self):
+        self.accelerator_config = accelerator_config_dict(self.accelerator_config, type(self).__name__)
         _check_types(self)
         # Values transformers also takes, turned into the form the checks expect
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
@@ -422,6 +522,14 @@ class TrainingConfig:
                 setattr(self, old, given)
             setattr(self, new, getattr(self, old))
         check_field(not (self.bf16 and self.fp16), name, "fp16", self.fp16, "set bf16 or fp16, not both")
+        for option in ("dataloader_prefetch_factor", "dataloader_persistent_workers"):  # transformers' rule
+            check_field(not getattr(self, option) or self.dataloader_num_workers > 0, name, option,
+                        getattr(self, option), "it applies to worker threads: set dataloader_num_workers > 0")
+
+    @property
+    def split_batches(self) -> bool:
+        """accelerator_config's split_batches: the per_device_*_batch_size options count all processes' rows."""
+        return bool((self.accelerator_config or {}).get("split_batches"))
 
     @property
     def ddp_kwargs(self) -> dict:

@@ -7,7 +7,7 @@ sample, before packing, so a packed row never asks one document to predict the n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainers.errors import DatasetFormatError
 
@@ -63,14 +63,25 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
 
 
 def as_dataset(data, name: str):
-    """A ``datasets.Dataset`` from a Dataset or a list of dicts; refuses empty data."""
-    from datasets import Dataset
+    """A ``datasets.Dataset`` from a Dataset, a list of dicts, or a stream (an IterableDataset, read whole: for
+    evaluation, whose streams are finite); refuses empty data and a dict of splits."""
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
+    if isinstance(data, (DatasetDict, IterableDatasetDict)):
+        raise DatasetFormatError(f"{name} is a {type(data).__name__} of splits {sorted(data)}; pass one split, e.g. "
+                                 f"{name}=dataset[{next(iter(data), 'train')!r}].")
+    if isinstance(data, IterableDataset):
+        data = read_stream(data, name)
     if isinstance(data, list):
         if not data:
             raise DatasetFormatError(f"{name} is empty.")
         if not all(isinstance(row, dict) for row in data):
             raise DatasetFormatError(f"{name} must be a list of dicts (one per row).")
+        # Dataset.from_list takes its columns from the first row, silently dropping a key that only later rows
+        # have; every key any row has becomes a column instead, None where a row lacks it (as JSON files load)
+        columns = list(dict.fromkeys(key for row in data for key in row))
+        if any(len(row) != len(columns) for row in data):
+            data = [{key: row.get(key) for key in columns} for row in data]
         try:
             data = Dataset.from_list(data)
         except Exception as error:  # pyarrow refuses columns whose values have mixed types
@@ -83,6 +94,21 @@ def as_dataset(data, name: str):
     return data
 
 
+class PromptRow(NamedTuple):
+    """A GRPO training prompt: the dataset row (what reward functions get) and its prompt's token ids."""
+
+    row: dict
+    ids: list[int]
+
+
+def read_stream(stream, name: str) -> list[dict]:
+    """Every row of a finite stream (an IterableDataset), read once, in order."""
+    rows = list(stream)
+    if not rows:
+        raise DatasetFormatError(f"{name} is empty: the stream gave no rows.")
+    return rows
+
+
 def tokenize_prompts(dataset, name: str, tokenizer, chat_template_kwargs: dict | None = None
                      ) -> tuple[list[dict], list[list[int]]]:
     """A prompt dataset (a 'prompt' column: a string, or a list of messages rendered with the chat template and
@@ -92,9 +118,19 @@ def tokenize_prompts(dataset, name: str, tokenizer, chat_template_kwargs: dict |
         raise DatasetFormatError(f"{name} has columns {dataset.column_names}; GRPO needs a 'prompt' column "
                                  f"(a string, or a list of {{'role', 'content'}} messages).")
     rows = dataset.to_list()
+    return rows, tokenize_prompt_rows(rows, name, tokenizer, chat_template_kwargs)
+
+
+def tokenize_prompt_rows(rows: list[dict], name: str, tokenizer, chat_template_kwargs: dict | None = None,
+                         first_index: int = 0) -> list[list[int]]:
+    """Each row's prompt as token ids (``tokenize_prompts``); rows are counted from ``first_index`` in errors (a
+    chunk of a stream)."""
     kwargs = dict(chat_template_kwargs or {})
     ids = []
-    for index, row in enumerate(rows):
+    for index, row in enumerate(rows, start=first_index):
+        if "prompt" not in row:
+            raise DatasetFormatError(f"{name} row {index} has columns {sorted(row)}; GRPO needs a 'prompt' column "
+                                     f"(a string, or a list of {{'role', 'content'}} messages).")
         prompt = row["prompt"]
         if isinstance(prompt, list):
             check_messages(prompt, f"{name} row {index}: 'prompt'")
@@ -107,4 +143,4 @@ def tokenize_prompts(dataset, name: str, tokenizer, chat_template_kwargs: dict |
                                      f"got {type(prompt).__name__}.")
         if not ids[-1]:
             raise DatasetFormatError(f"{name} row {index}: the prompt is empty.")
-    return rows, ids
+    return ids

@@ -1,7 +1,8 @@
 """The distributed core: one Accelerator built from the launch environment, and the few verbs trainers need.
 
 Trainers never branch on the backend. They call:
-  - ``build_accelerator``: one process, ``torchrun``, or ``accelerate launch --config_file <template>``;
+  - ``build_accelerator``: one process, ``torchrun``, ``accelerate launch --config_file <template>``, or
+    Accelerate's ``notebook_launcher``;
     on a machine without a GPU it still gives real multi-process training (DDP over gloo, DeepSpeed ZeRO on CPU).
   - ``configure_deepspeed``: fills the DeepSpeed config values that Accelerate leaves as "auto".
   - ``gathered_parameters``: the full weights of a ZeRO-3 model for the duration of a block (generation).
@@ -42,6 +43,68 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# ------------------------------------------------------------------ Accelerate's notebook_launcher
+#
+# notebook_launcher(train_fn, num_processes=N) forks N processes from the notebook (torch elastic, start method
+# "fork" on CPU and CUDA) with RANK/WORLD_SIZE/MASTER_* set; build_accelerator then makes them DDP over gloo
+# (cpu=True) on CPU, as for `accelerate launch`. Two things of that launch need help:
+#   - its mixed_precision= goes to the environment variable MIXED_PRECISION, which Accelerate never reads (it
+#     reads ACCELERATE_MIXED_PRECISION): build_accelerator honours it.
+#   - GNU OpenMP (the libgomp torch's CPU wheels ship) is not fork-safe: a process forked from one whose thread
+#     had run a multi-threaded torch op inherits that thread's OpenMP pool without its threads, and its first
+#     multi-threaded op waits for them forever. Before notebook_launcher forks, the hook below ends the pool
+#     (omp_pause_resource_all, OpenMP 5.0: the notebook's next op starts a new one); where the hook could not run
+#     (trainers imported only after the fork), build_accelerator refuses more than one thread instead of hanging.
+
+_released_openmp_before_fork = False  # set in the notebook just before the fork; the forked processes inherit it
+
+
+def _notebook_launched() -> bool:
+    """Whether Accelerate's notebook_launcher started this process or is about to fork it: it sets NPROC and
+    MIXED_PRECISION for its processes, names neither `accelerate launch` nor torchrun sets."""
+    return "NPROC" in os.environ and "MIXED_PRECISION" in os.environ
+
+
+def _gnu_openmp() -> str | None:
+    """The path of the libgomp this process has loaded (torch's OpenMP), or None (none, or another OpenMP)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+    except OSError:  # not Linux: no libgomp either
+        return None
+
+
+def _release_openmp_threads() -> None:
+    """os.register_at_fork hook, in the process about to fork: before notebook_launcher's fork, end the calling
+    thread's OpenMP pool so the forked processes do not inherit a pool whose threads they lack."""
+    global _released_openmp_before_fork
+    path = _gnu_openmp() if _notebook_launched() else None
+    if path is None:
+        return
+    import ctypes
+
+    omp_pause_hard = 2  # omp_pause_resource_t: free the threads, not only idle them
+    if ctypes.CDLL(path).omp_pause_resource_all(omp_pause_hard) == 0:
+        _released_openmp_before_fork = True
+
+
+os.register_at_fork(before=_release_openmp_threads)
+
+
+def _check_threads_after_fork() -> None:
+    """In a process notebook_launcher forked, with this module imported only after the fork (so the hook above did
+    not run in the notebook): more than one torch thread would hang the first step if the notebook had run a
+    multi-threaded torch op, which cannot be told from here. Refuse it, naming the two ways out."""
+    if _released_openmp_before_fork or torch.get_num_threads() == 1 or _gnu_openmp() is None:
+        return
+    raise DistributedError(
+        f"This process was forked by accelerate's notebook_launcher, and trains with {torch.get_num_threads()} "
+        f"torch threads; GNU OpenMP (torch's) is not fork-safe: if the notebook ran any multi-threaded torch op "
+        f"before launching, the forked processes hang at their first step. `import trainers` in the notebook before "
+        f"calling notebook_launcher (the trainers then release OpenMP's threads just before the fork), or call "
+        f"torch.set_num_threads(1) at the start of the launched function.")
+
+
 def build_accelerator(
     gradient_accumulation_steps: int, mixed_precision: str | None = None, use_cpu: bool = False,
     log_with: list[str] | None = None, project_dir: str | None = None, ddp_kwargs: dict | None = None,
@@ -57,6 +120,8 @@ def build_accelerator(
       - DeepSpeed on CPU needs an explicit gloo process group, or Accelerate sees one process.
       - Plain multi-process on CPU needs ``cpu=True`` (distributed type MULTI_CPU): a gloo process group alone
         leaves the type at NO, and the processes silently train different models.
+    Under Accelerate's notebook_launcher (forked processes, no config file) the same holds, plus its
+    mixed_precision= and a check against the fork's OpenMP hang (see the notebook_launcher section above).
     """
     # Our loop feeds micro-batches itself; without sync_with_dataloader=False a finished transformers Trainer in
     # the same process leaves Accelerate's shared "end of dataloader" flag set, and every micro-batch would sync.
@@ -64,6 +129,10 @@ def build_accelerator(
     kwargs: dict[str, Any] = {"gradient_accumulation_plugin": plugin}
     if log_with:
         kwargs.update(log_with=log_with, project_dir=project_dir)
+    if mixed_precision is None and _notebook_launched() and os.environ["MIXED_PRECISION"] != "no":
+        # notebook_launcher(mixed_precision=...): the launch's choice, as `accelerate launch --mixed_precision`'s
+        # is (a config's bf16=True/False still wins); "no" is also its default, so it leaves ACCELERATE_* in charge
+        mixed_precision = os.environ["MIXED_PRECISION"]
     if mixed_precision is not None:
         kwargs["mixed_precision"] = mixed_precision
     has_gpu = torch.cuda.is_available() and not use_cpu
@@ -91,6 +160,12 @@ def build_accelerator(
             f"WORLD_SIZE={_world_size_from_env()} but Accelerate built a single-process setup "
             f"(distributed type {accelerator.distributed_type}); the processes would train separate models."
         )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu" and not is_deepspeed(accelerator):
+        raise DistributedError(
+            "fp16 mixed precision needs a GPU: on CPU Accelerate would train in float32 without saying so. Use bf16 "
+            "(bf16=True, or mixed_precision='bf16' in the launch), or no mixed precision.")
+    if _notebook_launched() and not has_gpu:
+        _check_threads_after_fork()  # after Accelerator(): it may have set the thread count (OMP_NUM_THREADS unset)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
         atexit.unregister(let_gloo_workers_finish)  # once per process, however many trainers it builds
         atexit.register(let_gloo_workers_finish)

@@ -35,7 +35,8 @@ METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "training_args.json"
 # The console line shows these (when present); metrics.jsonl and trackers get every metric.
 CONSOLE_KEYS = ("step", "epoch", "loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length",
-                "grad_norm", "learning_rate", "tokens_per_second", "nonfinite_steps")
+                "grad_norm", "learning_rate", "tokens_per_second", "nonfinite_steps",
+                "train_runtime", "train_samples_per_second", "train_loss")  # the last three: train()'s summary
 
 
 def _round(value):

@@ -120,6 +120,27 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torc
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# SFT's per-token losses (SFTConfig.loss_type): each position's log p(target) [B, T] -> its loss [B, T], then
+# averaged over the step's trained tokens (AGGREGATIONS["nll"]) whichever it is
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def nll_token_loss(logps: torch.Tensor) -> torch.Tensor:
+    """The negative log-likelihood -log p: [B, T] -> [B, T]."""
+    return -logps
+
+
+def dft_token_loss(logps: torch.Tensor) -> torch.Tensor:
+    """Dynamic Fine-Tuning (arXiv:2508.05629; TRL's loss_type='dft'): the NLL weighted by the token's own
+    probability, held constant, -sg(p) log p with p = exp(log p): [B, T] -> [B, T]. Its gradient is the NLL's
+    scaled by p, so tokens the model finds unlikely pull less."""
+    return -logps * logps.detach().exp()
+
+
+SFT_TOKEN_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"nll": nll_token_loss, "dft": dft_token_loss}
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Advantages
 # ----------------------------------------------------------------------------------------------------------------
 

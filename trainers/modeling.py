@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 from typing import Any
 
 import torch
@@ -140,6 +142,11 @@ def load_tokenizer(processing_class: Any, model_name_or_path: Any, pad_token: st
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as error:
             raise ModelLoadError(f"Could not load a tokenizer from '{source}' ({error}); pass `processing_class`.") from error
+        # Without tokenizer files transformers builds an empty tokenizer (its special tokens only) from the model's
+        # config: every text would become unknown ids, so refuse it rather than train on nonsense
+        if len(tokenizer.get_vocab()) <= len(tokenizer.added_tokens_decoder):
+            raise ModelLoadError(f"'{source}' has no tokenizer files (transformers built an empty tokenizer from its "
+                                 f"config); pass `processing_class`.")
     if chat_template_path is not None and os.path.isfile(chat_template_path):
         with open(chat_template_path, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
@@ -215,6 +222,61 @@ def train_added_tokens(peft_config, model, token_ids: list[int]) -> None:
         peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
 
 
+def cast_lm_head_to_fp32(model) -> None:
+    """TRL's cast_lm_head_to_fp32 (the ScaleRL recipe): the output head's weight in float32 and its product computed
+    in float32 outside autocast, so logits (and log-probs) keep float32 precision in a bf16/fp16 model. A head tied
+    to the input embeddings shares that float32 weight; the embeddings' outputs are cast back to the model's dtype
+    so the rest of the model runs as before."""
+    head = model.get_output_embeddings()
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # peft is optional
+        BaseTunerLayer = ()
+    if isinstance(head, BaseTunerLayer):
+        raise ConfigError("`cast_lm_head_to_fp32=True` does not work when the output head carries a PEFT adapter "
+                          "(target_modules includes lm_head): remove lm_head from the adapter's target modules, or "
+                          "set cast_lm_head_to_fp32=False.")
+    if not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"`cast_lm_head_to_fp32=True` needs a linear output head; this model's is a "
+                          f"{type(head).__name__}.")
+    embeddings = model.get_input_embeddings()
+    original_dtype = head.weight.dtype
+    head.float()  # in place: a tied embedding matrix (the same Parameter) becomes float32 too
+
+    # a bound method (not a closure over ``head``), so a deep copy of the model (GRPO's reference) uses its own head
+    head.forward = types.MethodType(_linear_in_fp32, head)
+    if embeddings is not None and embeddings.weight is head.weight and original_dtype != torch.float32:
+        embeddings.register_forward_hook(functools.partial(_cast_output, dtype=original_dtype))
+
+
+def _linear_in_fp32(head: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """[..., hidden] -> [..., V] float32, whatever autocast is on."""
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden_states.float(), head.weight, head.bias)
+
+
+def _cast_output(module, args, output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return output.to(dtype)
+
+
+def prompt_learning_config(model):
+    """The active PEFT config of ``model`` (a PeftModel, possibly inside DDP/DeepSpeed) when it is prompt
+    learning (prompt tuning, P-tuning, prefix tuning, ...); None for any other model."""
+    model = getattr(model, "module", model)  # the DDP / DeepSpeed wrapper's model
+    config = getattr(model, "active_peft_config", None)
+    return config if getattr(config, "is_prompt_learning", False) else None
+
+
+def virtual_token_count(model) -> int:
+    """How many positions a PEFT prompt-learning adapter puts before the real tokens in the model's outputs (its
+    virtual tokens: prompt tuning, P-tuning, ...); 0 for other models. Prefix tuning and cartridges put theirs
+    in the attention cache instead, not in the outputs."""
+    config = prompt_learning_config(model)
+    if config is None or config.peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
+        return 0
+    return config.num_virtual_tokens
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -244,9 +306,11 @@ def token_logprobs(
         kwargs["logits_to_keep"] = logits_to_keep + 1
     with float32_attention_on_cpu(model, input_ids.device):  # bf16 attention is the slower one on CPU
         outputs = model(**kwargs)
-    logits = outputs.logits  # [B, K(+1), V]
+    logits = outputs.logits  # [B, K(+1), V]; [B, n + T, V] with n prompt-learning virtual tokens first
     if logits_to_keep is not None:
-        logits = logits[:, :-1]
+        logits = logits[:, :-1]  # the last K + 1 positions, never virtual ones
+    else:
+        logits = logits[:, virtual_token_count(model):]  # the real tokens' positions: [B, T, V]
     scores = token_scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
     if with_router_loss:
         scores["aux_loss"] = outputs.aux_loss

@@ -30,7 +30,7 @@ class RunLogging:
         args, acc = self.args, self.accelerator
         if acc.is_main_process:
             logger.info(
-                f"effective batch size {self.effective_batch_size} = {args.per_device_train_batch_size} per device "
+                f"effective batch size {self.effective_batch_size} = {self.per_process_train_batch_size} per device "
                 f"x {acc.num_processes} processes x {args.gradient_accumulation_steps} accumulation steps; "
                 f"{self.max_steps} optimizer steps ({self.steps_per_epoch} per epoch)")
         run_log = self.run_log = RunLog(acc, args.output_dir, self.max_steps, args.disable_tqdm)

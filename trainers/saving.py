@@ -141,7 +141,7 @@ class Saving:
         """Save the model in Hugging Face format (safetensors) with its tokenizer; under ZeRO-3 the full weights
         are gathered first; with PEFT only the adapter is saved. Every process must call this."""
         output_dir = output_dir or self.args.output_dir
-        state_dict = dist.full_state_dict(self.accelerator, self.model)
+        state_dict = dist.full_state_dict(self.accelerator, self.model_wrapped)
         if self.accelerator.is_main_process:
             _drop_tied_copies(self.unwrapped_model, state_dict)
             os.makedirs(output_dir, exist_ok=True)

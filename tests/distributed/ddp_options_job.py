@@ -31,13 +31,13 @@ def main():
     if mode.startswith("unused"):
         model.model.layers[0].unused = torch.nn.Parameter(torch.zeros(4))  # never reaches the loss
     trainer = SFTTrainer(model=model, args=args, train_dataset=as_sft_rows(reverse_digits_rows(24, seed=3)))
-    report = {"rank": trainer.accelerator.process_index, "wrapper": type(trainer.model).__name__}
+    report = {"rank": trainer.accelerator.process_index, "wrapper": type(trainer.model_wrapped).__name__}
     try:
         trainer.train()
         report["steps"] = trainer.state.global_step
     except DistributedError as error:
         report["error"] = str(error)
-    ddp = trainer.model
+    ddp = trainer.model_wrapped
     if mode == "options":
         group = torch.distributed.distributed_c10d._get_default_group()
         report.update(find_unused_parameters=ddp.find_unused_parameters, bucket_bytes_cap=ddp.bucket_bytes_cap,

@@ -130,8 +130,9 @@ def main():
     report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
               "shares_prompt_forward": trainer.shares_prompt_forward,
               "skips_zero_gradient_rows": trainer.skips_zero_gradient_rows,
-              "broadcast_buffers": getattr(trainer.model, "broadcast_buffers", None),
-              "round": round_report, "checksum": checksum, "history": trainer.state.log_history, "masks": masks,
+              "broadcast_buffers": getattr(trainer.model_wrapped, "broadcast_buffers", None),
+              "round": round_report, "checksum": checksum, "masks": masks,
+              "history": [r for r in trainer.state.log_history if "train_runtime" not in r],  # not train()'s summary
               "reference_before": reference_before,
               "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
               "rollout_prompts": rollout_prompts, "forwards": forwards, "shared_forwards": shared_forwards}

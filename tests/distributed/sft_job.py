@@ -49,8 +49,11 @@ def main():
         "distributed_type": str(trainer.accelerator.distributed_type),
         "zero_stage": zero_stage(trainer.accelerator),
         "effective_batch_size": trainer.effective_batch_size,
-        "losses": [r["loss"] for r in trainer.state.log_history],
-        "learning_rates": [r["learning_rate"] for r in trainer.state.log_history],
+        "model_class": type(trainer.model).__name__,  # transformers' pair: the model, and what trains it
+        "model_wrapped_class": type(trainer.model_wrapped).__name__,
+        "model_tags": trainer.model.model_tags,
+        "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],  # not train()'s summary
+        "learning_rates": [r["learning_rate"] for r in trainer.state.log_history if "loss" in r],
         "aux_losses": [r["aux_loss"] for r in trainer.state.log_history if "aux_loss" in r],  # MoE models only
         "optimizer_classes": optimizer_classes,
         "local_numel": local_numel,

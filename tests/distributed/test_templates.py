@@ -71,6 +71,9 @@ def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
         assert report["num_processes"] == 2
         assert report["effective_batch_size"] == 8
         assert report["zero_stage"] == (int(name[4]) if name.startswith("zero") else 0)
+        assert report["model_class"] == "Qwen2ForCausalLM" and "sft" in report["model_tags"]
+        assert report["model_wrapped_class"] == ("DeepSpeedEngine" if name.startswith("zero")
+                                                 else "DistributedDataParallel")
         assert report["losses"] == pytest.approx(ref_report["losses"], rel=1e-4)
     # the processes train one model, not two
     assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
@@ -82,6 +85,22 @@ def test_two_processes_match_one(name, tiny_model_dir, tmp_path, reference):
         assert glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     assert saved.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(saved[key], ref_weights[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_split_batches_splits_the_per_device_batch_among_processes(tiny_model_dir, tmp_path, reference):
+    """accelerator_config's split_batches: per_device_train_batch_size=4 is the batch of both processes together
+    (2 each), so with 2 accumulation steps the global batch is 8, the reference's, with the same losses."""
+    ref_report, ref_weights = reference
+    launch("multi_gpu", JOB, tiny_model_dir, str(tmp_path), "4", "2", 'accelerator_config={"split_batches": true}')
+    reports = rank_reports(tmp_path)
+    for report in reports:
+        assert report["effective_batch_size"] == 8
+        assert report["losses"] == pytest.approx(ref_report["losses"], rel=1e-4)
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     for key in ref_weights:
         torch.testing.assert_close(saved[key], ref_weights[key], rtol=1e-4, atol=1e-5)
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import trainers.base
+from tests.conftest import step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError
 from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
@@ -143,7 +144,7 @@ def test_include_num_input_tokens_seen(tiny_model_dir, tmp_path, mode):
     trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=4, include_num_input_tokens_seen=mode),
                          train_dataset=rows)
     trainer.train()
-    history = trainer.state.log_history
+    history = step_records(trainer)
     if mode == "no":
         assert all("num_input_tokens_seen" not in r for r in history)
         return

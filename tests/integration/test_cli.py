@@ -50,7 +50,8 @@ def test_small_shipped_yamls_train_for_a_step(path, tmp_path):
                      "--disable_tqdm", "true"]) == 0
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert records[-1]["step"] == 1 and records[-1]["loss"] == records[-1]["loss"]  # a finite loss was logged
+    assert records[-1]["step"] == 1 and "train_runtime" in records[-1]  # train()'s closing summary
+    assert records[-2]["step"] == 1 and records[-2]["loss"] == records[-2]["loss"]  # a finite loss was logged
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.conftest import step_records
 from tests.integration.test_grpo import PROMPTS, config, digits
 from trainers import GRPOTrainer
 
@@ -20,7 +21,7 @@ def weights(trainer):
 def test_the_bonus_subtracts_coef_times_the_mean_entropy(tiny_model_dir, tmp_path):
     plain = train(tiny_model_dir, tmp_path / "plain", max_steps=1)
     bonus = train(tiny_model_dir, tmp_path / "bonus", max_steps=1, entropy_coef=0.5)
-    (p,), (b,) = plain.state.log_history, bonus.state.log_history
+    (p,), (b,) = step_records(plain), step_records(bonus)
     assert b["reward"] == p["reward"]  # the same completions: the bonus changes only the loss
     assert b["entropy"] == pytest.approx(p["entropy"], rel=1e-6)
     assert b["policy_loss"] == pytest.approx(p["loss"], abs=1e-6)
@@ -36,16 +37,16 @@ def test_adaptive_coefficient_follows_the_entropy_target(tiny_model_dir, tmp_pat
     # bonus applies from the second step on (the first has no measured entropy yet)
     up = train(tiny_model_dir, tmp_path / "up", max_steps=3, entropy_coef=0.1, use_adaptive_entropy=True,
                entropy_target=100.0, entropy_coef_delta=0.05)
-    assert [r["entropy_coef"] for r in up.state.log_history] == pytest.approx([0.15, 0.2, 0.25])
-    first = up.state.log_history[0]
+    assert [r["entropy_coef"] for r in step_records(up)] == pytest.approx([0.15, 0.2, 0.25])
+    first = step_records(up)[0]
     assert first["loss"] == pytest.approx(first["policy_loss"], abs=1e-7)  # step 1: nothing applied
-    second = up.state.log_history[1]
+    second = step_records(up)[1]
     assert second["loss"] == pytest.approx(second["policy_loss"] - 0.15 * second["entropy"], rel=1e-5)
     # above the target, it falls to entropy_coef_min and never applies
     down = train(tiny_model_dir, tmp_path / "down", max_steps=3, entropy_coef=0.1, use_adaptive_entropy=True,
                  entropy_target=1.0, entropy_coef_delta=0.04, entropy_coef_min=0.0)
-    assert [r["entropy_coef"] for r in down.state.log_history] == pytest.approx([0.06, 0.02, 0.0])
-    for record in down.state.log_history:
+    assert [r["entropy_coef"] for r in step_records(down)] == pytest.approx([0.06, 0.02, 0.0])
+    for record in step_records(down):
         assert record["loss"] == pytest.approx(record["policy_loss"], abs=1e-7)
 
 
@@ -59,6 +60,6 @@ def test_the_adaptive_coefficient_is_resumed(tiny_model_dir, tmp_path):
     resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
                           args=config(tmp_path / "split", **options))
     resumed.train(resume_from_checkpoint=True)
-    assert [r["entropy_coef"] for r in resumed.state.log_history] == \
-        [r["entropy_coef"] for r in straight.state.log_history]
-    assert resumed.state.log_history[-1]["loss"] == pytest.approx(straight.state.log_history[-1]["loss"], rel=1e-5)
+    assert [r["entropy_coef"] for r in step_records(resumed)] == \
+        [r["entropy_coef"] for r in step_records(straight)]
+    assert step_records(resumed)[-1]["loss"] == pytest.approx(step_records(straight)[-1]["loss"], rel=1e-5)

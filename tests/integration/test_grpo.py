@@ -10,6 +10,7 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.configs import ConfigError
 
@@ -43,10 +44,10 @@ def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits,
                           args=config(tmp_path, max_steps=24, logging_steps=4), train_dataset=PROMPTS)
     trainer.train()
-    rewards = [r["reward"] for r in trainer.state.log_history]
+    rewards = [r["reward"] for r in step_records(trainer)]
     assert rewards[0] < 0.1  # digits are 10 of 259 byte tokens
     assert rewards[-1] > 0.5, rewards
-    last = trainer.state.log_history[-1]
+    last = step_records(trainer)[-1]
     for key in ("loss", "reward", "reward_std", "rewards/digits/mean", "rewards/digits/std", "completions/mean_length",
                 "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                 "completions/mean_terminated_length", "completions/min_terminated_length",
@@ -56,7 +57,7 @@ def test_mean_reward_rises_clearly(tiny_model_dir, tmp_path):
                 "learning_rate", "grad_norm"):
         assert key in last, key
     # the length metrics' values: test_length_metrics_of_a_round
-    assert last["entropy"] < trainer.state.log_history[0]["entropy"]  # the policy sharpened
+    assert last["entropy"] < step_records(trainer)[0]["entropy"]  # the policy sharpened
 
 
 @pytest.mark.parametrize("abc_ends, expected", [
@@ -92,7 +93,7 @@ def test_peft_grpo_trains_only_adapters_and_beta_uses_the_base_model(tiny_model_
     after = trainer.unwrapped_model.state_dict()
     for key in before:
         assert (not torch.equal(before[key], after[key])) == ("lora_" in key), key
-    kls = [r["kl"] for r in trainer.state.log_history]
+    kls = [r["kl"] for r in step_records(trainer)]
     assert kls[0] == pytest.approx(0.0, abs=1e-6)  # adapters start as the identity
     assert kls[-1] > 0
 
@@ -102,7 +103,7 @@ def test_beta_logs_a_growing_kl_to_a_frozen_reference(tiny_model_dir, tmp_path):
                           train_dataset=PROMPTS)
     reference = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
     trainer.train()
-    kls = [r["kl"] for r in trainer.state.log_history]
+    kls = [r["kl"] for r in step_records(trainer)]
     assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-4, kls
     for key, value in trainer.ref_model.state_dict().items():
         assert torch.equal(value, reference[key]), f"reference model changed: {key}"
@@ -117,7 +118,7 @@ def test_variants_train(tiny_model_dir, tmp_path, options):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, max_steps=4, **options),
                           train_dataset=PROMPTS)
     trainer.train()
-    history = trainer.state.log_history
+    history = step_records(trainer)
     assert len(history) == 4 and all(math.isfinite(r["loss"]) for r in history)
 
 
@@ -126,7 +127,7 @@ def test_num_iterations_reuses_each_round_with_its_old_logps(tiny_model_dir, tmp
                           train_dataset=PROMPTS)
     assert trainer.need_old_logps
     trainer.train()
-    history = trainer.state.log_history
+    history = step_records(trainer)
     assert len(history) == 4 and all(math.isfinite(r["loss"]) for r in history)
     # each round serves 2 optimizer steps: steps 2 and 4 reuse it, so only steps 1 and 3 log rewards
     assert ["reward" in r for r in history] == [True, False, True, False]
@@ -358,7 +359,7 @@ def test_clip_ratio_min_and_max_are_the_micro_batch_ratios(tiny_model_dir, tmp_p
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
                           args=config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2))
     trainer.train()
-    history = trainer.state.log_history
+    history = step_records(trainer)
     assert len(history) == 4
     for record in history:
         assert record["clip_ratio/low_min"] == pytest.approx(record["clip_ratio/low_mean"], abs=1e-7)

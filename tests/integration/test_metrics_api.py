@@ -106,7 +106,7 @@ def test_batch_eval_metrics_and_unconcatenated_batches(tiny_model_dir, tmp_path)
     assert isinstance(predictions, list) and [p.shape[0] for p in predictions] == [2, 2, 1]
 
 
-@pytest.mark.parametrize("options", [{"padding_free": True}, {"packing": True, "max_length": 64}])
+@pytest.mark.parametrize("options", [{"padding_free": True, "max_length": None}, {"packing": True, "max_length": 64}])
 def test_predictions_are_per_row_with_padding_free_and_packed_evaluation(tiny_model_dir, tmp_path, options):
     seen = Seen()
     trainer = SFTTrainer(model=tiny_model_dir, args=args(tmp_path, **options), train_dataset=ROWS, eval_dataset=EVAL,

@@ -5,6 +5,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from tests.conftest import step_records
 from tests.integration.test_grpo import PROMPTS, config, digits
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError
@@ -44,7 +45,7 @@ def test_a_resumed_run_keeps_the_moved_reference(tiny_model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=True)
     for a, b in zip(params(straight.ref_model), params(resumed.ref_model), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert resumed.state.log_history[-1]["kl"] == pytest.approx(straight.state.log_history[-1]["kl"], rel=1e-4)
+    assert step_records(resumed)[-1]["kl"] == pytest.approx(step_records(straight)[-1]["kl"], rel=1e-4)
 
 
 def test_sync_ref_model_needs_a_reference_to_move(tiny_model_dir, tmp_path):

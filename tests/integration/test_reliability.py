@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, step_records
 from tests.integration.test_resume import assert_identical, final_weights, run
 from trainers import SFTConfig, SFTTrainer
 from trainers.checkpoint import resolve_resume_path, rotate_checkpoints
@@ -160,7 +160,7 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_di
     trainer.train()
     assert_identical(snapshots[1], snapshots[2])  # step 3 changed nothing
     assert not torch.equal(snapshots[2]["model.norm.weight"], snapshots[3]["model.norm.weight"])  # step 4 trained
-    history = trainer.state.log_history
+    history = step_records(trainer)
     assert [r["nonfinite_steps"] for r in history] == [0, 0, 1, 1]
     assert trainer.state.total_nonfinite == 1 and trainer.state.consecutive_nonfinite == 0
     assert math.isnan(history[2]["loss"])  # a record of that step alone has nothing finite to show
@@ -179,7 +179,7 @@ def test_logging_nan_inf_filter_keeps_a_non_finite_loss_out_of_the_logged_loss(t
 
     trainer.compute_loss = poisoned
     output = trainer.train()
-    last = trainer.state.log_history[-1]  # steps 3 and 4
+    last = step_records(trainer)[-1]  # steps 3 and 4
     assert last["nonfinite_steps"] == 1
     if nan_filter:  # transformers' default: the finite steps' mean
         assert last["loss"] == pytest.approx(losses[3])

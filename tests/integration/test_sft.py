@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.sft.tokenize import Collator, pack_samples, shift_targets
@@ -29,7 +30,7 @@ def test_sft_drives_the_loss_well_down(tiny_model_dir, tmp_path):
         tmp_path, per_device_train_batch_size=32, learning_rate=3e-3, max_steps=80, logging_steps=10,
         lr_scheduler_type="cosine", warmup_steps=5), train_dataset=rows)
     result = trainer.train()
-    history = trainer.state.log_history
+    history = step_records(trainer)
     assert history[0]["loss"] > 5.0  # ln(259) = 5.56: a random model
     assert history[-1]["loss"] < 1.6, history  # copying digits in reverse is learnable
     assert history[-1]["mean_token_accuracy"] > 0.4
@@ -39,7 +40,7 @@ def test_sft_drives_the_loss_well_down(tiny_model_dir, tmp_path):
     # num_tokens counts every non-padding input token: 32 rows x (6 prompt + 5 completion + 1 EOS) per step
     assert history[-1]["num_tokens"] == 80 * 32 * 12
     with open(os.path.join(tmp_path / "out", "metrics.jsonl")) as f:
-        assert [json.loads(line) for line in f] == history
+        assert [json.loads(line) for line in f] == trainer.state.log_history  # train()'s summary last
 
 
 def test_save_then_reload_gives_the_same_logits(tiny_model_dir, tmp_path):
@@ -165,7 +166,7 @@ def test_accumulation_split_does_not_change_the_result(tiny_model_dir, tmp_path)
             gradient_accumulation_steps=accumulation, max_steps=5, lr_scheduler_type="linear"), train_dataset=rows)
         trainer.train()
         assert trainer.effective_batch_size == 8
-        results.append(([r["loss"] for r in trainer.state.log_history], weights(trainer)))
+        results.append(([r["loss"] for r in step_records(trainer)], weights(trainer)))
     reference_losses, reference_weights = results[0]
     for losses, final in results[1:]:
         assert losses == pytest.approx(reference_losses, rel=1e-5)
@@ -215,7 +216,7 @@ def test_checkpoints_rotate_and_resume(tiny_model_dir, tmp_path):
                          train_dataset=rows)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 8
-    assert [r["step"] for r in resumed.state.log_history] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [r["step"] for r in step_records(resumed)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("options,checkpointed", [

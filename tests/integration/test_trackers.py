@@ -92,7 +92,8 @@ def test_console_lines_are_concise_and_the_file_has_everything(tiny_model_dir, t
     finally:
         logger.propagate = False
     lines = list(dict.fromkeys(r.getMessage() for r in caplog.records if r.getMessage().startswith("step=")))
-    assert len(lines) == 3 and "loss=" in lines[0] and "tokens_per_second=" in lines[0]
+    assert len(lines) == 4 and "loss=" in lines[0] and "tokens_per_second=" in lines[0]
+    assert "train_runtime=" in lines[-1] and "train_loss=" in lines[-1]  # train()'s summary, as transformers prints
     assert "mean_token_accuracy" not in lines[0]  # in metrics.jsonl, not on the console
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         assert "mean_token_accuracy" in json.loads(f.readline())

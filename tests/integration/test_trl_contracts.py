@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 
@@ -538,5 +539,5 @@ def test_logging_first_step(tiny_model_dir, tmp_path, first, logged):
     trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS,
                          args=sft_args(tmp_path, logging_steps=3, logging_first_step=first))
     trainer.train()
-    assert [r["step"] for r in trainer.state.log_history] == logged
-    assert trainer.state.log_history[-2]["step"] == 3  # the record at step 3 averages steps 1..3 (or 2..3)
+    assert [r["step"] for r in step_records(trainer)] == logged
+    assert step_records(trainer)[-2]["step"] == 3  # the record at step 3 averages steps 1..3 (or 2..3)

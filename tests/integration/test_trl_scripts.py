@@ -7,6 +7,7 @@ strings where TRL's parser gives strings (``--resume_from_checkpoint true``).
 
 import pytest
 
+from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
@@ -190,7 +191,7 @@ def test_given_optimizer_resumes_exactly(tiny_model_dir, tmp_path):
     straight = run("straight", 4)
     run("split", 2)
     resumed = run("split", 4, resume=True)
-    assert [r["learning_rate"] for r in resumed.state.log_history] == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025],
+    assert [r["learning_rate"] for r in step_records(resumed)] == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025],
                                                                                     rel=1e-5)
     for (name, a), b in zip(straight.unwrapped_model.named_parameters(), resumed.unwrapped_model.parameters()):
         assert torch.equal(a, b), name

@@ -30,7 +30,7 @@ INVALID = [
     (SFTConfig, {"max_length": 0}, "max_length"),
     (GRPOConfig, {"max_completion_length": 0}, "max_completion_length"),
     (GRPOConfig, {"num_generations": 1}, "num_generations"),
-    (SFTConfig, {"loss_type": "dft"}, "loss_type"),
+    (SFTConfig, {"loss_type": "chunked"}, "loss_type"),
     (GRPOConfig, {"loss_type": "ppo"}, "loss_type"),
     (GRPOConfig, {"scale_rewards": "std"}, "scale_rewards"),
     (GRPOConfig, {"importance_sampling_level": "sequence_level"}, "importance_sampling_level"),
@@ -73,8 +73,10 @@ INVALID = [
     (SFTConfig, {"max_length": 12.5}, "max_length"),
     (SFTConfig, {"packing": True, "max_length": None}, "max_length"),
     (SFTConfig, {"truncation_mode": "keep_middle"}, "truncation_mode"),
-    (SFTConfig, {"packing_strategy": "wrapped"}, "packing_strategy"),
+    (SFTConfig, {"packing_strategy": "wrapped_around"}, "packing_strategy"),
     (SFTConfig, {"pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+    (SFTConfig, {"pad_to_multiple_of": "eight"}, "pad_to_multiple_of"),
+    (GRPOConfig, {"pad_to_multiple_of": 0}, "pad_to_multiple_of"),
     (SFTConfig, {"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
     (GRPOConfig, {"num_generations": 0}, "num_generations"),
     (GRPOConfig, {"num_generations": 4.0}, "num_generations"),
@@ -193,6 +195,10 @@ def test_config_error_is_value_error():
         (SFTConfig, {"max_length": None}),
         (SFTConfig, {"packing": True, "max_length": 64, "truncation_mode": "keep_end"}),
         (SFTConfig, {"pad_to_multiple_of": 8}),
+        (SFTConfig, {"packing": True, "packing_strategy": "wrapped", "loss_type": "dft"}),
+        (SFTConfig, {"padding_free": True, "max_length": None}),
+        (SFTConfig, {"padding_free": True, "packing": True}),
+        (GRPOConfig, {"pad_to_multiple_of": 16}),
         (GRPOConfig, {"num_generations": 2}),
         (GRPOConfig, {"generation_batch_size": 16}),
         (GRPOConfig, {"steps_per_generation": 4}),
@@ -250,7 +256,7 @@ def test_option_of_another_config_is_unknown():
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", False), ("hub_model_id", None), ("label_smoothing_factor", 0.0), ("label_names", None),
-     ("save_on_each_node", False), ("dataloader_num_workers", 0), ("vllm_mode", "colocate")],
+     ("save_on_each_node", False), ("dataloader_pin_memory", True), ("vllm_mode", "colocate")],
 )
 def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
     assert TRL_ONLY_OPTIONS[name] == value
@@ -292,13 +298,12 @@ def test_trl_only_option_at_other_value_is_refused(cls, name, value):
 
 def test_trl_only_options_do_not_shadow_real_fields():
     """A TRL-only option is a field of no config, except TrainingArguments options only SFT implements
-    (neftune_noise_alpha, and what compute_metrics receives): GRPO still accepts them only at TRL's default;
-    and loss_type, GRPO's own field, which SFT accepts only at TRL's 'nll'."""
+    (neftune_noise_alpha, and what compute_metrics receives): GRPO still accepts them only at TRL's default."""
     fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in ALL_CONFIGS}
     sft_only = {"neftune_noise_alpha", "prediction_loss_only", "include_for_metrics", "eval_do_concat_batches",
                 "batch_eval_metrics"}
-    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == sft_only | {"loss_type"}
-    assert sft_only <= fields[SFTConfig] and "loss_type" in fields[GRPOConfig] - fields[SFTConfig]
+    assert set(TRL_ONLY_OPTIONS) & set.union(*fields.values()) == sft_only
+    assert sft_only <= fields[SFTConfig] and "loss_type" in fields[GRPOConfig] & fields[SFTConfig]
     with pytest.raises(ConfigError, match="only its default False"):
         GRPOConfig(batch_eval_metrics=True)
     assert SFTConfig(neftune_noise_alpha=5.0).neftune_noise_alpha == 5.0
@@ -526,7 +531,6 @@ def test_no_field_accepts_a_single_value():
 
 
 @pytest.mark.parametrize("cls,name,default,other", [
-    (SFTConfig, "packing_strategy", "bfd", "wrapped"), (SFTConfig, "loss_type", "nll", "dft"),
     (GRPOConfig, "use_vllm", False, True),
 ])
 def test_single_value_options_are_trl_only(cls, name, default, other):

@@ -680,3 +680,12 @@ def test_tools_and_chat_template_kwargs_columns_reach_the_template():
     check_messages(calling, "column 'messages'")  # a tool-calling turn may have no content (the template renders it)
     with pytest.raises(DatasetFormatError, match="Column 'tools' holds text that is not JSON"):
         tokenize_row({"messages": messages, "tools": "[{"}, tok, "conversational", eos_token=EOS)
+
+
+def test_a_list_of_rows_keeps_every_key_any_row_has():
+    """datasets' from_list takes its columns from the first row; a key only later rows have must not vanish."""
+    from trainers.data import as_dataset
+
+    dataset = as_dataset([{"prompt": "a"}, {"prompt": "b", "answer": "2"}], "train_dataset")
+    assert dataset.column_names == ["prompt", "answer"]
+    assert dataset["answer"] == [None, "2"]

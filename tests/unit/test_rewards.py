@@ -250,3 +250,26 @@ def test_a_partial_is_named_after_its_function_as_in_trl():
         return [scale] * len(completions)
 
     assert resolve_reward(functools.partial(functools.partial(scaled, scale=2.0)), 8).name == "scaled"
+
+
+def test_a_sample_no_function_scores_is_warned_about_in_trls_words(caplog):
+    def first_only(completions, **kwargs):
+        return [1.0] + [None] * (len(completions) - 1)
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    with caplog.at_level("WARNING", logger="trainers"):
+        values = call_rewards([Reward("a", first_only), Reward("b", never)], PROMPTS, COMPLETIONS, IDS,
+                              {"answer": ["2", "4", "6"]}, {"trainer_state": object()})
+    assert values[0].tolist() == [1.0, pytest.approx(float("nan"), nan_ok=True)]
+    assert torch.isnan(values[1:]).all()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["All reward functions returned None for the following kwargs:\n"
+                        "{'answer': '4', 'prompt': '2+2=', 'completion': 'The answer is 4.'}\n"
+                        "Please ensure that at least one reward function returns a valid reward."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainers"):
+        call_rewards([Reward("a", first_only), Reward("b", lambda completions, **kw: [0.0] * 3)], PROMPTS,
+                     COMPLETIONS, IDS, {})
+    assert not caplog.records  # every sample has a score from some function

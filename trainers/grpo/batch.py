@@ -46,11 +46,14 @@ class Rollout:
     # pi_old / pi_sampler for them (vllm_importance_sampling_correction): [N, C] per token, [N, 1] per completion
     sampler_logps: torch.Tensor | None = None
     sampler_weights: torch.Tensor | None = None
+    # pad_to_multiple_of: P and C are multiples of it, and so are the widths of the rows' slices (``rows``)
+    pad_to_multiple_of: int | None = None
 
     def rows(self, index: torch.Tensor):
         """Some of the rows (``index``: [b] indices), as the same type, all-padding columns trimmed and prompt
         groups renumbered."""
-        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index])
+        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index],
+                                        self.pad_to_multiple_of)
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -94,8 +97,21 @@ class MicroBatch(Rollout):
     num_padded_tokens: torch.Tensor | float = 0.0  # 0-d: the same (GRPO's forward has no padding it counts)
 
 
-def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor) -> tuple[int, int]:
+def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor,
+                     multiple: int | None = None) -> tuple[int, int]:
     """The first prompt column that is not padding in every row, and the completion width that is (at least 1).
-    prompt_mask: [B, P] left-padded; completion_attention: [B, C] right-padded."""
-    first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else prompt_mask.shape[1] - 1
-    return first, max(int(completion_attention.sum(1).max()), 1)
+    prompt_mask: [B, P] left-padded; completion_attention: [B, C] right-padded. With ``multiple``
+    (pad_to_multiple_of; P and C are multiples of it), as few padding columns are kept as make both kept widths
+    multiples of it too."""
+    P, C = prompt_mask.shape[1], completion_attention.shape[1]
+    first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else P - 1
+    width = max(int(completion_attention.sum(1).max()), 1)
+    if multiple:
+        first = P - min(P, round_up(P - first, multiple))
+        width = min(C, round_up(width, multiple))
+    return first, width
+
+
+def round_up(n: int, multiple: int | None) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (None or 0: ``n`` itself)."""
+    return -(-n // multiple) * multiple if multiple else n

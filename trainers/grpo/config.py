@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options
+from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options, resolve_pad_to_multiple_of
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -37,6 +37,12 @@ class GRPOConfig(TrainingConfig):
     )
     num_iterations: int = opt(
         1, "Passes over each generation round (mu); > 1 reuses rollouts with old log-probs.", ge=1)
+    pad_to_multiple_of: str | int | None = opt(
+        "auto", "Pad the prompt ids (on the left) and the completion ids (on the right) of every forward up to a "
+        "multiple of this many columns, each (None: no extra padding); the loss is unchanged. TRL's 'auto' pads "
+        "to 128 on AWS Neuron only, which this project does not run on, so it means None here (the field reads "
+        "None once the config is built).", ge=1, choices=("auto",)
+    )
     # Sampling
     temperature: float = opt(1.0, "Sampling temperature.", gt=0)
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.", gt=0, le=1)
@@ -130,6 +136,11 @@ class GRPOConfig(TrainingConfig):
         False, "Drop groups whose rewards are all equal (zero advantage) from the loss, and log how many."
     )
     disable_dropout: bool = opt(False, "Set every dropout probability in the policy to 0.")
+    cast_lm_head_to_fp32: bool = opt(
+        False, "Keep the output head of the policy and the reference model in float32 and compute the logits in "
+        "float32 (TRL's option, from the ScaleRL recipe): more precise log-probs for a bf16/fp16 model. A head tied "
+        "to the input embeddings makes those float32 too. Not with a PEFT adapter on lm_head."
+    )
     skip_zero_gradient_rows: bool = opt(
         True, "Leave out of the backward the completions whose loss gradient is zero by construction: those "
         "without loss tokens (dynamic_sampling's dropped groups, mask_truncated_completions) are not forwarded "
@@ -174,6 +185,7 @@ class GRPOConfig(TrainingConfig):
     )
 
     def __post_init__(self):
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of, type(self).__name__)
         if isinstance(self.scale_rewards, bool):  # TRL accepts booleans: True -> "group", False -> "none".
             self.scale_rewards = "group" if self.scale_rewards else "none"
         super().__post_init__()  # also each field's own choices and bounds

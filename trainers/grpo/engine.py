@@ -168,10 +168,13 @@ class _Decoder:
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor | None, list[int]]] = {}
-        self.dtype = _compute_dtype(self.decoder.embed_tokens.weight)  # of the matrix products
+        # The decoder's dtype, read from its final norm: the embeddings may be float32 while the rest is not (a
+        # head tied to them and cast by cast_lm_head_to_fp32)
+        self.body_weight = self.decoder.norm.weight
+        self.dtype = _compute_dtype(self.body_weight)  # of the matrix products
         # Attention and the KV cache stay in the weights' dtype: bf16 attention is slower on CPU (its decode
         # SDPA kernel takes twice as long), and the cache is small.
-        self.cache_dtype = self.decoder.embed_tokens.weight.dtype
+        self.cache_dtype = self.body_weight.dtype
 
     def pack_weights(self, batch: int) -> None:
         """Re-lay large plain ``nn.Linear`` weights for oneDNN once per call (CPU; in the compute dtype): a decode
@@ -295,7 +298,7 @@ def generate(model, prompt_ids: list[list[int]], params, pad_id: int, eos_ids: s
         ids[i, width - len(p):] = torch.tensor(p, device=device)
         keep[i, width - len(p):] = True
     positions = (keep.long().cumsum(-1) - 1).clamp(min=0)  # [U, P] real tokens count from 0
-    cos_table, sin_table = run.rotary(width + max_new, run.decoder.embed_tokens.weight)  # [P + M, D]
+    cos_table, sin_table = run.rotary(width + max_new, run.body_weight)  # [P + M, D]
 
     # prefill the distinct prompts; then give every row its prompt's cache
     dtype = run.cache_dtype

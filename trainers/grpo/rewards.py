@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from trainers.errors import RewardFunctionError
+from trainers.errors import ModelLoadError, RewardFunctionError
+from trainers.logs import logger
+from trainers.modeling import check_model_path
 
 
 def completion_text(completion: Any) -> str:
@@ -228,8 +230,8 @@ class RewardModel:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if getattr(self.model.config, "pad_token_id", None) is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # The model scores the last non-pad token, found by its config's pad id: it must be the tokenizer's (as TRL)
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
@@ -246,13 +248,30 @@ class RewardModel:
         return self.model(**inputs).logits[:, 0].float().tolist()
 
 
-def load_reward_model(path_or_model: Any, tokenizer=None, chat_template_kwargs: dict | None = None) -> RewardModel:
+def load_reward_model(path_or_model: Any, tokenizer=None, chat_template_kwargs: dict | None = None,
+                      model_init_kwargs: dict | None = None, trust_remote_code: bool = False) -> RewardModel:
+    """A reward model from anything ``from_pretrained`` accepts (a folder, a Hub id, a Hub id in the local cache
+    offline), loaded as TRL does: ``AutoModelForSequenceClassification`` with ``num_labels=1`` and the config's
+    ``model_init_kwargs``; or a model instance. Its tokenizer: ``tokenizer``, else the model's own."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if isinstance(path_or_model, str):
-        model = AutoModelForSequenceClassification.from_pretrained(path_or_model, num_labels=1)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path_or_model)
-        name = os.path.basename(path_or_model.rstrip("/"))
+        kwargs = dict(model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", trust_remote_code)
+        model = AutoModelForSequenceClassification.from_pretrained(path_or_model, num_labels=1, **kwargs)
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path_or_model, revision=kwargs.get("revision"),
+                                                          trust_remote_code=kwargs["trust_remote_code"])
+            except (OSError, ValueError) as error:
+                raise RewardFunctionError(f"reward model '{path_or_model}' loaded, but its tokenizer did not "
+                                          f"({error}); pass it in reward_processing_classes.") from error
+            # Without tokenizer files transformers builds an empty tokenizer (its special tokens only) from the
+            # model's config, whose ids would all be unknown to the model: refused instead of scoring nonsense
+            if len(tokenizer.get_vocab()) <= len(tokenizer.added_tokens_decoder):
+                raise RewardFunctionError(f"reward model '{path_or_model}' loaded, but its tokenizer did not (no "
+                                          f"tokenizer files there); pass it in reward_processing_classes.")
+        name = os.path.basename(path_or_model.rstrip("/"))  # "org/name" -> "name", as TRL names it
     else:
         model = path_or_model
         source = getattr(model.config, "_name_or_path", "")
@@ -270,6 +289,26 @@ def load_reward_model(path_or_model: Any, tokenizer=None, chat_template_kwargs: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _named_reward_model(spec: str, processing_class, chat_template_kwargs: dict | None,
+                        model_init_kwargs: dict | None, trust_remote_code: bool) -> RewardModel:
+    """Any other string is a reward model, as in TRL: a local folder, or a Hub id (from the local Hugging Face
+    cache, or downloaded). One that is none of these gets an error naming everything a string may be."""
+    from huggingface_hub import constants
+
+    try:
+        check_model_path(spec)  # a local-looking path that is missing, or a folder without config.json
+        return load_reward_model(spec, processing_class, chat_template_kwargs, model_init_kwargs, trust_remote_code)
+    except RewardFunctionError:  # the model loaded; its message says what else failed
+        raise
+    except (ModelLoadError, OSError, ValueError) as error:  # ValueError: a config no sequence classifier takes
+        hub = ("a Hub id in the local Hugging Face cache (HF_HUB_OFFLINE=1: the Hub was not asked)"
+               if constants.HF_HUB_OFFLINE else "a Hub id (the local Hugging Face cache, then the Hub)")
+        raise RewardFunctionError(
+            f"reward function '{spec}' is neither a built-in ({sorted(BUILTIN_REWARDS)}), a 'module:function', "
+            f"nor a reward model that AutoModelForSequenceClassification.from_pretrained(num_labels=1) loads, as a "
+            f"local folder or {hub}: {error}") from error
+
+
 @dataclass
 class Reward:
     """A resolved reward function and the name its metrics are logged under (``rewards/<name>/mean``)."""
@@ -279,8 +318,10 @@ class Reward:
 
 
 def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
-                   chat_template_kwargs: dict | None = None) -> Reward:
-    """A callable, a built-in name, ``module:function``, a reward-model folder, or a model instance -> Reward."""
+                   chat_template_kwargs: dict | None = None, model_init_kwargs: dict | None = None,
+                   trust_remote_code: bool = False) -> Reward:
+    """A callable, a built-in name, ``module:function``, a reward model (a folder or Hub id, as TRL loads any other
+    string), or a model instance -> Reward."""
     from transformers import PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
@@ -293,20 +334,16 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
             return Reward("format", format_reward)
         if spec == "overlong":
             return Reward("overlong", soft_overlong_penalty(max_completion_length))
-        if os.path.isdir(spec):
-            model = load_reward_model(spec, processing_class, chat_template_kwargs)
-            return Reward(model.__name__, model)
-        if ":" in spec:
+        if ":" in spec and not os.path.isdir(spec):  # a Hub id has no ':'; a folder may
             module_name, _, attr = spec.partition(":")
             try:
                 func = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError) as error:
                 raise RewardFunctionError(f"reward function '{spec}' could not be imported: {error}") from error
             return Reward(attr, func)
-        raise RewardFunctionError(
-            f"reward function '{spec}' is neither a built-in ({sorted(BUILTIN_REWARDS)}), a 'module:function', "
-            f"nor a reward-model folder."
-        )
+        model = _named_reward_model(spec, processing_class, chat_template_kwargs, model_init_kwargs,
+                                    trust_remote_code)
+        return Reward(model.__name__, model)
     if callable(spec):
         inner = spec
         while isinstance(inner, functools.partial):  # named after the wrapped function, as in TRL
@@ -448,7 +485,17 @@ def call_rewards(rewards: list[Reward], prompts: list, completions: list, comple
             raise failure(rewards[i], result) from result
         outputs[i] = result
     logs.check(n)
-    return torch.stack([_check_values(r, out, n) for r, out in zip(rewards, outputs)], dim=1)
+    scores = torch.stack([_check_values(r, out, n) for r, out in zip(rewards, outputs)], dim=1)  # [N, F]
+    unscorable = torch.isnan(scores).all(dim=1)  # [N]
+    if unscorable.any():
+        # TRL's warning, worded as TRL's, naming the first such sample. Its reward stays NaN: left out of its
+        # group's mean and std, advantage 0 (trainers/grpo/advantages.py), as in TRL.
+        index = int(unscorable.nonzero()[0])
+        sample = {key: values[index] for key, values in columns.items()}
+        sample["prompt"], sample["completion"] = prompts[index], completions[index]
+        logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\n"
+                       "Please ensure that at least one reward function returns a valid reward.")
+    return scores
 
 
 # TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.

@@ -106,8 +106,9 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     local_advantages = adv.advantages[start:start + n]  # [n]
 
     pad_id = trainer.processing_class.pad_token_id
-    prompt_tensor, prompt_mask = left_pad(samples.prompt_ids, pad_id)  # [n, P]
-    completion_ids, attention = right_pad(samples.completion_ids, pad_id)  # [n, C]
+    multiple = args.pad_to_multiple_of  # P and C multiples of it (TRL's padding); the extra columns are masked
+    prompt_tensor, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
+    completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
     # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not be)
     truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
     model_tokens = attention  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
@@ -116,8 +117,8 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
     groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)  # [n]
     rollout = Rollout(prompt_tensor, prompt_mask, completion_ids, attention, groups, loss_mask,
-                      local_advantages).to(acc.device)
-    old = trainer.round_logprobs(trainer.model, rollout) if trainer.need_old_logps else None
+                      local_advantages, pad_to_multiple_of=multiple).to(acc.device)
+    old = trainer.round_logprobs(trainer.model_wrapped, rollout) if trainer.need_old_logps else None
     ref = trainer.reference_logprobs(rollout) if args.beta > 0 else None
     rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
     sampler_metrics = {}
@@ -185,7 +186,7 @@ def with_sampler_logps(trainer: Any, rollout: Rollout, sampler: torch.Tensor | N
     given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
     if given.item() == 0:
         return rollout, {}
-    current = rollout.old_logps if rollout.old_logps is not None else trainer.round_logprobs(trainer.model, rollout)
+    current = rollout.old_logps if rollout.old_logps is not None else trainer.round_logprobs(trainer.model_wrapped, rollout)
     current = current.float()
     mine = sampler is not None  # this process's rollout gave log-probs
     sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing

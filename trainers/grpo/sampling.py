@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from trainers import distributed as dist
+from trainers.grpo.batch import round_up
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ class Sampler(Protocol):
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (ids [N, P], mask [N, P]) with padding on the left, as generation wants."""
-    width = max(len(s) for s in sequences)
+def left_pad(sequences: list[list[int]], pad_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids [N, P], mask [N, P]) with padding on the left, as generation wants; P a multiple of ``multiple``
+    (pad_to_multiple_of) when given."""
+    width = round_up(max(len(s) for s in sequences), multiple)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
@@ -60,9 +62,11 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def right_pad(sequences: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (ids [N, C], mask [N, C]) with padding on the right."""
-    width = width if width is not None else max([len(s) for s in sequences] + [1])
+def right_pad(sequences: list[list[int]], pad_id: int, width: int | None = None,
+              multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids [N, C], mask [N, C]) with padding on the right; C is ``width``, else the longest sequence's length
+    rounded up to a multiple of ``multiple`` (pad_to_multiple_of) when given."""
+    width = width if width is not None else round_up(max([len(s) for s in sequences] + [1]), multiple)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
@@ -83,11 +87,12 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int) -> list[int]:
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
-                synced_gpus: bool = False) -> list[list[int]]:
-    """Sample one completion per prompt with ``model.generate``; returns completion token ids, each cut after
-    its first EOS (a completion without EOS was truncated at ``max_new_tokens``)."""
+                synced_gpus: bool = False, pad_to_multiple_of: int | None = None) -> list[list[int]]:
+    """Sample one completion per prompt with ``model.generate`` (the prompts left-padded to a multiple of
+    ``pad_to_multiple_of`` columns, as TRL pads them); returns completion token ids, each cut after its first
+    EOS (a completion without EOS was truncated at ``max_new_tokens``)."""
     device = next(model.parameters()).device
-    input_ids, attention_mask = left_pad(prompt_ids, pad_id)
+    input_ids, attention_mask = left_pad(prompt_ids, pad_id, pad_to_multiple_of)
     kwargs = dict(
         max_new_tokens=params.max_new_tokens, do_sample=params.do_sample, pad_token_id=pad_id,
         eos_token_id=sorted(eos_ids), use_cache=True, synced_gpus=synced_gpus,
@@ -106,7 +111,8 @@ def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_
 
 
 def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
-             engine: str = "auto", synced_gpus: bool = False) -> list[list[int]]:
+             engine: str = "auto", synced_gpus: bool = False, pad_to_multiple_of: int | None = None
+             ) -> list[list[int]]:
     """Completions from ``model``: the lean engine (trainers/grpo/engine.py) where it supports the model and the
     options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf". "auto" takes the
     lean engine on CPU only: it has not been measured on a GPU, where HF ``generate`` is the default."""
@@ -119,7 +125,8 @@ def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id:
     on_cpu = next(model.parameters()).device.type == "cpu"
     if engine == "lean" or (engine == "auto" and usable and on_cpu):
         return lean.generate(model, prompt_ids, params, pad_id, eos_ids)
-    return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus)
+    return hf_generate(model, prompt_ids, params, pad_id, eos_ids, synced_gpus=synced_gpus,
+                       pad_to_multiple_of=pad_to_multiple_of)
 
 
 class PolicySampler:
@@ -138,9 +145,10 @@ class PolicySampler:
         model.eval()
         gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
         synced = dist.zero_stage(acc) == 3 and not gather
-        with dist.gathered_parameters(acc, trainer.model, enabled=gather), acc.autocast():
+        with dist.gathered_parameters(acc, trainer.model_wrapped, enabled=gather), acc.autocast():
             completions = generate(model, prompt_ids, params, trainer.processing_class.pad_token_id,
-                                   trainer.eos_ids, engine=args.generation_engine, synced_gpus=synced)
+                                   trainer.eos_ids, engine=args.generation_engine, synced_gpus=synced,
+                                   pad_to_multiple_of=args.pad_to_multiple_of)
         model.train(was_training)
         return completions
 

@@ -29,7 +29,7 @@ import torch
 from trainers import distributed as dist
 from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
-from trainers.data import tokenize_prompts
+from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import DatasetFormatError
 from trainers.grpo import engine, rollout
 from trainers.grpo.advantages import combine_rewards
@@ -53,24 +53,65 @@ from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.grpo.user_rollout import RolloutFuncSampler
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import context_length, generation_eos_ids, load_causal_lm, token_logprobs
+from trainers.modeling import (
+    cast_lm_head_to_fp32,
+    context_length,
+    generation_eos_ids,
+    load_causal_lm,
+    prompt_learning_config,
+    token_logprobs,
+)
 from trainers.samplers import group_slots
 from trainers.stats import Stats
+from trainers.streaming import (
+    IndexedBatches,
+    PerThread,
+    is_stream,
+    load_data_position,
+    note_map_style_workers,
+    save_data_position,
+    stream_batches,
+)
+
+# TRL's GRPOTrainer copies these GRPOConfig fields onto itself and user code reads them there (trainer.temperature,
+# trainer.beta). Here each reads the config, the one place they are kept. They are read-only: set after
+# construction, one would not reach the sampler or the loss, which were set up from the config.
+TRL_CONFIG_ATTRIBUTES = (
+    "beta", "importance_sampling_level", "log_completions", "log_multimodal", "log_unique_prompts", "loss_type",
+    "mask_truncated_completions", "max_completion_length", "min_p", "multi_objective_aggregation",
+    "num_completions_to_print", "num_generations", "num_iterations", "off_policy_mask_threshold",
+    "pad_to_multiple_of", "repetition_penalty", "scale_rewards", "shuffle_dataset", "temperature",
+    "top_entropy_quantile", "top_k", "top_p", "use_adaptive_entropy", "use_transformers_continuous_batching",
+    "use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+)
+
+
+def _config_attribute(name: str) -> property:
+    def read(self):
+        return getattr(self.args, name)
+
+    def refuse(self, value):
+        raise AttributeError(f"GRPOTrainer.{name} reads args.{name}, which the trainer was set up with; set "
+                             f"GRPOConfig({name}=...) before building the trainer.")
+
+    return property(read, refuse, doc=f"``args.{name}``, as TRL's trainer attribute of that name.")
 
 
 class GRPOTrainer(BaseTrainer):
     """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
-    "overlong"), ``module:function`` strings, or reward models (folders or instances). ``rollout_func``
+    "overlong"), ``module:function`` strings, or reward models (folders, Hub ids or instances). ``rollout_func``
     replaces the trainer's sampling (trainers/grpo/user_rollout.py). Arguments in TRL's order."""
 
     config_class = GRPOConfig
+    _tag_names = ("trainers", "grpo")  # the model card tags added to the model (TRL: ["trl", "grpo"])
     # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
     # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
     # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
     ddp_defaults = {"broadcast_buffers": False}
-    EVAL_STATE = ("eval_rows", "eval_prompt_ids")
+    EVAL_STATE = ("eval_rows", "eval_prompt_ids", "eval_given")
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         for name, value in (("tools", tools), ("environment_factory", environment_factory)):
@@ -82,11 +123,18 @@ class GRPOTrainer(BaseTrainer):
                               f"{type(rollout_func).__name__}.")
         self.rollout_func = rollout_func
         self.sampler: Sampler = RolloutFuncSampler(rollout_func, self) if rollout_func else PolicySampler(self)
-        self._reward_specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self._reward_specs = (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
+                              else [] if reward_funcs is None else [reward_funcs])
         if not self._reward_specs:
-            raise ConfigError("reward_funcs is empty; give at least one reward function.")
+            raise ConfigError("No reward source provided: reward_funcs is empty; give at least one reward function.")
+        # one entry per reward function (a tokenizer for a reward model, None for a function); one tokenizer alone
+        # serves every reward model
         self._reward_tokenizers = (list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
                                    else [reward_processing_classes] * len(self._reward_specs))
+        if len(self._reward_tokenizers) != len(self._reward_specs):
+            raise ConfigError(f"The number of reward processing classes ({len(self._reward_tokenizers)}) must match "
+                              f"the number of reward functions ({len(self._reward_specs)}): give one per reward "
+                              f"function, None for a function.")
         self._model_source = model
         self._rounds: dict[int, Rollout] = {}  # the rounds the current step trains on, by round index
         self._round_metrics: list[dict] = []  # one per round built since the last optimizer step
@@ -101,12 +149,13 @@ class GRPOTrainer(BaseTrainer):
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
         args, world = self.args, self.accelerator.num_processes
-        per_step = args.per_device_train_batch_size * world  # completions per micro-step, all processes
+        per_device = self.per_process_train_batch_size  # per_device_train_batch_size, split with split_batches
+        per_step = per_device * world  # completions per micro-step, all processes
         if args.generation_batch_size is not None:
             if args.generation_batch_size % per_step:
                 raise ConfigError(
                     f"generation_batch_size={args.generation_batch_size} must be a multiple of "
-                    f"per_device_train_batch_size x processes = {args.per_device_train_batch_size} x {world} = {per_step}.")
+                    f"per_device_train_batch_size x processes = {per_device} x {world} = {per_step}.")
             self.steps_per_generation = args.generation_batch_size // per_step
         else:
             self.steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
@@ -114,7 +163,7 @@ class GRPOTrainer(BaseTrainer):
         if self.generation_batch_size % args.num_generations:
             raise ConfigError(
                 f"generation_batch_size = per_device_train_batch_size x processes x steps_per_generation = "
-                f"{args.per_device_train_batch_size} x {world} x {self.steps_per_generation} = "
+                f"{per_device} x {world} x {self.steps_per_generation} = "
                 f"{self.generation_batch_size} completions per round is not a multiple of num_generations="
                 f"{args.num_generations}; each prompt needs all its {args.num_generations} completions in one round.")
         self.prompts_per_round = self.generation_batch_size // args.num_generations
@@ -122,7 +171,8 @@ class GRPOTrainer(BaseTrainer):
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
         self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
 
-        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs)
+        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs,
+                                                     args.model_init_kwargs, args.trust_remote_code)
                                       for spec, tok in zip(self._reward_specs, self._reward_tokenizers)]
         weights = args.reward_weights or [1.0] * len(self.rewards)
         if len(weights) != len(self.rewards):
@@ -132,12 +182,23 @@ class GRPOTrainer(BaseTrainer):
 
         if train_dataset is None:
             raise DatasetFormatError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
-        self.train_rows, self.train_prompt_ids = self._prompts(train_dataset, "train_dataset")
-        self.eval_rows = self.eval_prompt_ids = None
+        self._given_train_dataset = train_dataset  # trainer.train_dataset: as given, as TRL keeps it
+        if is_stream(train_dataset):  # read in order during training, a chunk of prompts tokenized at a time
+            self.train_rows = self.train_prompt_ids = self.prompt_sampler = None
+            # a copy of the tokenizer for each worker thread (dataloader_num_workers): one thread at a time may use
+            # a fast tokenizer
+            self._tokenizers = PerThread(self.processing_class)
+            self.prompt_batches = stream_batches(self, train_dataset, self._prompt_chunk, self.prompts_per_round)
+        else:
+            self.train_rows, self.train_prompt_ids = self._prompts(train_dataset, "train_dataset")
+            self.prompt_sampler = self.batch_sampler([len(ids) for ids in self.train_prompt_ids],
+                                                     self.prompts_per_round, "generation round")
+            self.prompt_batches = IndexedBatches(
+                [PromptRow(row, ids) for row, ids in zip(self.train_rows, self.train_prompt_ids)], self.prompt_sampler)
+            note_map_style_workers(self)
+        self.eval_rows = self.eval_prompt_ids = self.eval_given = None
         if eval_dataset is not None:
             self.tokenize_eval(eval_dataset, "eval_dataset")  # its context check waits for the model (after_load)
-        self.prompt_sampler = self.batch_sampler([len(ids) for ids in self.train_prompt_ids], self.prompts_per_round,
-                                                 "generation round")
         self.eos_ids = {i for i in {self.processing_class.eos_token_id} if i is not None}
         self.sampling = SamplingParams(
             max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
@@ -170,7 +231,29 @@ class GRPOTrainer(BaseTrainer):
             check_accuracy_references(rows, name)
         return rows, ids
 
+    def _prompt_chunk(self, raw: list[dict], first: int) -> list[PromptRow]:
+        """A chunk of a streamed train_dataset (its raw rows ``first``, ``first + 1``, ...) as prompts, checked as
+        ``_prompts`` checks a dataset; it may run in a worker thread, with that thread's copy of the tokenizer."""
+        ids = tokenize_prompt_rows(raw, "train_dataset", self._tokenizers.get(), self.args.chat_template_kwargs, first)
+        if any(r.func is accuracy_reward for r in self.rewards):
+            check_accuracy_references(raw, f"train_dataset (the chunk from row {first})")
+        return [PromptRow(row, row_ids) for row, row_ids in zip(raw, ids)]
+
+    @property
+    def train_dataset(self):
+        """The training data as given (TRL's GRPOTrainer keeps it so: prompts are tokenized when rounds are built)."""
+        return self._given_train_dataset
+
+    @property
+    def eval_dataset(self):
+        """The evaluation data as given; a dict for named eval datasets (as TRL keeps it)."""
+        if self.eval_sets:
+            return {name: eval_set["eval_given"] for name, eval_set in self.eval_sets.items()}
+        return self.eval_given
+
     def optimizer_steps_per_epoch(self) -> int:
+        if self.prompt_sampler is None:  # a stream's length is unknown: as transformers, one "epoch" is max_steps
+            return self.args.max_steps
         micro_steps = self.prompt_sampler.steps_per_epoch * self.steps_per_generation * self.args.num_iterations
         return max(1, math.ceil(micro_steps / self.args.gradient_accumulation_steps))
 
@@ -194,10 +277,10 @@ class GRPOTrainer(BaseTrainer):
     def build_round(self, round_index: int) -> Rollout:
         """Generation round ``round_index`` on this process (trainers/grpo/rollout.py); its metrics and
         completions wait for the step's log."""
-        slots = group_slots(self.prompt_sampler.batch(round_index), self.args.num_generations,
-                            self.accelerator.num_processes, self.accelerator.process_index)
-        built = rollout.build_round(self, [self.train_rows[i] for i in slots],
-                                    [self.train_prompt_ids[i] for i in slots])
+        prompts = self.prompt_batches.batch(round_index)  # the round's prompts, the same on every process
+        slots = group_slots(list(range(len(prompts))), self.args.num_generations, self.accelerator.num_processes,
+                            self.accelerator.process_index)
+        built = rollout.build_round(self, [prompts[i].row for i in slots], [prompts[i].ids for i in slots])
         self._round_metrics.append(built.metrics)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
@@ -207,7 +290,7 @@ class GRPOTrainer(BaseTrainer):
         round_index, iteration, part = self._place(step, accumulation_index)
         if round_index not in self._rounds:
             raise RuntimeError(f"round {round_index} is not built: call prepare_step({step}) before micro_batch.")
-        size = self.args.per_device_train_batch_size
+        size = self.per_process_train_batch_size
         # a round trained on again (num_iterations > 1): its tokens were counted once, as in TRL
         return self._rounds[round_index].micro_batch(part * size, (part + 1) * size, count_tokens=iteration == 0)
 
@@ -216,27 +299,98 @@ class GRPOTrainer(BaseTrainer):
         this together."""
         return PolicySampler(self).generate(prompt_ids, params or self.sampling)
 
+    # ------------------------------------------------------------------ TRL's public attributes
+
+    @property
+    def reward_funcs(self) -> list:
+        """TRL's ``trainer.reward_funcs``: the reward functions in order, a reward model as the model itself
+        (an ``AutoModelForSequenceClassification``, prepared for the accelerator once training is set up)."""
+        return [r.func.model if isinstance(r.func, RewardModel) else r.func for r in self.rewards]
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """TRL's: one entry per reward function, the tokenizer of a reward model (given, or its own) and what was
+        given (None by default) for a function."""
+        return [r.func.tokenizer if isinstance(r.func, RewardModel) else given
+                for r, given in zip(self.rewards, self._reward_tokenizers)]
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's: the names the reward metrics are logged under (``rewards/<name>/mean``)."""
+        return [r.name for r in self.rewards]
+
+    @property
+    def num_generations_eval(self) -> int:
+        return self.args.num_generations_eval or self.args.num_generations
+
+    @property
+    def chat_template_kwargs(self) -> dict:
+        return self.args.chat_template_kwargs or {}
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.args.epsilon
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.args.epsilon if self.args.epsilon_high is None else self.args.epsilon_high
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now: with use_adaptive_entropy it moves every step, as TRL's does."""
+        control = getattr(self, "entropy_control", None)  # set once training is set up (after_prepare)
+        return control.coef if control is not None else self.args.entropy_coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the Mixture-of-Experts router loss is added (TRL's name)."""
+        return bool(self.router_aux_loss_coef)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a completion: the tokenizer's EOS first, then the model's own end ids (as TRL)."""
+        first = self.processing_class.eos_token_id
+        return ([first] if first is not None else []) + sorted(self.eos_ids - {first})
+
     # ------------------------------------------------------------------ models
 
     def after_load(self, model) -> None:
         args = self.args
+        prompt_learning = prompt_learning_config(model)
+        if prompt_learning is not None:
+            # generation (the lean engine, the shared prompt cache), left-padded prompts' position ids and the
+            # reference (adapters off) all assume the model's inputs are the tokens themselves
+            raise ConfigError(
+                f"GRPOTrainer: a PEFT prompt-learning adapter ({prompt_learning.peft_type.value}, from peft_config "
+                f"or the PeftModel given as model) is not supported: its virtual tokens are not handled in "
+                f"generation or the policy log-probs. Use an adapter such as LoRA (peft_config=LoraConfig(...)).")
         # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
         # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
         self.eos_ids |= set(generation_eos_ids(model))
-        self._check_context(model, "train_dataset", self.train_prompt_ids)  # the eval datasets: check_eval_fit
+        if self.train_prompt_ids is not None:  # the eval datasets: check_eval_fit
+            self._check_context(model, "train_dataset", self.train_prompt_ids)
+        else:  # a stream: each chunk when it is first used (the one read already: now)
+            self.prompt_batches.validate = lambda prompts, first: self._check_context(
+                model, "train_dataset", [p.ids for p in prompts], first)
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
         self.ref_model = None
         if args.beta > 0 and not self.is_peft:  # with PEFT the reference is the base model, adapters disabled
             source = self._model_source
             self.ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
                               if isinstance(source, str) else copy.deepcopy(model))
+            if args.cast_lm_head_to_fp32 and isinstance(source, str):  # a deep copy has it already
+                cast_lm_head_to_fp32(self.ref_model)
 
-    def _check_context(self, model, name: str, prompt_ids: list[list[int]]) -> None:
+    def _check_context(self, model, name: str, prompt_ids: list[list[int]], first: int = 0) -> None:
+        """Every prompt leaves room for max_completion_length tokens in the model's context (rows counted from
+        ``first`` in errors: a chunk of a stream)."""
         context = context_length(model)
-        for index, ids in enumerate(prompt_ids if context else []):
+        for index, ids in enumerate(prompt_ids if context else [], start=first):
             if len(ids) + self.args.max_completion_length > context:
                 raise DatasetFormatError(
                     f"{name} row {index}: the prompt has {len(ids)} tokens; with max_completion_length="
@@ -246,6 +400,7 @@ class GRPOTrainer(BaseTrainer):
     def tokenize_eval(self, dataset, name: str) -> None:
         """Validate and tokenize ``dataset`` as the evaluation prompts (all but the model's context check)."""
         self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, name)
+        self.eval_given = dataset  # trainer.eval_dataset
 
     def check_eval_fit(self, model, name: str) -> None:
         self._check_context(model, name, self.eval_prompt_ids)
@@ -272,7 +427,7 @@ class GRPOTrainer(BaseTrainer):
         there: checked on CPU, not enabled). Under gradient checkpointing the function itself falls back where
         the checkpoints would lose the prompt's cache (reentrant ones, an older transformers)."""
         return (engine.supports(self.unwrapped_model)
-                and not dist.forwards_are_collective(self.accelerator, self.model)
+                and not dist.forwards_are_collective(self.accelerator, self.model_wrapped)
                 and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
 
     def policy_logprobs(self, model, batch: MicroBatch, with_entropy: bool = False, with_router_loss: bool = False,
@@ -294,7 +449,7 @@ class GRPOTrainer(BaseTrainer):
     def round_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of a round, in micro-batches: [N, C]."""
         out = torch.zeros_like(rollout.loss_mask)
-        size = self.args.per_device_train_batch_size
+        size = self.per_process_train_batch_size
         for start in range(0, rollout.loss_mask.shape[0], size):
             logps = self.policy_logprobs(model, rollout.micro_batch(start, start + size))["logps"]
             out[start:start + size, : logps.shape[1]] = logps
@@ -305,14 +460,14 @@ class GRPOTrainer(BaseTrainer):
         if self.ref_model is not None:
             return self.round_logprobs(self.ref_model, rollout)
         with self.unwrapped_model.disable_adapter():
-            return self.round_logprobs(self.model, rollout)
+            return self.round_logprobs(self.model_wrapped, rollout)
 
     @functools.cached_property
     def skips_zero_gradient_rows(self) -> bool:
         """skip_zero_gradient_rows where it holds: not where forwards are collective (ZeRO-3, FSDP, DDP with
         ddp_broadcast_buffers=True: the extra forward runs on some processes only), nor with an MoE router loss
         (every row's routing counts in it)."""
-        return (self.args.skip_zero_gradient_rows and not dist.forwards_are_collective(self.accelerator, self.model)
+        return (self.args.skip_zero_gradient_rows and not dist.forwards_are_collective(self.accelerator, self.model_wrapped)
                 and not self.router_aux_loss_coef)
 
     def _training_forward(self, model, batch: MicroBatch, **options) -> dict:
@@ -423,7 +578,7 @@ class GRPOTrainer(BaseTrainer):
     def eval_rows_per_batch(self) -> int:
         """Prompts per evaluation batch: per_device_eval_batch_size counts completions."""
         per_prompt = self.args.num_generations_eval or self.args.num_generations
-        return max(1, self.args.per_device_eval_batch_size // per_prompt)
+        return max(1, self.per_process_eval_batch_size // per_prompt)
 
     def evaluation_stats(self) -> Stats:
         """Mean reward (and each function's) of num_generations_eval (default num_generations) sampled
@@ -467,6 +622,7 @@ class GRPOTrainer(BaseTrainer):
     # ------------------------------------------------------------------ resume
 
     def save_extra_state(self, folder: str) -> None:
+        save_data_position(self.prompt_batches, folder, self.accelerator.process_index)
         if self.args.sync_ref_model:  # the moved reference is not the model it was loaded from: keep it
             reference = dist.unwrap(self.accelerator, self.ref_model)
             with dist.gathered_parameters(self.accelerator, reference):
@@ -482,6 +638,7 @@ class GRPOTrainer(BaseTrainer):
                        os.path.join(folder, f"rollout-{self.accelerator.process_index}.pt"))
 
     def load_extra_state(self, folder: str) -> None:
+        load_data_position(self.prompt_batches, folder, self.accelerator.process_index)
         if self.args.sync_ref_model and os.path.exists(os.path.join(folder, "reference.pt")):
             state = torch.load(os.path.join(folder, "reference.pt"), weights_only=True)
             dist.load_full_state_dict(self.accelerator, self.ref_model, state)
@@ -494,3 +651,7 @@ class GRPOTrainer(BaseTrainer):
         if os.path.exists(path):
             saved = torch.load(path, weights_only=True)
             self._rounds = {saved["round"]: Rollout(**saved["rollout"]).to(self.accelerator.device)}
+
+
+for _name in TRL_CONFIG_ATTRIBUTES:
+    setattr(GRPOTrainer, _name, _config_attribute(_name))

@@ -273,8 +273,60 @@ def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack_samples(samples: Sequence[dict], max_length: int) -> list[dict]:
-    """Concatenate samples into rows of at most ``max_length`` tokens; ``position_ids`` restart per sample."""
+def split_overflow(samples: Sequence[dict], max_length: int) -> list[dict]:
+    """TRL's 'bfd_split' pieces: a sample longer than ``max_length`` becomes consecutive pieces of ``max_length``
+    tokens (the last one shorter), each a sample of its own. A piece's last token predicts nothing
+    (``cut_targets``): the token it would predict starts the next piece, which it does not attend to."""
+    pieces = []
+    for sample in samples:
+        n = len(sample["input_ids"])
+        if n <= max_length:
+            pieces.append(sample)
+            continue
+        for start in range(0, n, max_length):
+            pieces.append(cut_targets(sample, start, min(start + max_length, n)))
+    return pieces
+
+
+def cut_targets(sample: dict, start: int, end: int) -> dict:
+    """Tokens [start, end) of a shifted sample, its last target IGNORE: across the cut, as TRL (whose labels are
+    shifted within each piece) leaves it. ``{"input_ids", "target_ids"}`` -> the same keys."""
+    return {"input_ids": sample["input_ids"][start:end],
+            "target_ids": sample["target_ids"][start:end - 1] + [IGNORE]}
+
+
+def pack_wrapped(samples: Sequence[dict], max_length: int) -> list[dict]:
+    """TRL's 'wrapped' packing: every sample concatenated, in order, and cut into rows of ``max_length`` tokens
+    (the last row shorter). Each row is one sequence, as in TRL: ``position_ids`` run 0..len-1 over the row and
+    a sample attends to the samples before it in the row; a sample may be cut in the middle, its rest starting
+    the next row at position 0.
+
+    What each token predicts (targets are shifted per sample, before packing): the next token of its own sample.
+    So a sample's last token predicts nothing, where TRL (which shifts the concatenated labels) trains it on the
+    next sample's first token; and at a cut, the row's last token predicts nothing (its next token is in the next
+    row, as in TRL), while the next row's first token, with no context before it, predicts its sample's next
+    token (as in TRL)."""
+    input_ids = [t for s in samples for t in s["input_ids"]]
+    target_ids = [t for s in samples for t in s["target_ids"]]
+    whole = {"input_ids": input_ids, "target_ids": target_ids}
+    rows = []
+    for start in range(0, len(input_ids), max_length):
+        row = cut_targets(whole, start, min(start + max_length, len(input_ids)))
+        rows.append({**row, "position_ids": list(range(len(row["input_ids"])))})
+    return rows
+
+
+def pack_samples(samples: Sequence[dict], max_length: int, strategy: str = "bfd") -> list[dict]:
+    """Pack shifted samples into rows of at most ``max_length`` tokens, with TRL's ``packing_strategy``:
+    'bfd' (samples already truncated to max_length) and 'bfd_split' (longer samples split first,
+    ``split_overflow``) fill rows best-fit decreasing, ``position_ids`` restarting per sample; 'wrapped'
+    concatenates and cuts (``pack_wrapped``)."""
+    if strategy == "wrapped":
+        return pack_wrapped(samples, max_length)
+    if strategy == "bfd_split":
+        samples = split_overflow(samples, max_length)
+    elif strategy != "bfd":
+        raise ValueError(f"unknown packing strategy {strategy!r}")
     bins = pack_bfd([len(s["input_ids"]) for s in samples], max_length)
     rows = []
     for members in bins:
@@ -340,7 +392,8 @@ class Collator:
             length = len(s["input_ids"])
             input_ids[row, :length] = torch.tensor(s["input_ids"])
             target_ids[row, :length] = torch.tensor(s["target_ids"])
-            position_ids[row, :length] = torch.tensor(s["position_ids"])
+            # a row without position ids (skip_prepare_dataset's rows may mix packed and plain ones) is one document
+            position_ids[row, :length] = torch.tensor(s.get("position_ids", range(length)))
             position_ids[row, length:] = torch.arange(width - length)
             real += length
         return {"input_ids": input_ids, "target_ids": target_ids, "position_ids": position_ids,
@@ -360,3 +413,73 @@ class Collator:
         as_row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731  [1, T]
         return {"input_ids": as_row(input_ids), "target_ids": as_row(target_ids), "position_ids": as_row(position_ids),
                 "attention_mask": None, "num_input_tokens": torch.tensor(real)}
+
+
+def given_samples(rows: Sequence[dict], name: str, first: int = 0) -> list[dict]:
+    """dataset_kwargs={'skip_prepare_dataset': True}: rows used as given, as TRL's collator reads them: 'input_ids',
+    optional 'labels' (-100 where no loss is taken; otherwise every token is trained) and optional 'seq_lengths'
+    (rows packed beforehand: the lengths of the sequences in the row, whose positions restart and which do not
+    attend to each other). No EOS is added, nothing is truncated or packed. A row with 'completion_mask' or
+    'assistant_masks' but no 'labels' is refused, as TRL refuses it (the masks would silently not apply). Rows are
+    counted from ``first`` in errors."""
+    samples = []
+    for index, row in enumerate(rows, start=first):
+        where = f"{name} row {index}"
+        if row.get("input_ids") is None:
+            raise DatasetFormatError(
+                f"{where} has no 'input_ids' (columns {sorted(row)}): dataset_kwargs={{'skip_prepare_dataset': True}} "
+                f"uses the rows as given, so they must be tokenized already ('input_ids', optionally 'labels' and "
+                f"'seq_lengths'). Drop skip_prepare_dataset to have the trainer tokenize them.")
+        input_ids = check_token_ids(row["input_ids"], f"{where}: 'input_ids'")
+        if not input_ids:
+            raise DatasetFormatError(f"{where}: 'input_ids' is empty.")
+        labels = row.get("labels")
+        if labels is None:
+            masks = [column for column in ("completion_mask", "assistant_masks") if row.get(column) is not None]
+            if masks:
+                raise DatasetFormatError(
+                    f"{where} has {masks} but no 'labels', and dataset_kwargs={{'skip_prepare_dataset': True}} skips "
+                    f"building labels from them, so it would train on the full sequence (TRL refuses this too). Add "
+                    f"a 'labels' column (-100 on the tokens without loss) or drop skip_prepare_dataset.")
+            labels = list(input_ids)
+        labels = check_token_ids(labels, f"{where}: 'labels'", allow_ignore=True)
+        if len(labels) != len(input_ids):
+            raise DatasetFormatError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has "
+                                     f"{len(input_ids)}.")
+        lengths = row.get("seq_lengths")
+        if lengths is not None and (not all(isinstance(n, int) and n > 0 for n in lengths)
+                                    or sum(lengths) != len(input_ids)):
+            raise DatasetFormatError(f"{where}: 'seq_lengths' {lengths!r:.80} must be positive lengths that add up "
+                                     f"to the row's {len(input_ids)} tokens.")
+        target_ids, position_ids, start = [], [], 0
+        for length in lengths or [len(input_ids)]:  # each sequence predicts its own next tokens only
+            target_ids += labels[start + 1: start + length] + [IGNORE]
+            position_ids += list(range(length))
+            start += length
+        sample = {"input_ids": input_ids, "target_ids": target_ids}
+        if lengths is not None:  # a packed row (the Collator keeps its sequences apart by position ids)
+            sample["position_ids"] = position_ids
+        samples.append(sample)
+    return samples
+
+
+def prepared_view(samples: Sequence[dict]):
+    """Training samples as TRL's prepared dataset: a ``datasets.Dataset`` with 'input_ids', 'labels' (transformers'
+    labels: the token at each position, -100 where it is not trained on, which includes the first token of each
+    sequence, predicted by nothing) and, for packed rows, 'seq_lengths' (the lengths of the sequences in a row)."""
+    from datasets import Dataset
+
+    packed = any("position_ids" in s for s in samples)
+    columns: dict[str, list] = {"input_ids": [], "labels": []} | ({"seq_lengths": []} if packed else {})
+    for sample in samples:
+        ids, targets = sample["input_ids"], sample["target_ids"]
+        positions = sample.get("position_ids") or list(range(len(ids)))
+        starts = [t for t, position in enumerate(positions) if position == 0] + [len(ids)]
+        labels = []
+        for start, end in zip(starts, starts[1:]):
+            labels += [IGNORE] + targets[start:end - 1]  # position t's label: what position t - 1 predicts
+        columns["input_ids"].append(list(ids))
+        columns["labels"].append(labels)
+        if packed:
+            columns["seq_lengths"].append([end - start for start, end in zip(starts, starts[1:])])
+    return Dataset.from_dict(columns)

@@ -10,8 +10,15 @@ from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import DatasetFormatError, as_dataset
 from trainers.logs import logger
-from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import context_length, generation_eos_ids, token_logprobs, vocabulary_size
+from trainers.losses import AGGREGATIONS, SFT_TOKEN_LOSSES, BatchCounts
+from trainers.modeling import (
+    context_length,
+    generation_eos_ids,
+    prompt_learning_config,
+    token_logprobs,
+    virtual_token_count,
+    vocabulary_size,
+)
 from trainers.samplers import local_slice
 from trainers.sft.batch import SFTBatch
 from trainers.sft.config import SFTConfig
@@ -20,17 +27,29 @@ from trainers.sft.tokenize import (
     IGNORE,
     Collator,
     detect_format,
+    given_samples,
     pack_samples,
+    prepared_view,
     shift_targets,
     tokenize_row,
     transformers_labels,
     truncate,
 )
 from trainers.stats import Stats
+from trainers.streaming import (
+    IndexedBatches,
+    PerThread,
+    is_stream,
+    load_data_position,
+    note_map_style_workers,
+    save_data_position,
+    stream_batches,
+)
 
 
 class SFTTrainer(BaseTrainer):
-    """Fine-tunes a causal LM on supervised data; the loss is the token-level NLL over trained tokens.
+    """Fine-tunes a causal LM on supervised data; the loss is the token-level NLL (or DFT, loss_type) over trained
+    tokens.
 
     Example::
 
@@ -40,6 +59,7 @@ class SFTTrainer(BaseTrainer):
     """
 
     config_class = SFTConfig
+    _tag_names = ("trainers", "sft")  # the model card tags added to the model (TRL: ["trl", "sft"])
 
     def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_loss_func=None, compute_metrics=None,
@@ -69,6 +89,11 @@ class SFTTrainer(BaseTrainer):
         if compute_loss_func is not None and not callable(compute_loss_func):
             raise ConfigError(f"compute_loss_func must be a function (outputs, labels, num_items_in_batch) -> loss, "
                               f"got {type(compute_loss_func).__name__}.")
+        if compute_loss_func is not None and getattr(args, "loss_type", "nll") == "dft":  # TRL's rule and words
+            raise ConfigError(
+                "You passed a `compute_loss_func` together with `loss_type='dft'` to the `SFTTrainer`. When using "
+                "`loss_type='dft'`, the loss function is internally set to the DFT loss, so passing a "
+                "`compute_loss_func` is not allowed.")
         self.compute_loss_func = compute_loss_func
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
                          callbacks, optimizers, optimizer_cls_and_kwargs)
@@ -78,11 +103,11 @@ class SFTTrainer(BaseTrainer):
         if self.args.neftune_noise_alpha is None:
             return super().train(resume_from_checkpoint)
         # transformers' own hook: it adds noise only in training mode, so evaluation (eval mode) sees none
-        handle = activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
+        handle = activate_neftune(self.model_wrapped, self.args.neftune_noise_alpha, self.accelerator)
         try:
             return super().train(resume_from_checkpoint)
         finally:
-            deactivate_neftune(self.model, handle, self.accelerator)
+            deactivate_neftune(self.model_wrapped, handle, self.accelerator)
 
     # ------------------------------------------------------------------ data
 
@@ -94,43 +119,98 @@ class SFTTrainer(BaseTrainer):
             tokenizer.eos_token = args.eos_token
         if train_dataset is None:
             raise DatasetFormatError("SFTTrainer needs a train_dataset.")
-        self.train_rows = self._tokenize(train_dataset, "train_dataset", args.packing)
-        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset", self.eval_packing) \
-            if eval_dataset is not None else None
+        if args.skip_prepare_dataset and self.formatting_func is not None:
+            raise ConfigError("formatting_func makes text to tokenize, and dataset_kwargs={'skip_prepare_dataset': "
+                              "True} uses already tokenized rows as given: drop one of them.")
         self.collator = Collator(tokenizer.pad_token_id, padding_free=args.padding_free,
                                  pad_to_multiple_of=args.pad_to_multiple_of)
-        global_batch = (args.per_device_train_batch_size * self.accelerator.num_processes
-                        * args.gradient_accumulation_steps)
-        self.sampler = self.batch_sampler([len(r["input_ids"]) for r in self.train_rows], global_batch, "global batch")
+        global_batch = self.effective_batch_size
+        if is_stream(train_dataset):  # read in order during training, prepared a chunk at a time
+            self.train_rows, self.sampler = None, None
+            # a copy of the tokenizer for each worker thread (dataloader_num_workers): one thread at a time may use
+            # a fast tokenizer
+            self._tokenizers = PerThread(self.processing_class)
+            self.train_batches = stream_batches(
+                self, train_dataset, lambda raw, first: self._prepare_chunk(raw, first, "train_dataset", args.packing),
+                global_batch)
+        else:
+            self.train_rows = self._tokenize(train_dataset, "train_dataset", args.packing)
+            self.sampler = self.batch_sampler([len(r["input_ids"]) for r in self.train_rows], global_batch,
+                                              "global batch")
+            self.train_batches = IndexedBatches(self.train_rows, self.sampler)
+            note_map_style_workers(self)
+        self._given_train_dataset, self._train_view = train_dataset, None  # trainer.train_dataset
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset", self.eval_packing) \
+            if eval_dataset is not None else None
 
     @property
     def eval_packing(self) -> bool:
         return self.args.packing if self.args.eval_packing is None else self.args.eval_packing
 
     def _tokenize(self, dataset, name: str, pack: bool) -> list[dict]:
+        """A (map-style) dataset as training samples: tokenized (dataset_num_proc processes), then ``_samples``;
+        with skip_prepare_dataset, the rows as given."""
         args = self.args
-        dataset = self._formatted(as_dataset(dataset, name), name)
-        fmt = detect_format(dataset.column_names, args.dataset_text_field, name)
-        kwargs = dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
-                      eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
-                      assistant_only_loss=args.assistant_only_loss)
-        if args.assistant_only_loss and fmt != "conversational":
-            raise ConfigError(f"assistant_only_loss=True needs a 'messages' column; {name} is in the {fmt} format.")
+        dataset = as_dataset(dataset, name)
+        if args.skip_prepare_dataset:
+            return given_samples(dataset.to_list(), name)
+        dataset = self._formatted(dataset, name)
+        kwargs = self._row_kwargs(dataset.column_names, name)
         with self.accelerator.main_process_first():
             tokenized = dataset.map(lambda row: tokenize_row(row, **kwargs), remove_columns=dataset.column_names,
                                     num_proc=args.dataset_num_proc, desc=f"tokenizing {name}")
-        samples = [shift_targets(truncate({"input_ids": ids, "labels": labels}, args.max_length, args.truncation_mode))
-                   for ids, labels in zip(tokenized["input_ids"], tokenized["labels"])]
-        trainable = [s for s in samples if any(t != IGNORE for t in s["target_ids"])]
-        if not trainable:
+        samples, skipped = self._samples(tokenized["input_ids"], tokenized["labels"], pack)
+        if not samples:
             raise DatasetFormatError(f"No row of {name} has a token to train on (check max_length and the loss masks).")
-        if len(trainable) < len(samples) and self.accelerator.is_main_process:
-            logger.warning(f"{len(samples) - len(trainable)} rows of {name} have no token to train on after "
-                           f"truncation to max_length={args.max_length}; they are skipped.")
-        samples = trainable
-        if pack:
-            samples = pack_samples(samples, args.max_length)
+        if skipped and self.accelerator.is_main_process:
+            logger.warning(f"{skipped} rows of {name} have no token to train on after truncation to "
+                           f"max_length={args.max_length}; they are skipped.")
         return samples
+
+    def _row_kwargs(self, columns, name: str) -> dict:
+        """tokenize_row's arguments for a dataset with these ``columns`` (its format detected from them)."""
+        args = self.args
+        fmt = detect_format(columns, args.dataset_text_field, name)
+        if args.assistant_only_loss and fmt != "conversational":
+            raise ConfigError(f"assistant_only_loss=True needs a 'messages' column; {name} is in the {fmt} format.")
+        return dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
+                    eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
+                    assistant_only_loss=args.assistant_only_loss)
+
+    def _samples(self, input_ids: list[list[int]], labels: list[list[int]], pack: bool) -> tuple[list[dict], int]:
+        """Tokenized rows -> training samples: truncated, shifted, the rows with no token to train on left out,
+        packed (``pack``). Returns them and how many rows were left out."""
+        args = self.args
+        samples = [shift_targets(truncate({"input_ids": ids, "labels": row_labels}, args.truncation_length(pack),
+                                          args.truncation_mode))
+                   for ids, row_labels in zip(input_ids, labels)]
+        trainable = [s for s in samples if any(t != IGNORE for t in s["target_ids"])]
+        skipped = len(samples) - len(trainable)
+        if pack and trainable:
+            trainable = pack_samples(trainable, args.max_length, args.packing_strategy)
+        return trainable, skipped
+
+    def _prepare_chunk(self, raw: list[dict], first: int, name: str, pack: bool) -> list[dict]:
+        """A chunk of a streamed dataset (raw rows ``first``, ``first + 1``, ... of a pass over it) as training
+        samples, made as ``_tokenize`` makes them and packed within the chunk; errors name the row. It may run in
+        a worker thread (dataloader_num_workers), with that thread's copy of the tokenizer."""
+        if self.args.skip_prepare_dataset:
+            return given_samples(raw, name, first)
+        if self.formatting_func is not None and "input_ids" not in raw[0]:
+            self._check_formatting(list(raw[0]), name)
+            raw = [{self.args.dataset_text_field: self._format_row(row, index, name)}
+                   for index, row in enumerate(raw, start=first)]
+        kwargs = self._row_kwargs(list(raw[0]), f"{name} (row {first} on)")
+        kwargs["tokenizer"] = self._tokenizers.get()
+        input_ids, labels = [], []
+        for index, row in enumerate(raw, start=first):
+            try:
+                tokenized = tokenize_row(row, **kwargs)
+            except DatasetFormatError as error:
+                raise DatasetFormatError(f"{name} row {index}: {error}") from error
+            input_ids.append(tokenized["input_ids"])
+            labels.append(tokenized["labels"])
+        return self._samples(input_ids, labels, pack)[0]
 
     def _formatted(self, dataset, name: str):
         """The dataset as formatting_func's texts in the dataset_text_field column (TRL's language-modeling type)."""
@@ -141,24 +221,27 @@ class SFTTrainer(BaseTrainer):
             if self.accelerator.is_main_process:
                 logger.warning(f"{name} is already tokenized (it has input_ids): formatting_func is not applied.")
             return dataset
+        self._check_formatting(dataset.column_names, name)
+        with self.accelerator.main_process_first():
+            return dataset.map(lambda row, index: {field: self._format_row(row, index, name)}, with_indices=True,
+                               remove_columns=dataset.column_names, desc=f"formatting {name}")
+
+    def _check_formatting(self, columns, name: str) -> None:
+        """formatting_func makes one text of a row: refused where the loss should cover the completion only."""
         completion_only = self.args.completion_only_loss
-        pairs = {"prompt", "completion"} <= set(dataset.column_names)
+        pairs = {"prompt", "completion"} <= set(columns)
         if completion_only or (completion_only is None and pairs):  # None means True for prompt/completion rows
             why = f"completion_only_loss={completion_only}" + (f" with {name}'s prompt/completion rows" if pairs else "")
             raise ConfigError(
                 f"formatting_func turns each row into one text, with no completion to restrict the loss to ({why}). "
                 "Format the rows before passing them, or set completion_only_loss=False (as TRL requires).")
 
-        def format_row(row, index):
-            text = func(row)
-            if not isinstance(text, str):
-                raise DatasetFormatError(f"formatting_func returned {type(text).__name__} for row {index} of {name}; "
-                                         f"it must return the row's text as a string.")
-            return {field: text}
-
-        with self.accelerator.main_process_first():
-            return dataset.map(format_row, with_indices=True, remove_columns=dataset.column_names,
-                               desc=f"formatting {name}")
+    def _format_row(self, row: dict, index: int, name: str) -> str:
+        text = self.formatting_func(row)
+        if not isinstance(text, str):
+            raise DatasetFormatError(f"formatting_func returned {type(text).__name__} for row {index} of {name}; "
+                                     f"it must return the row's text as a string.")
+        return text
 
     def after_load(self, model) -> None:
         if self.args.eos_token is not None:
@@ -169,7 +252,28 @@ class SFTTrainer(BaseTrainer):
             old = generation_eos_ids(model)
             if getattr(model, "generation_config", None) is not None and eos not in old:
                 model.generation_config.eos_token_id = [eos, *old]
-        self._check_fit(model, "train_dataset", self.train_rows)  # the eval datasets: check_eval_fit
+        self._check_prompt_learning(model)
+        if self.train_rows is not None:  # the eval datasets: check_eval_fit
+            self._check_fit(model, "train_dataset", self.train_rows)
+        else:  # a stream: each chunk when it is first used (the one read already: now)
+            self.train_batches.validate = lambda rows, first: self._check_fit(
+                model, f"train_dataset (the chunk from row {first})", rows)
+
+    def _check_prompt_learning(self, model) -> None:
+        """A PEFT prompt-learning adapter (peft_config, or a PeftModel given as model) trains on padded rows only:
+        PEFT drops position ids under it (prompt tuning, P-tuning) or keeps a cache (prefix tuning), so packed or
+        padding-free rows would attend across samples. Its virtual tokens' outputs are left out of the loss
+        (trainers.modeling.token_logprobs)."""
+        config = prompt_learning_config(model)
+        args = self.args
+        if config is None or not (args.packing or args.padding_free or self.eval_packing):
+            return
+        option = "packing=True" if args.packing else "padding_free=True" if args.padding_free else "eval_packing=True"
+        raise ConfigError(
+            f"SFTTrainer: `{option}` does not work with a PEFT prompt-learning adapter ({config.peft_type.value}, "
+            f"from peft_config or the PeftModel given as model): PEFT ignores the position ids that keep packed "
+            f"samples apart, so they would attend to each other. Turn {option.split('=')[0]} off, or use an adapter "
+            f"such as LoRA.")
 
     def _check_fit(self, model, name: str, rows: list[dict]) -> None:
         """Every token id is in the model's vocabulary and every row fits its context."""
@@ -178,6 +282,7 @@ class SFTTrainer(BaseTrainer):
         if top >= vocab:
             raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
         context = context_length(model)
+        context = context and context - virtual_token_count(model)  # prompt tuning's virtual tokens come first
         longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), default=None)
         if context and longest is not None and len(rows[longest]["input_ids"]) > context:
             raise ConfigError(
@@ -192,17 +297,46 @@ class SFTTrainer(BaseTrainer):
         self._check_fit(model, name, self.eval_rows)
 
     def optimizer_steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
+        # a stream's length is unknown: as transformers, one "epoch" spans max_steps (state.epoch reaches 1 at the end)
+        return self.sampler.steps_per_epoch if self.sampler is not None else self.args.max_steps
+
+    # ------------------------------------------------------------------ TRL's dataset attributes
+
+    @property
+    def train_dataset(self):
+        """The training data as TRL keeps it: the prepared rows as a ``datasets.Dataset`` (``input_ids``, ``labels``
+        with -100 where no loss is taken, ``seq_lengths`` for packed rows; e.g. to see which rows survived
+        truncation), built on first use; a stream as given (it is prepared a chunk at a time during training)."""
+        if self.train_rows is None:
+            return self._given_train_dataset
+        if self._train_view is None:
+            self._train_view = prepared_view(self.train_rows)
+        return self._train_view
+
+    @property
+    def eval_dataset(self):
+        """The evaluation data as TRL keeps it: prepared, as ``train_dataset``; a dict of them for named eval sets."""
+        if self.eval_sets:
+            return {name: prepared_view(rows["eval_rows"]) for name, rows in self.eval_sets.items()}
+        return None if self.eval_rows is None else prepared_view(self.eval_rows)
+
+    # ------------------------------------------------------------------ resume
+
+    def save_extra_state(self, folder: str) -> None:
+        save_data_position(self.train_batches, folder, self.accelerator.process_index)
+
+    def load_extra_state(self, folder: str) -> None:
+        load_data_position(self.train_batches, folder, self.accelerator.process_index)
 
     def _to_device(self, collated: dict) -> SFTBatch:
         """A Collator's output as a batch on this process's device."""
         return SFTBatch.from_collated(collated, self.accelerator.device)
 
     def micro_batch(self, step: int, accumulation_index: int) -> SFTBatch:
-        args, acc = self.args, self.accelerator
-        rows = local_slice(self.sampler.batch(step), accumulation_index, acc.process_index,
-                           args.per_device_train_batch_size, acc.num_processes)
-        return self._to_device(self.collator([self.train_rows[i] for i in rows]))
+        acc = self.accelerator
+        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
+                           self.per_process_train_batch_size, acc.num_processes)
+        return self._to_device(self.collator(rows))
 
     # ------------------------------------------------------------------ loss
 
@@ -218,7 +352,8 @@ class SFTTrainer(BaseTrainer):
             loss, out = self._user_loss(model, batch, num_items)
         else:
             out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
-            loss = AGGREGATIONS["nll"](-out["logps"], mask, counts)
+            # the per-token loss of loss_type (NLL or DFT), averaged over the step's trained tokens either way
+            loss = AGGREGATIONS["nll"](SFT_TOKEN_LOSSES[self.args.loss_type](out["logps"]), mask, counts)
         correct = (out["correct"] & mask.bool()).sum()
         stats: Stats = {"mean_token_accuracy": (correct, mask.sum())}
         if self.compute_loss_func is not None:
@@ -240,10 +375,10 @@ class SFTTrainer(BaseTrainer):
         return loss.reshape(()), out
 
     def eval_rows_per_batch(self) -> int:
-        return self.args.per_device_eval_batch_size
+        return self.per_process_eval_batch_size
 
     def evaluation_stats(self) -> Stats:
-        """Token-level NLL and accuracy over eval_dataset. Every process runs the same number of forward passes
+        """Token-level loss (loss_type's: NLL or DFT, as TRL evaluates) and accuracy over eval_dataset. Every process runs the same number of forward passes
         (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight. With
         compute_metrics (or in predict()) each batch's logits are also collected for it."""
         args, acc = self.args, self.accelerator
@@ -257,7 +392,9 @@ class SFTTrainer(BaseTrainer):
         # predictions are per row: a padding-free batch (one flattened row) is evaluated padded instead (same loss)
         collator = self.collator if not (collect and self.collator.padding_free) else \
             Collator(self.processing_class.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
-        # eval_loss: the token NLL; with compute_loss_func, its per-batch losses averaged over rows (transformers)
+        # eval_loss: loss_type's per-token loss averaged over tokens; with compute_loss_func, its per-batch losses
+        # averaged over rows (transformers)
+        token_loss = SFT_TOKEN_LOSSES[args.loss_type]
         loss_sum, loss_count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
         correct = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
@@ -267,15 +404,15 @@ class SFTTrainer(BaseTrainer):
             weight = 1.0 if chunk else 0.0
             mask = batch.loss_mask * weight  # [B, T]
             if self.compute_loss_func is not None:
-                batch_loss, out = self._user_loss(self.model, batch, None)
+                batch_loss, out = self._user_loss(self.model_wrapped, batch, None)
                 rows = float(len(chunk))
                 loss_sum += batch_loss.detach().float() * rows
                 loss_count += rows
             else:
-                out = self._forward(self.model, batch, with_logits=collect)
-                batch_nll = (-out["logps"] * mask).sum()
-                batch_loss = batch_nll / mask.sum().clamp(min=1)
-                loss_sum += batch_nll
+                out = self._forward(self.model_wrapped, batch, with_logits=collect)
+                batch_sum = (token_loss(out["logps"]) * mask).sum()
+                batch_loss = batch_sum / mask.sum().clamp(min=1)
+                loss_sum += batch_sum
                 loss_count += mask.sum()
             correct += (out["correct"] * mask).sum()
             tokens += mask.sum()

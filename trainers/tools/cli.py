@@ -38,7 +38,7 @@ RUN_KEYS = {
     "main_process_port": "Port of the launched processes' rendezvous (default: accelerate's).",
 }
 GRPO_RUN_KEYS = {"reward_funcs": "Built-in reward names (accuracy, format, overlong), module:function, or "
-                                 "reward-model folders. Default: accuracy."}
+                                 "reward models (folders or Hub ids). Default: accuracy."}
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
 

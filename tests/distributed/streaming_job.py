@@ -1,0 +1,68 @@
+"""A short SFT run on a stream (a datasets.IterableDataset), launched with 2 processes by
+tests/distributed/test_streaming_distributed.py; writes a JSON report per rank: the rows each micro-batch of each
+step trained on, and the final weights.
+
+    python streaming_job.py MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--workers N]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+import trainers.streaming
+from trainers import SFTConfig, SFTTrainer
+from trainers.distributed import gathered_parameters
+from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+
+ROWS = as_sft_rows(reverse_digits_rows(20, seed=1))  # distinct rows; 2 global batches of 8 span a pass
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = self.step is not None and state.global_step >= self.step
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("total", type=int)
+    parser.add_argument("stop_after", type=int, nargs="?")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    trainers.streaming.CHUNK_ROWS = 7  # batches span chunks
+    stream = Dataset.from_list(ROWS).to_iterable_dataset(num_shards=2).shuffle(seed=3, buffer_size=6)
+    args = SFTConfig(output_dir=cli.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     max_steps=cli.total, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=3,
+                     disable_tqdm=True, seed=0, bf16=False, dataloader_num_workers=cli.workers)
+    trainer = SFTTrainer(model=cli.model, args=args, train_dataset=stream, callbacks=[StopAt(cli.stop_after)])
+    seen, original = [], trainer.micro_batch
+
+    def micro_batch(step, accumulation_index):
+        batch = original(step, accumulation_index)
+        rows = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)]
+        seen.append({"step": step, "accumulation": accumulation_index, "rows": rows})
+        return batch
+
+    trainer.micro_batch = micro_batch
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    with gathered_parameters(trainer.accelerator, trainer.model):
+        checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
+    rank = trainer.accelerator.process_index
+    suffix = "resumed" if cli.resume else "run"
+    with open(os.path.join(cli.out, f"{suffix}-{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "checksum": checksum}, f)
+    trainer.end()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""SFT's packing strategies, DFT loss and padding options, and GRPO's pad_to_multiple_of, on pure functions
+(no model): checked against TRL 1.16's own functions where it has them, and against hand computations."""
+
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+
+from trainers import GRPOConfig, SFTConfig
+from trainers.grpo.batch import unpadded_columns
+from trainers.grpo.sampling import left_pad, right_pad
+from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
+from trainers.sft.tokenize import IGNORE, Collator, pack_samples, shift_targets
+
+# documents of 5, 9, 3, 12 and 4 tokens (token ids 1..33), every token trained
+DOCS = [list(range(1, 6)), list(range(6, 15)), list(range(15, 18)), list(range(18, 30)), list(range(30, 34))]
+
+
+def shifted(docs):
+    return [shift_targets({"input_ids": d, "labels": list(d)}) for d in docs]
+
+
+def trl_pack(docs, max_length, strategy):
+    """TRL's pack_dataset on the same ids (labels = ids), as lists of rows."""
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    dataset = Dataset.from_dict({"input_ids": docs, "labels": [list(d) for d in docs]})
+    return pack_dataset(dataset, max_length, strategy).to_list()
+
+
+def test_wrapped_rows_are_trls_chunks():
+    rows = pack_samples(shifted(DOCS), 8, "wrapped")
+    trl_rows = trl_pack(DOCS, 8, "wrapped")
+    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in trl_rows]  # 33 tokens: 8, 8, 8, 8, 1
+    assert [len(r["input_ids"]) for r in rows] == [8, 8, 8, 8, 1]
+    ends = {sum(len(d) for d in DOCS[: i + 1]) - 1 for i in range(len(DOCS))}  # each document's last token
+    for k, (row, trl_row) in enumerate(zip(rows, trl_rows)):
+        # one sequence per row, as TRL's (no seq_lengths: positions 0..len-1, attention across documents)
+        assert row["position_ids"] == list(range(len(row["input_ids"])))
+        # TRL's targets: its labels shifted within the row; the row's last token predicts nothing
+        trl_targets = trl_row["labels"][1:] + [IGNORE]
+        for i, (ours, theirs) in enumerate(zip(row["target_ids"], trl_targets)):
+            if 8 * k + i in ends:  # a document's last token: TRL trains it on the next document's first token
+                assert ours == IGNORE
+            else:
+                assert ours == theirs, (k, i)
+    # at a cut inside a document (tokens 8 | 9, in document 2), the row's last token predicts nothing and the
+    # next row's first token predicts its document's next token
+    assert rows[0]["input_ids"][-1] == 8 and rows[0]["target_ids"][-1] == IGNORE
+    assert rows[1]["input_ids"][0] == 9 and rows[1]["target_ids"][0] == 10
+
+
+def test_bfd_split_pieces_are_trls():
+    """Overlong documents become max_length pieces, each a document of its own; no token is dropped."""
+    rows = pack_samples(shifted(DOCS), 8, "bfd_split")
+    trl_rows = trl_pack(DOCS, 8, "bfd_split")
+
+    def pieces(ids, lengths):
+        out, start = [], 0
+        for n in lengths:
+            out.append(tuple(ids[start:start + n]))
+            start += n
+        return out
+
+    def our_lengths(row):
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["position_ids"])]
+        return [b - a for a, b in pairwise(starts)]
+
+    ours = sorted(p for r in rows for p in pieces(r["input_ids"], our_lengths(r)))
+    theirs = sorted(p for r in trl_rows for p in pieces(r["input_ids"], r["seq_lengths"]))
+    assert ours == theirs
+    assert len(rows) == len(trl_rows)
+    assert sum(len(p) for p in ours) == sum(len(d) for d in DOCS)  # nothing dropped (bfd would drop 1 + 4)
+    assert sum(len(r["input_ids"]) for r in pack_samples(shifted([d[:8] for d in DOCS]), 8, "bfd")) == 28
+    # a piece's last token predicts nothing (TRL's padding-free labels start each piece with -100)
+    for row in rows:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        for a, b in pairwise(starts):
+            assert row["target_ids"][b - 1] == IGNORE
+            assert row["target_ids"][a:b - 1] == row["input_ids"][a + 1:b]
+
+
+def test_unknown_packing_strategy_is_an_error():
+    with pytest.raises(ValueError, match="packing strategy"):
+        pack_samples(shifted(DOCS), 8, "first_fit")
+
+
+def test_dft_loss_by_hand():
+    p = torch.tensor([[0.5, 0.25], [0.1, 1.0]])
+    logps = p.log().requires_grad_()
+    loss = dft_token_loss(logps)
+    expected = torch.tensor([[0.5 * math.log(2), 0.25 * math.log(4)], [0.1 * math.log(10), 0.0]])  # -p log p
+    torch.testing.assert_close(loss, expected)
+    loss.sum().backward()
+    torch.testing.assert_close(logps.grad, -p)  # d(-sg(p) log p)/d log p = -p: p is held constant
+    torch.testing.assert_close(SFT_TOKEN_LOSSES["nll"](p.log()), -p.log())
+
+
+def test_pad_to_multiple_of_values():
+    """TRL's 'auto' (128 on AWS Neuron only: None here) is the default, and a command line's text is parsed."""
+    for cls in (SFTConfig, GRPOConfig):
+        assert cls().pad_to_multiple_of is None
+        assert cls(pad_to_multiple_of="auto").pad_to_multiple_of is None
+        assert cls(pad_to_multiple_of="16").pad_to_multiple_of == 16
+        assert cls(pad_to_multiple_of="none").pad_to_multiple_of is None
+        assert cls(pad_to_multiple_of=8).pad_to_multiple_of == 8
+
+
+def test_collated_rows_pad_to_the_multiple():
+    samples = shifted(DOCS[:3])
+    for strategy in (None, "bfd", "wrapped"):
+        rows = samples if strategy is None else pack_samples(samples, 8, strategy)
+        plain, padded = Collator(0)(rows), Collator(0, pad_to_multiple_of=6)(rows)
+        assert padded["input_ids"].shape[1] % 6 == 0 and padded["input_ids"].shape[1] > plain["input_ids"].shape[1]
+        extra = padded["input_ids"].shape[1] - plain["input_ids"].shape[1]
+        assert (padded["target_ids"][:, -extra:] == IGNORE).all()  # the extra columns train nothing
+        assert torch.equal(padded["target_ids"][:, :-extra], plain["target_ids"])
+
+
+def test_padding_free_with_max_length_is_trls_error():
+    with pytest.raises(ValueError, match=r"When `padding_free=True` without packing, `max_length` is not "
+                                         r"enforced\. Either enable packing"):
+        SFTConfig(padding_free=True)
+    assert SFTConfig(padding_free=True, max_length=None).padding_free
+    assert SFTConfig(padding_free=True, packing=True, max_length=64).padding_free
+
+
+def test_grpo_padding_keeps_multiples():
+    ids, mask = left_pad([[1, 2, 3], [4]], 0, multiple=4)
+    assert ids.tolist() == [[0, 1, 2, 3], [0, 0, 0, 4]] and mask.sum().item() == 4
+    ids, mask = left_pad([[1, 2, 3, 4, 5]], 0, multiple=4)
+    assert ids.shape == (1, 8) and mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    ids, mask = right_pad([[1, 2, 3, 4, 5], [6]], 0, multiple=4)
+    assert ids.shape == (2, 8) and mask.sum().item() == 6
+    # a micro-batch's slice keeps widths that are multiples as well: the fewest padding columns that do
+    prompt_mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]])  # P = 8, 3 real columns
+    completion = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])  # C = 8, 5 real columns
+    assert unpadded_columns(prompt_mask, completion) == (5, 5)
+    assert unpadded_columns(prompt_mask, completion, 4) == (4, 8)  # 4 prompt columns kept, 8 completion
+    assert unpadded_columns(prompt_mask, completion, 2) == (4, 6)
