@@ -86,7 +86,7 @@ def main():
         trainer.max_steps = step + 1
         trainer.train()
         recorder.mark(f"after_step_{step + 1}")
-    states = {k: v / GB for k, v in model_state_bytes(trainer.model, trainer.optimizer).items()}
+    states = {k: v / GB for k, v in model_state_bytes(trainer.model_wrapped, trainer.optimizer).items()}
     report = {
         "rank": trainer.accelerator.process_index, "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type), "zero_stage": zero_stage(trainer.accelerator),

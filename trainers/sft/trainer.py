@@ -117,8 +117,6 @@ class SFTTrainer(BaseTrainer):
             if args.eos_token not in tokenizer.get_vocab():
                 raise ConfigError(f"SFTConfig: `eos_token={args.eos_token!r}` is not in the tokenizer's vocabulary.")
             tokenizer.eos_token = args.eos_token
-        if train_dataset is None:
-            raise DatasetFormatError("SFTTrainer needs a train_dataset.")
         if args.skip_prepare_dataset and self.formatting_func is not None:
             raise ConfigError("formatting_func makes text to tokenize, and dataset_kwargs={'skip_prepare_dataset': "
                               "True} uses already tokenized rows as given: drop one of them.")
@@ -378,9 +376,10 @@ class SFTTrainer(BaseTrainer):
         return self.per_process_eval_batch_size
 
     def evaluation_stats(self) -> Stats:
-        """Token-level loss (loss_type's: NLL or DFT, as TRL evaluates) and accuracy over eval_dataset. Every process runs the same number of forward passes
-        (ZeRO-3 gathers weights collectively); a process with no rows left repeats row 0 with zero weight. With
-        compute_metrics (or in predict()) each batch's logits are also collected for it."""
+        """Token-level loss (loss_type's: NLL or DFT, as TRL evaluates) and accuracy over eval_dataset. Every process
+        runs the same number of forward passes (ZeRO-3 gathers weights collectively); a process with no rows left
+        repeats row 0 with zero weight. With compute_metrics (or in predict()) each batch's logits are also collected
+        for it."""
         args, acc = self.args, self.accelerator
         n, size = len(self.eval_rows), self.eval_rows_per_batch()
         per_process = -(-n // acc.num_processes)
