@@ -21,13 +21,30 @@ def shifted(docs):
     return [shift_targets({"input_ids": d, "labels": list(d)}) for d in docs]
 
 
-def trl_pack(docs, max_length, strategy):
-    """TRL's pack_dataset on the same ids (labels = ids), as lists of rows."""
-    from datasets import Dataset
-    from trl.data_utils import pack_dataset
+# TRL 1.16's pack_dataset(DOCS as input_ids and labels, 8, strategy).to_list(), recorded (the test environment
+# need not have TRL; test_recorded_rows_are_trls checks the record against TRL where it is installed)
+TRL_ROWS = {
+    "wrapped": [list(range(1, 9)), list(range(9, 17)), list(range(17, 25)), list(range(25, 33)), [33]],
+    "bfd_split": [(list(range(6, 14)), [8]), (list(range(18, 26)), [8]), ([1, 2, 3, 4, 5, 15, 16, 17], [5, 3]),
+                  (list(range(26, 34)), [4, 4]), ([14], [1])],
+}
 
-    dataset = Dataset.from_dict({"input_ids": docs, "labels": [list(d) for d in docs]})
-    return pack_dataset(dataset, max_length, strategy).to_list()
+
+def trl_pack(docs, max_length, strategy):
+    """TRL's pack_dataset on DOCS (labels = ids) with max_length 8, as lists of rows (recorded above)."""
+    assert docs == DOCS and max_length == 8
+    if strategy == "wrapped":
+        return [{"input_ids": ids, "labels": list(ids)} for ids in TRL_ROWS["wrapped"]]
+    return [{"input_ids": ids, "labels": list(ids), "seq_lengths": lengths} for ids, lengths in TRL_ROWS[strategy]]
+
+
+@pytest.mark.parametrize("strategy", ["wrapped", "bfd_split"])
+def test_recorded_rows_are_trls(strategy):
+    trl = pytest.importorskip("trl.data_utils")  # the bench extra installs TRL
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"input_ids": DOCS, "labels": [list(d) for d in DOCS]})
+    assert trl.pack_dataset(dataset, 8, strategy).to_list() == trl_pack(DOCS, 8, strategy)
 
 
 def test_wrapped_rows_are_trls_chunks():
