@@ -1,8 +1,7 @@
 """Options that TRL 1.16 (SFTConfig, GRPOConfig and transformers.TrainingArguments) has and this project does not.
 
-Generated from TRL 1.16 by introspection, plus the TRL options whose only supported value here is TRL's default
-(GRPOConfig's use_vllm): a config field that accepts a single value is one of these instead. A TRL script may
-pass any of them at its TRL default (it changes nothing, so it is accepted, and reading it gives that default); any
+Generated from TRL 1.16 by introspection: a config field that accepts a single value is one of these instead. A
+TRL script may pass any of them at its TRL default (it changes nothing, so it is accepted, and reading it gives that default); any
 other value is refused with an error that names the option.
 """
 
@@ -62,17 +61,4 @@ TRL_ONLY_OPTIONS = {
     'use_liger_kernel': False,
     'use_transformers_continuous_batching': False,
     'use_transformers_paged': False,
-    'use_vllm': False,  # GRPOConfig's: completions come from the policy itself (or a rollout_func)
-    'vllm_enable_sleep_mode': False,
-    'vllm_gpu_memory_utilization': 0.3,
-    'vllm_group_port': 51216,
-    'vllm_max_model_length': None,
-    'vllm_mode': 'colocate',
-    'vllm_model_impl': 'vllm',
-    'vllm_server_base_url': None,
-    'vllm_server_host': '0.0.0.0',
-    'vllm_server_port': 8000,
-    'vllm_server_timeout': 240.0,
-    'vllm_structured_outputs_regex': None,
-    'vllm_tensor_parallel_size': 1,
 }

@@ -272,8 +272,10 @@ def configure_deepspeed(
 
 
 @contextlib.contextmanager
-def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enabled: bool = True):
-    """Inside this block the model holds its full parameters, even under ZeRO-3 (then gathered on every rank).
+def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enabled: bool = True,
+                        recurse: bool = True):
+    """Inside this block the model holds its full parameters, even under ZeRO-3 (then gathered on every rank);
+    ``recurse=False``: only the module's own parameters, not its submodules' (a gather one module at a time).
 
     Outside ZeRO-3 it does nothing. Every process must enter it together (it is a collective).
     """
@@ -282,7 +284,7 @@ def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enable
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters(recurse=recurse)), modifier_rank=None):
         yield
 
 
@@ -348,10 +350,15 @@ def gather_objects(accelerator: Accelerator, objects: list) -> list:
     return gather_object(list(objects))
 
 
-def raise_together(accelerator: Accelerator, error: BaseException | None) -> None:
+def raise_together(accelerator: Accelerator, error: BaseException | None,
+                   shared: tuple[type[Exception], ...] = ()) -> None:
     """Every process calls this at the same point, passing the exception it caught there (or None). If any
     process failed, every process raises: the failing one its own exception, the others a DistributedError
-    naming it. Without this, the healthy processes would wait in the next collective until its timeout."""
+    naming it. Without this, the healthy processes would wait in the next collective until its timeout.
+
+    ``shared``: exception types (built from a message) that the others raise too, with the failing process's
+    message, instead of a DistributedError: for an error that every process must answer together (the vLLM
+    server's: a checkpoint, which every process writes)."""
     if accelerator.num_processes == 1:
         if error is not None:
             raise error
@@ -359,11 +366,14 @@ def raise_together(accelerator: Accelerator, error: BaseException | None) -> Non
     failed = all_reduce_sum(accelerator, torch.tensor([0.0 if error is None else 1.0], device=accelerator.device))
     if failed.item() == 0:
         return
-    messages = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+    kind = None if error is None else next((i for i, k in enumerate(shared) if isinstance(error, k)), None)
+    reports = gather_object([None if error is None else (type(error).__name__, str(error), kind)])
     if error is not None:
         raise error
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-    raise DistributedError(f"process {rank} failed, so this process stops too: {message}")
+    rank, (name, message, kind) = next((r, m) for r, m in enumerate(reports) if m is not None)
+    if kind is not None:
+        raise shared[kind](f"(process {rank}) {message}")
+    raise DistributedError(f"process {rank} failed, so this process stops too: {name}: {message}")
 
 
 def broadcast_object(accelerator: Accelerator, obj: Any, from_process: int = 0) -> Any:

@@ -26,6 +26,11 @@ class RolloutError(TrainersError):
     """A GRPO rollout_func raised, or returned something the trainer cannot train on."""
 
 
+class VLLMServerError(RolloutError):
+    """The vLLM server (vllm_mode="server") is unreachable, serves another model, or failed mid-run; the message
+    names its URL."""
+
+
 class CheckpointError(TrainersError):
     """A checkpoint is missing, incomplete or unreadable."""
 

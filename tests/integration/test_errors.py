@@ -117,7 +117,8 @@ def test_an_unknown_reward_name(tiny_model_dir, tmp_path):
     ({"max_completion_length": 0}, "max_completion_length"), ({"loss_type": "ppo"}, "loss_type"),
     ({"scale_rewards": "sometimes"}, "scale_rewards"), ({"importance_sampling_level": "word"}, "importance_sampling_level"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type"), ({"num_generations": 1}, "num_generations"),
-    ({"use_vllm": True}, "use_vllm"), ({"vllm_mode": "server"}, "vllm_mode"), ({"num_generation": 4}, "num_generation"),
+    ({"vllm_mode": "remote"}, "vllm_mode"), ({"vllm_server_base_url": "localhost:8000"}, "vllm_server_base_url"),
+    ({"num_generation": 4}, "num_generation"),
 ])
 def test_config_errors_name_the_option(options, culprit):
     with pytest.raises(ConfigError, match=culprit):

@@ -40,7 +40,8 @@ INVALID = [
     (TrainingConfig, {"warmup_steps": 5, "warmup_ratio": 0.1}, "warmup_ratio"),
     (TrainingConfig, {"warmup_steps": 0.05, "warmup_ratio": 0.1}, "warmup_ratio"),
     (TrainingConfig, {"bf16": True, "fp16": True}, "fp16"),
-    (GRPOConfig, {"use_vllm": True}, "use_vllm"),
+    (GRPOConfig, {"vllm_server_base_url": "localhost:8000"}, "vllm_server_base_url"),
+    (GRPOConfig, {"vllm_server_base_url": "http://"}, "vllm_server_base_url"),
     (GRPOConfig, {"generation_batch_size": 16, "steps_per_generation": 2}, "steps_per_generation"),
     # The rest of the checks.
     (TrainingConfig, {"learning_rate": float("inf")}, "learning_rate"),
@@ -256,7 +257,7 @@ def test_option_of_another_config_is_unknown():
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", False), ("hub_model_id", None), ("label_smoothing_factor", 0.0), ("label_names", None),
-     ("save_on_each_node", False), ("dataloader_pin_memory", True), ("vllm_mode", "colocate")],
+     ("save_on_each_node", False), ("dataloader_pin_memory", True), ("use_liger_kernel", False)],
 )
 def test_trl_only_option_at_trl_default_is_accepted(cls, name, value):
     assert TRL_ONLY_OPTIONS[name] == value
@@ -284,7 +285,7 @@ def test_trl_only_option_set_after_construction_is_refused():
 @pytest.mark.parametrize(
     "name,value",
     [("push_to_hub", True), ("hub_model_id", "me/model"), ("label_smoothing_factor", 0.1), ("torch_compile", True),
-     ("save_on_each_node", True), ("vllm_mode", "server"), ("eval_accumulation_steps", 4)],
+     ("save_on_each_node", True), ("use_liger_kernel", True), ("eval_accumulation_steps", 4)],
 )
 def test_trl_only_option_at_other_value_is_refused(cls, name, value):
     with pytest.raises(ConfigError) as info:
@@ -531,7 +532,7 @@ def test_no_field_accepts_a_single_value():
 
 
 @pytest.mark.parametrize("cls,name,default,other", [
-    (GRPOConfig, "use_vllm", False, True),
+    (GRPOConfig, "use_transformers_continuous_batching", False, True),
 ])
 def test_single_value_options_are_trl_only(cls, name, default, other):
     """TRL 1.16's default is accepted and read back; any other value is refused with the TRL-only message."""

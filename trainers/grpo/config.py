@@ -13,6 +13,8 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 GENERATION_ENGINES = ("auto", "lean", "hf")
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("vllm", "transformers")
 
 
 @reject_unknown_options
@@ -160,6 +162,42 @@ class GRPOConfig(TrainingConfig):
         True, "Under ZeRO-3, gather the full weights once for generation (fast); False generates layer by layer "
         "(slow, but never holds the whole model)."
     )
+    # Generation with vLLM (TRL's use_vllm and vllm_* options; docs/grpo.md, "Generation with vLLM")
+    use_vllm: bool = opt(
+        False, "Sample completions with vLLM instead of the policy itself: an engine in each training process "
+        "(vllm_mode='colocate') or a separate server (vllm_mode='server'). Its weights follow the policy's after "
+        "every optimizer step; its log-probs feed vllm_importance_sampling_correction. Needs the vllm package.")
+    vllm_mode: str = opt(
+        "colocate", "'colocate': each training process runs its own in-process engine on its own device; "
+        "'server': the main process sends prompts and weights to a server started with `trainers vllm-serve`.",
+        choices=VLLM_MODES)
+    vllm_model_impl: str = opt(
+        "vllm", "The engine's model implementation: 'vllm' (its own) or 'transformers'.", choices=VLLM_MODEL_IMPLS)
+    vllm_enable_sleep_mode: bool = opt(
+        False, "Colocate, on a GPU: offload the engine's weights and KV cache between generation rounds (slower "
+        "rounds, more memory for training). vLLM has no sleep mode on CPU: there it is refused.")
+    vllm_structured_outputs_regex: str | None = opt(
+        None, "Constrain every completion to this regular expression (vLLM's structured outputs). None: free text.")
+    vllm_server_base_url: str | None = opt(
+        None, "Server mode: the server's URL (e.g. 'http://localhost:8000'); when given, vllm_server_host and "
+        "vllm_server_port are not used.")
+    vllm_server_host: str = opt("0.0.0.0", "Server mode: the server's host, when vllm_server_base_url is None.")
+    vllm_server_port: int = opt(8000, "Server mode: the server's port, when vllm_server_base_url is None.",
+                                ge=1, le=65535)
+    vllm_server_timeout: float = opt(
+        240.0, "Server mode: seconds to wait for the server to answer before training starts.", gt=0, finite=True)
+    vllm_group_port: int = opt(
+        51216, "Server mode: the port on the trainer's main process where the server's workers join the weight "
+        "transfer (it must be free there and reachable from the server).", ge=1, le=65535)
+    vllm_gpu_memory_utilization: float = opt(
+        0.3, "Colocate, on a GPU: the fraction of GPU memory the engine reserves (weights, activations, KV cache). "
+        "Not used on CPU, where vLLM would read it as a fraction of host RAM: there the KV cache is sized for "
+        "the round's sequences (docs/grpo.md).", gt=0, le=1)
+    vllm_max_model_length: int | None = opt(
+        None, "Colocate: the engine's context (prompt + completion tokens). None: the model's own context.", ge=1)
+    vllm_tensor_parallel_size: int = opt(
+        1, "Colocate: GPUs per engine (tensor parallelism); only 1 here (for more, run a server, which takes its own "
+        "--tensor-parallel-size).", ge=1)
     log_completions: bool = opt(False, "Print a table of sampled completions at each logging step and append them to completions.jsonl.")
     num_completions_to_print: int | None = opt(None, "Rows of that table (default: all of one round).", ge=1)
     # Correcting for another sampler (a rollout_func's), TRL's vllm_importance_sampling_* options
@@ -208,6 +246,14 @@ class GRPOConfig(TrainingConfig):
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         check_field(low is None or high is None or low < high, name, "vllm_importance_sampling_clip_min", low,
                     f"it must be less than vllm_importance_sampling_clip_max ({high})")
+        url = self.vllm_server_base_url
+        check_field(url is None or (url.startswith(("http://", "https://")) and url.split("://", 1)[1].strip("/")),
+                    name, "vllm_server_base_url", url, "give the server's URL with its scheme and host, e.g. "
+                    "'http://localhost:8000'")
+        check_field(self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size == 1, name, "vllm_tensor_parallel_size",
+                    self.vllm_tensor_parallel_size, "the colocated engine runs on one device here; for tensor "
+                    "parallelism start a server (`trainers vllm-serve --tensor-parallel-size N`) and use "
+                    "vllm_mode='server'")
         # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
 
     @property

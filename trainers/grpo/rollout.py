@@ -60,6 +60,8 @@ def sample_and_score(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]
     """Sample one completion per row through ``trainer.sampler``, decode it, and (with ``score``) call the reward
     functions. Every process calls this together; ``score=False`` on a process that only keeps the others
     company in the collectives (evaluation's last batch)."""
+    if trainer.vllm_generation is not None:  # the engine (a rollout function's too) samples from this step's policy
+        trainer.vllm_generation.sync_for_step(trainer.state.global_step)
     samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)
     prompts, completions = decode(trainer.processing_class, rows, samples.completion_ids)
     logs, rewards, error = RewardLogs(), None, None
@@ -122,7 +124,7 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     ref = trainer.reference_logprobs(rollout) if args.beta > 0 else None
     rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
     sampler_metrics = {}
-    if trainer.rollout_func is not None:
+    if trainer.rollout_func is not None or args.use_vllm:  # a sampler other than the policy itself
         sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, completion_ids.shape[1])
         rollout, sampler_metrics = with_sampler_logps(trainer, rollout, sampler, model_tokens.to(acc.device))
 

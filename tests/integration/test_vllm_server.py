@@ -1,0 +1,287 @@
+"""vllm_mode="server" against a real vLLM server: `trainers vllm-serve` started once for this module (a tiny
+width-128 Qwen2, CPU, fp32, eager), and VLLMClient's generate contract, weight updates (the server's greedy
+completions and log-probs equal a reference model's with the same weights), a mismatched model, GRPO training
+against it (tests/integration/vllm_server_job.py, in its own process), and a server killed mid-run (during
+training, then the client's errors). The server is a separate process group, killed at the end, whatever
+happens. The tests run in file order: the last two kill the server.
+
+vLLM's Python: $TRAINERS_VLLM_PYTHON (a second environment), else this one when it has vLLM; neither: skipped
+with the reason (scripts/setup.sh installs vLLM, so CI runs these)."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.conftest import REPO, free_port
+from trainers.errors import VLLMServerError
+from trainers.grpo.vllm_client import VLLMClient
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [5, 6], [100, 101, 102, 103, 104]]
+
+
+def vllm_python() -> str | None:
+    if os.environ.get("TRAINERS_VLLM_PYTHON"):
+        return os.environ["TRAINERS_VLLM_PYTHON"]
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+@dataclass
+class Server:
+    url: str
+    model_dir: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log_tail(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-6000:]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(entry))
+    return members
+
+
+def stop(process: subprocess.Popen) -> list[int]:
+    """SIGTERM the server's whole process group, SIGKILL what is left after 30 s; -> the pids still alive."""
+    pgid = process.pid  # start_new_session: the launcher leads its group, and the server execs in its place
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if not group_members(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while group_members(pgid) and time.monotonic() < deadline:
+            if process.poll() is None:
+                try:
+                    process.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(0.2)
+    return group_members(pgid)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    python = vllm_python()
+    if python is None:
+        pytest.skip("vLLM is not installed here (scripts/setup.sh installs it; or set TRAINERS_VLLM_PYTHON to a "
+                    "Python that has it)")
+    from trainers.tools.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_server")
+    # width 128: vLLM's CPU attention wants a head dim of at least 32
+    model_dir = save_tiny_model(str(root / "model"), hidden_size=128, num_layers=2)
+    port = free_port()
+    log_path = str(root / "server.log")
+    command = [sys.executable, "-m", "trainers.tools.cli", "vllm-serve", "--python", python, "--model", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "256",
+               "--enforce_eager", "--cpu_kvcache_space", "1", "--seed", "0"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    running = Server(f"http://127.0.0.1:{port}", model_dir, process, log_path)
+    try:
+        started = time.monotonic()
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({process.returncode}):\n{running.log_tail()}")
+            try:
+                VLLMClient(running.url, connection_timeout=0)
+                break
+            except VLLMServerError:
+                if time.monotonic() - started > 300:
+                    pytest.fail(f"the vLLM server did not answer within 300 s:\n{running.log_tail()}")
+                time.sleep(1)
+        print(f"\nvLLM server start-up: {time.monotonic() - started:.1f} s")
+        yield running
+    finally:
+        left = stop(process)
+        assert not left, f"server processes outlived the test module: {left}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    client = VLLMClient(server.url, connection_timeout=5, group_port=free_port())
+    yield client
+    client.close()
+
+
+def reference_model(model_dir, seed: int):
+    """The tiny model with every weight moved by noise: outputs far from the served model's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model, prompts, max_tokens: int) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]  # [C, V]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def greedy(client, max_tokens=8):
+    return client.generate(PROMPTS, temperature=0.0, max_tokens=max_tokens,
+                           generation_kwargs={"ignore_eos": True})["completion_ids"]
+
+
+def test_generate_contract(client, server):
+    from transformers import AutoTokenizer
+
+    out = client.generate(PROMPTS, n=2, max_tokens=5, temperature=1.0, logprobs=0, generation_kwargs={"seed": 1})
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"}
+    assert out["prompt_ids"] == PROMPTS  # one row per prompt
+    assert len(out["completion_ids"]) == 2 * len(PROMPTS)  # n rows per prompt, prompt-major
+    for completion, values, ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
+        assert 1 <= len(completion) <= 5 and all(0 <= t < 259 for t in completion)
+        assert [len(v) for v in values] == [1] * len(completion)  # logprobs=0: the sampled token's alone
+        assert [i[0] for i in ids] == completion and all(v[0] <= 0 for v in values)
+    # top-2: two or three per token (the sampled one added when it is not among them), by descending probability
+    out = client.generate(PROMPTS[:2], max_tokens=4, logprobs=2, generation_kwargs={"seed": 2})
+    for completion, values, ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
+        for token, v, i in zip(completion, values, ids):
+            assert len(v) in (2, 3) and v == sorted(v, reverse=True) and token in i
+    assert client.generate(PROMPTS[:1], max_tokens=2, logprobs=None)["logprobs"] is None
+    # text prompts: the server tokenizes them as the model's tokenizer does
+    tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
+    out = client.generate(["hello", "ab"], max_tokens=3)
+    assert out["prompt_ids"] == [tokenizer("hello").input_ids, tokenizer("ab").input_ids]
+    assert len(out["completion_ids"]) == 2
+
+
+def test_weight_update_makes_the_server_match_a_reference(client, server):
+    model = reference_model(server.model_dir, seed=0)
+    expected = reference_greedy(model, PROMPTS, 8)
+    assert greedy(client) != expected  # the test can fail: the served weights are not these yet
+    seconds = []
+    for _ in range(3):
+        started = time.perf_counter()
+        client.update_model_params(model)  # the full state dict: the tied output head included
+        seconds.append(time.perf_counter() - started)
+    print(f"\nweight sync, tiny model ({sum(p.numel() for p in model.parameters())} parameters): "
+          f"{', '.join(f'{1000 * s:.0f}' for s in seconds)} ms")
+    assert greedy(client) == expected
+    # sampled at temperature 1: the server's log-probs are the reference's own
+    out = client.generate(PROMPTS, max_tokens=6, logprobs=0, generation_kwargs={"seed": 3, "ignore_eos": True})
+    for prompt, completion, values in zip(PROMPTS, out["completion_ids"], out["logprobs"]):
+        assert [v[0] for v in values] == pytest.approx(reference_logprobs(model, prompt, completion), abs=2e-3)
+
+    # one update in several chunks (one per gathered module under ZeRO-3): the same result
+    model = reference_model(server.model_dir, seed=1)
+    expected = reference_greedy(model, PROMPTS, 8)
+    assert greedy(client) != expected
+    items = list(model.state_dict().items())
+    with client.weight_update():
+        for start in range(0, len(items), 5):
+            client.update_named_params(items[start:start + 5])
+    assert greedy(client) == expected
+
+
+def test_mismatched_model_is_detected_and_named(client, server):
+    client.check_server(server.model_dir)  # the same folder
+    client.check_server(os.path.relpath(server.model_dir) + "/")  # the same folder, spelled otherwise
+    other = os.path.join(os.path.dirname(server.model_dir), "another-model")
+    with pytest.raises(VLLMServerError) as error:
+        client.check_server(other)
+    message = str(error.value)
+    assert server.url in message and repr(server.model_dir) in message and repr(other) in message
+    assert "--served-model-name" in message
+
+
+JOB = os.path.join(REPO, "tests", "integration", "vllm_server_job.py")
+SYNC_OFF = range(3, 6)  # the job's: steps that sample without pushing the policy's weights first
+IN_SYNC = 1e-5  # |log pi_server - log pi_policy| per token, float32 both (a stale step: ~1e-2)
+
+
+def run_job(out, *args) -> dict:
+    """tests/integration/vllm_server_job.py in its own process (with vLLM installed the trainer imports it)."""
+    result = subprocess.run([sys.executable, JOB, *map(str, args), str(out)], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    with open(os.path.join(out, "report.json")) as f:
+        return json.load(f)
+
+
+def test_grpo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
+    """8 GRPO steps against the server: after every step's weight push the server's greedy completions equal
+    the policy's own and the sampler's log-probs match the trainer's; during SYNC_OFF (the push switched off)
+    both checks fail."""
+    report = run_job(tmp_path, "follow", server.url, server.model_dir, free_port())
+    diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
+    print(f"\nGRPO, server mode, 8 steps: {report['seconds']:.1f} s; per round step: log-prob difference {diff}, "
+          f"greedy equal {[r['equal'] for r in report['rounds']]}")
+    assert sorted(diff) == list(range(8))
+    synced = [s for s in diff if s not in SYNC_OFF]
+    assert all(diff[s] < IN_SYNC for s in synced), diff
+    assert all(diff[s] > 100 * IN_SYNC for s in SYNC_OFF), diff  # a stale server is seen
+    equal = {r["step"]: r["equal"] for r in report["rounds"]}
+    assert all(equal[s] for s in synced), equal
+    assert not all(equal[s] for s in SYNC_OFF), equal  # a stale server's greedy completions differ
+    assert report["client_closed"]
+
+
+def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):
+    """The server is killed after step 2: the next step's weight push fails, and the run stops with a
+    VLLMServerError naming the URL and a checkpoint of step 2, from which a run resumes with those weights."""
+    report = run_job(tmp_path, "die", server.url, server.model_dir, free_port(), server.process.pid)
+    print(f"\nserver killed after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
+    message = report["error"]
+    assert f"The vLLM server at {server.url} did not answer POST /start_weight_update" in message, message
+    assert "Training stopped after step 2; checkpoint written to" in message and "checkpoint-2" in message
+    assert report["steps_done"] == 2 and [r["step"] for r in report["rounds"]] == [0, 1]
+    assert [c for c in report["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-2"]
+    assert report["client_closed"]
+    assert report["resumed_weights_equal"] and report["resumed_steps"] == [1, 2, 3]
+    assert group_members(server.process.pid) == []
+
+
+def test_killed_server_is_a_clear_error_and_leaves_no_process(client, server):
+    if group_members(server.process.pid):  # not killed yet by the training test above
+        os.killpg(server.process.pid, signal.SIGKILL)  # the server dies mid-run (OOM killer, node lost)
+    server.process.wait(timeout=30)
+    with pytest.raises(VLLMServerError, match=f"The vLLM server at {server.url} did not answer POST /v1/completions"):
+        client.generate(PROMPTS, max_tokens=4)
+    with pytest.raises(VLLMServerError, match=server.url):
+        client.update_model_params(reference_model(server.model_dir, seed=2))
+    deadline = time.monotonic() + 10
+    while group_members(server.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_members(server.process.pid) == []

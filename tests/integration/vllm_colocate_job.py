@@ -1,0 +1,167 @@
+"""GRPO with use_vllm=True (colocate), run in its own process: vLLM's CPU worker pins OpenMP threads and turns
+torch.set_num_threads into a no-op for the whole process, so it never runs inside the pytest process. One engine
+per job. Writes ``OUT/report-<rank>.json``.
+
+    python tests/integration/vllm_colocate_job.py single OUT        # 24 steps: learning, greedy equality, SYNC_OFF
+    python tests/integration/vllm_colocate_job.py lora OUT          # LoRA; SIGTERM, resume, then an exception
+    accelerate launch --config_file accelerate_configs/{multi_gpu,zero3}.yaml --num_processes 2 \\
+        tests/integration/vllm_colocate_job.py distributed OUT
+
+The check after every round's sampling: the engine's greedy completions of a few probe prompts against the
+policy's own (the lean engine, float32 both), so the engine holds this step's weights.
+"""
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import weakref
+
+import torch
+
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.grpo.sampling import SamplingParams
+from trainers.tools.tiny import save_tiny_model
+
+PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
+PROBES = ["abc", "hello", "12", "the cat"]
+SYNC_OFF = range(4, 7)  # single: these steps sample without syncing the engine first (the test's negative case)
+
+
+def digits(completions, **kwargs):
+    """Fraction of digit characters: learnable from scratch in a few dozen steps."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def child_processes() -> list[str]:
+    """This process's children (an engine core or worker vLLM would have started), by command line."""
+    children = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            for pid in f.read().split():
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    children.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
+    return children
+
+
+class Checks:
+    """Wraps the trainer's sampler: after each round's sampling, the engine's greedy probes against the policy's."""
+
+    def __init__(self, trainer):
+        self.trainer, self.rounds, self.engines = trainer, [], []  # engines: a weak reference to each started
+        self.probe_ids = [trainer.processing_class(p)["input_ids"] for p in PROBES]
+        self.sample = trainer.sampler.sample
+        trainer.sampler.sample = self
+
+    def __call__(self, prompts, prompt_ids, params):
+        out = self.sample(prompts, prompt_ids, params)
+        trainer = self.trainer
+        if not any(ref() is trainer.vllm_generation.llm for ref in self.engines):
+            self.engines.append(weakref.ref(trainer.vllm_generation.llm))
+        greedy = SamplingParams(max_new_tokens=8, do_sample=False)
+        engine, _ = trainer.vllm_generation.generate(self.probe_ids, greedy)
+        policy = trainer.generate(self.probe_ids, greedy)  # the policy itself (the lean engine), float32
+        self.rounds.append({"step": trainer.state.global_step, "equal": engine == policy, "children": child_processes(),
+                            "logprobs_given": not any(math.isnan(v) for row in out.logprobs for v in row)})
+        return out
+
+
+def engine_state(trainer, checks, threads_before) -> dict:
+    """Whether the engines are gone: each LLM released (its last reference dropped), no thread they started left,
+    no child process."""
+    new_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    return {"llm_is_none": trainer.vllm_generation.llm is None, "engines": len(checks.engines),
+            "llm_collected": all(ref() is None for ref in checks.engines),
+            "new_threads": [n for n in new_threads if n != "tqdm_monitor"], "children": child_processes()}
+
+
+def write(out, rank, report):
+    with open(os.path.join(out, f"report-{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def trainer_for(out, mode, model_dir, reward=digits, **overrides):
+    base = dict(output_dir=os.path.join(out, "run"), per_device_train_batch_size=16, num_generations=8,
+                max_completion_length=8, learning_rate=1e-2, max_steps=24, logging_steps=1, save_strategy="no",
+                disable_tqdm=True, seed=0, use_vllm=True, report_to="none")
+    peft_config = None
+    if mode == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    if mode == "distributed":
+        base.update(per_device_train_batch_size=8, max_steps=3)
+    args = GRPOConfig(**{**base, **overrides})
+    return GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, peft_config=peft_config,
+                       train_dataset=[{"prompt": p} for p in PROMPTS * 4])
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("RANK", "0"))
+    model_dir = os.path.join(out, "model")
+    # every process writes the same files, each atomically (save_tiny_model); head_dim 32: vLLM's CPU attention
+    # wants >= 32
+    save_tiny_model(model_dir, hidden_size=128, num_layers=2)
+    threads_before = {t.ident for t in threading.enumerate()}
+    if mode == "lora":
+        return lora(out, model_dir, threads_before)
+    trainer = trainer_for(out, mode, model_dir)
+    checks = Checks(trainer)
+    if mode == "single":
+        class SyncOff:  # during SYNC_OFF the engine keeps the weights of the step before
+            def on_step_begin(self, args, state, control, **kwargs):
+                trainer.vllm_generation._sync_after_steps = state.global_step not in SYNC_OFF
+
+        from transformers import TrainerCallback
+
+        trainer.add_callback(type("SyncOffCallback", (SyncOff, TrainerCallback), {}))
+    trainer.train()
+    report = {"rounds": checks.rounds, "records": [r for r in trainer.state.log_history if "train_runtime" not in r],
+              "after_train": engine_state(trainer, checks, threads_before)}
+    if mode == "distributed":  # the run's own process group survives the engine's shutdown
+        gathered = trainer.accelerator.gather(torch.tensor([float(rank)]))
+        report["gather_after_close"] = gathered.tolist()
+    write(out, rank, report)
+    trainer.end()
+
+
+def lora(out, model_dir, threads_before):
+    """LoRA (the engine gets W + BA): a SIGTERM during step 1 stops the run after it with a checkpoint (the
+    engine shut down); the resumed run starts a new engine, and an exception in a reward function at step 3
+    shuts that one down too."""
+    state = {"calls": 0}
+
+    def reward(completions, **kwargs):
+        state["calls"] += 1
+        if state["calls"] == 2:  # step 1's round: the loop finishes the step, checkpoints and exits
+            signal.raise_signal(signal.SIGTERM)
+        if state["calls"] == 4:  # the resumed run's step 3
+            raise ValueError("reward function failed on purpose")
+        return digits(completions)
+
+    trainer = trainer_for(out, "lora", model_dir, reward=reward, max_steps=4, save_strategy="steps", save_steps=100)
+    checks = Checks(trainer)
+    report = {}
+    try:
+        trainer.train()
+    except SystemExit as stop:
+        report["signal_exit_code"] = stop.code
+    report["after_signal"] = engine_state(trainer, checks, threads_before)
+    report["checkpoints"] = sorted(os.listdir(os.path.join(out, "run")))
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    except Exception as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+    report["after_error"] = engine_state(trainer, checks, threads_before)
+    report["rounds"] = checks.rounds
+    report["records"] = [r for r in trainer.state.log_history if "train_runtime" not in r]
+    # the adapter moved the weights (B starts at 0): the engine's equality is not the base model's
+    report["lora_b_abs_sum"] = sum(p.abs().sum().item() for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    write(out, 0, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""GRPO with use_vllm=True, vllm_mode="server", against the server tests/integration/test_vllm_server.py started
+(`trainers vllm-serve`), run in its own process: the trainer imports vLLM when it is installed (to check
+generation_kwargs), which the pytest process should not. Writes ``OUT/report.json``.
+
+    python tests/integration/vllm_server_job.py follow URL MODEL_DIR GROUP_PORT OUT
+        8 steps; after each round's sampling the server's greedy completions of a few probe prompts against the
+        policy's own (the lean engine, float32 both); during SYNC_OFF the weight sync is switched off.
+    python tests/integration/vllm_server_job.py die URL MODEL_DIR GROUP_PORT SERVER_PGID OUT
+        the server is killed after step KILL_AFTER: the run stops with a VLLMServerError and a checkpoint, which a
+        run without vLLM then resumes for one more step.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from transformers import TrainerCallback
+
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.errors import VLLMServerError
+from trainers.grpo.sampling import SamplingParams
+
+PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
+PROBES = ["abc", "hello", "12", "the cat", "xyz", "sat on", "7", "q"]
+SYNC_OFF = range(3, 6)  # follow: these steps sample without pushing the policy's weights first
+KILL_AFTER = 2  # die: the server is killed once this many steps are done
+
+
+def digits(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def trainer_for(url, model_dir, group_port, out, **overrides):
+    args = GRPOConfig(**{**dict(
+        output_dir=os.path.join(out, "run"), per_device_train_batch_size=16, num_generations=8,
+        max_completion_length=8, learning_rate=1e-2, max_steps=8, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, report_to="none", use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=url, vllm_group_port=group_port, vllm_server_timeout=10), **overrides})
+    return GRPOTrainer(model=model_dir, reward_funcs=digits, args=args,
+                       train_dataset=[{"prompt": p} for p in PROMPTS * 4])
+
+
+class Checks:
+    """Wraps the trainer's sampler: after each round's sampling, the server's greedy probes against the policy's."""
+
+    def __init__(self, trainer):
+        self.trainer, self.rounds = trainer, []
+        self.probe_ids = [trainer.processing_class(p)["input_ids"] for p in PROBES]
+        self.sample = trainer.sampler.sample
+        trainer.sampler.sample = self
+
+    def __call__(self, prompts, prompt_ids, params):
+        out = self.sample(prompts, prompt_ids, params)
+        greedy = SamplingParams(max_new_tokens=8, do_sample=False)
+        server, _ = self.trainer.vllm_generation.generate(self.probe_ids, greedy)
+        policy = self.trainer.generate(self.probe_ids, greedy)
+        self.rounds.append({"step": self.trainer.state.global_step, "equal": server == policy})
+        return out
+
+
+def records(trainer):
+    return [r for r in trainer.state.log_history if "train_runtime" not in r]
+
+
+def follow(url, model_dir, group_port, out):
+    trainer = trainer_for(url, model_dir, group_port, out)
+    checks = Checks(trainer)
+
+    class SyncOff(TrainerCallback):  # during SYNC_OFF the server keeps the weights of the step before
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer.vllm_generation._sync_after_steps = state.global_step not in SYNC_OFF
+
+    trainer.add_callback(SyncOff)
+    started = time.perf_counter()
+    trainer.train()
+    return {"rounds": checks.rounds, "records": records(trainer), "seconds": time.perf_counter() - started,
+            "client_closed": trainer.vllm_generation.vllm_client is None}
+
+
+def group_alive(pgid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def die(url, model_dir, group_port, out, pgid):
+    trainer = trainer_for(url, model_dir, group_port, out)
+    checks = Checks(trainer)
+
+    class Kill(TrainerCallback):  # the server dies between two steps (OOM killer, machine lost)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == KILL_AFTER:
+                os.killpg(pgid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while group_alive(pgid) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+
+    trainer.add_callback(Kill)
+    report = {}
+    started = time.perf_counter()
+    try:
+        trainer.train()
+    except VLLMServerError as error:
+        report["error"] = str(error)
+    report["seconds_to_stop"] = time.perf_counter() - started
+    report["rounds"] = checks.rounds
+    report["steps_done"] = trainer.state.global_step
+    report["checkpoints"] = sorted(os.listdir(os.path.join(out, "run")))
+    report["client_closed"] = trainer.vllm_generation.vllm_client is None
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+    # the checkpoint resumes (here without vLLM): the weights of the step the run stopped after, one step more
+    resumed_weights = {}
+
+    class Loaded(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            resumed_weights.update({name: p.detach().clone() for name, p in model.named_parameters()})
+
+    resumed = trainer_for(url, model_dir, group_port, out, use_vllm=False, max_steps=KILL_AFTER + 1)
+    resumed.add_callback(Loaded)
+    resumed.train(resume_from_checkpoint=True)
+    report["resumed_steps"] = [r["step"] for r in records(resumed)]  # the checkpoint's log history, and step 3
+    report["resumed_weights_equal"] = sorted(weights) == sorted(resumed_weights) and all(
+        torch.equal(weights[name], resumed_weights[name]) for name in weights)
+    return report
+
+
+def main():
+    mode, url, model_dir, group_port, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[-1]
+    if mode == "follow":
+        report = follow(url, model_dir, group_port, out)
+    else:
+        report = die(url, model_dir, group_port, out, int(sys.argv[5]))
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

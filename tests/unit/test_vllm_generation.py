@@ -1,0 +1,68 @@
+"""The parts of use_vllm that need no engine: TRL's sampling-option mapping, the weights sent to the engine (a
+tied head, LoRA merged), and the clear error without vLLM. The engine itself: tests/integration/test_vllm_colocate.py."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import trainers.base
+import trainers.grpo.trainer
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.configs import ConfigError
+from trainers.grpo.sampling import SamplingParams
+from trainers.grpo.vllm_generation import policy_weights, vllm_sampling_kwargs
+from trainers.tools.tiny import build_model
+
+
+def test_sampling_options_map_as_trl_maps_them():
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, min_p=None,
+                            repetition_penalty=1.1, extra={"seed": 3, "top_p": 0.5})
+    kwargs = vllm_sampling_kwargs(params, {7, 2})
+    assert kwargs == {"n": 1, "repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.5, "top_k": 5, "min_p": 0.0,
+                      "max_tokens": 12, "logprobs": 0, "stop_token_ids": [2, 7], "seed": 3}  # generation_kwargs win
+    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, do_sample=False), {2})
+    assert (greedy["temperature"], greedy["top_k"], greedy["top_p"], greedy["min_p"]) == (0.0, 0, 1.0, 0.0)
+
+
+def _sent(model) -> dict[str, torch.Tensor]:
+    return {name: tensor for batch in policy_weights(Accelerator(cpu=True), model) for name, tensor in batch}
+
+
+def test_the_full_state_dict_is_sent_tied_head_included():
+    model = build_model(vocab_size=50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert "lm_head.weight" not in dict(model.named_parameters())  # tied: the trap
+    sent = _sent(model)
+    expected = model.state_dict()
+    assert sorted(sent) == sorted(expected) and "lm_head.weight" in sent
+    assert all(torch.equal(sent[name], expected[name]) for name in expected)
+
+
+def test_lora_is_sent_merged_without_touching_the_policy():
+    from peft import LoraConfig, get_peft_model
+
+    base = build_model(vocab_size=50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    with torch.no_grad():  # B starts at 0: make the adapter count
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    sent = _sent(model)
+    merged = model.merge_and_unload().state_dict()  # peft's own merge, for reference (after _sent)
+    assert sorted(sent) == sorted(merged)
+    assert all(torch.allclose(sent[name], merged[name], atol=1e-6) for name in merged)
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    with pytest.raises(ConfigError, match="DoRA"):
+        dora = get_peft_model(build_model(vocab_size=50, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1),
+                              LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+        _sent(dora)
+
+
+def test_use_vllm_without_vllm_is_a_clear_error_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainers.grpo.trainer, "vllm_missing", lambda: "vLLM is not importable (ImportError: x)")
+    monkeypatch.setattr(trainers.base, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match=r"`use_vllm=True` with vllm_mode=.colocate. needs vLLM here: vLLM is not importable"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                    args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, use_vllm=True),
+                    train_dataset=[{"prompt": "a"}])

@@ -1,0 +1,124 @@
+"""`trainers vllm-serve`'s command line and environment, and VLLMClient's checks that need no server (no vLLM
+needed: the real server is tests/integration/test_vllm_server.py)."""
+
+import ast
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from tests.conftest import free_port
+from trainers.errors import VLLMServerError
+from trainers.grpo import vllm_client, vllm_server
+
+WORKER_FILE = os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_worker.py")
+
+
+def command(*argv):
+    args, extra = vllm_server.build_parser().parse_known_args(list(argv))
+    return args, vllm_server.build_command(args, extra)
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_command_runs_the_api_server_with_our_transfer_engine(tmp_path):
+    _, cmd = command("--model", str(tmp_path), "--port", "8123", "--tensor-parallel-size", "2",
+                        "--max_model_len", "512", "--enforce_eager", "--seed", "3")
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(cmd, "--model") == str(tmp_path)
+    assert flag(cmd, "--port") == "8123" and flag(cmd, "--tensor-parallel-size") == "2"
+    assert flag(cmd, "--max-model-len") == "512" and "--enforce-eager" in cmd
+    assert flag(cmd, "--worker-extension-cls") == "trainers_vllm_worker.TrainersWorkerExtension"
+    assert json.loads(flag(cmd, "--weight-transfer-config")) == {"backend": "trainers_gloo"}
+    assert flag(cmd, "--logprobs-mode") == "processed_logprobs" and flag(cmd, "--max-logprobs") == "-1"
+    assert cmd[-2:] == ["--seed", "3"]  # a flag vllm-serve does not know goes to vLLM as is
+    # TRL's spellings: underscores and dashes are the same option
+    _, same = command("--model", str(tmp_path), "--port", "8123", "--tensor_parallel_size", "2",
+                      "--max-model-len", "512", "--enforce-eager", "--seed", "3")
+    assert same == cmd
+
+
+def test_environment_exposes_only_the_worker_module(tmp_path):
+    args, _ = command("--model", str(tmp_path))
+    env = vllm_server.build_env(args, base={"PYTHONPATH": "/elsewhere"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [vllm_server.WORKER_DIR, "/elsewhere"]
+    # the folder on the server's path holds one module with a unique name, never the trainers package
+    assert sorted(n for n in os.listdir(vllm_server.WORKER_DIR) if n.endswith(".py")) == ["trainers_vllm_worker.py"]
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU: 1 GiB of KV cache, not a fraction of host RAM
+    args, _ = command("--model", str(tmp_path), "--cpu_kvcache_space", "3")
+    assert vllm_server.build_env(args, base={})["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert vllm_server.build_env(args, base={"VLLM_CPU_KVCACHE_SPACE": "5"})["VLLM_CPU_KVCACHE_SPACE"] == "5"
+
+
+def test_model_and_python_are_checked_before_starting(tmp_path, monkeypatch):
+    from trainers.tools import cli
+
+    relative = os.path.relpath(tmp_path)
+    assert vllm_server.resolve_model(relative) == str(tmp_path)  # the name /v1/models reports: absolute
+    assert vllm_server.resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a Hub id
+    with pytest.raises(SystemExit, match="'/no/such/model': no such folder"):
+        cli.main(["vllm-serve", "--model", "/no/such/model"])
+    with pytest.raises(SystemExit, match="--python '/no/python': no such file"):
+        cli.main(["vllm-serve", "--model", str(tmp_path), "--python", "/no/python"])
+    started = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append((path, argv, env)))
+    cli.main(["vllm-serve", "--model", str(tmp_path), "--port", "8124"])
+    (path, argv, env), = started
+    assert path == sys.executable and flag(argv, "--port") == "8124" and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def imported_modules(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_server_side_needs_neither_the_trainers_package_nor_its_dependencies():
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    assert imported_modules(vllm_server.__file__) <= stdlib
+    assert imported_modules(WORKER_FILE) <= stdlib | {"torch", "vllm"}
+    # the names both sides must agree on
+    with open(WORKER_FILE) as f:
+        body = ast.parse(f.read()).body
+    worker = {node.targets[0].id: node.value.value for node in body
+              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    assert worker["ENGINE_NAME"] == vllm_server.ENGINE_NAME == vllm_client.ENGINE_NAME
+    assert worker["STORE_PREFIX"] == vllm_client.STORE_PREFIX
+
+
+def test_unreachable_server_is_an_error_naming_the_url():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(VLLMServerError) as error:
+        vllm_client.VLLMClient(url, connection_timeout=0.5)
+    assert url in str(error.value) and "cannot be reached" in str(error.value)
+    assert "trainers vllm-serve" in str(error.value) and "vllm_server_base_url" in str(error.value)
+    with pytest.raises(VLLMServerError, match="'localhost:8000' must look like http://host:port"):
+        vllm_client.VLLMClient("localhost:8000")
+
+
+def test_logprobs_are_parsed_as_trl_parses_them():
+    payload = {"tokens": ["token_id:7", "token_id:9"], "token_logprobs": [-2.0, float("nan")],
+               "top_logprobs": [{"token_id:3": -0.5, "token_id:7": -2.0}, {"token_id:4": -0.1}]}
+    values, ids = vllm_client.parse_logprobs([payload])
+    assert ids == [[[3, 7], [4, 9]]]  # by descending probability, the sampled token always there
+    assert values == [[[-0.5, -2.0], [-0.1, None]]]  # NaN (a token vLLM could not score) -> None
+    assert vllm_client.parse_logprobs([None]) == (None, None)
+    assert not math.isnan(values[0][0][0])
+
+
+def test_same_model_compares_folders_by_path(tmp_path):
+    assert vllm_client.same_model(str(tmp_path), os.path.relpath(tmp_path) + "/")
+    assert vllm_client.same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B")
+    assert not vllm_client.same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B")
+    assert not vllm_client.same_model(str(tmp_path), str(tmp_path / "other"))

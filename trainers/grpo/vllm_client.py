@@ -1,0 +1,377 @@
+"""The trainer's side of ``vllm_mode="server"``: a client of the server ``trainers vllm-serve`` starts.
+
+``VLLMClient`` has TRL's names and contracts (``generate(...) -> {"prompt_ids", "completion_ids", "logprobs",
+"logprob_token_ids"}``, ``update_named_param``, ``update_model_params``, ``weight_update()``, ``reset_prefix_cache``)
+and is ``trainer.vllm_generation.vllm_client`` as in TRL 1.16. It differs where TRL's does not work on CPU:
+
+- weights travel over a gloo process group of their own (rank 0 here, the server's workers after it; rendezvous on a
+  TCPStore this process hosts at ``group_port``, GRPOConfig.vllm_group_port) into the transfer engine that
+  ``trainers vllm-serve`` registers in the server (trainers/grpo/vllm_worker/trainers_vllm_worker.py), which reloads
+  them layer-wise in place. TRL's client needs NCCL (a CUDA device) for this;
+- ``update_model_params`` sends the full state dict: a tied output head is not among ``named_parameters()``, and
+  without it the engine's head would silently keep the old weights;
+- every failure is a ``VLLMServerError`` naming the server's URL (unreachable, another model, dead mid-run), so
+  the trainer can stop with a checkpoint instead of a bare connection error;
+- it needs only torch and the standard library (no ``requests``, no vLLM in the trainer's environment).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from http.client import HTTPException
+
+import torch
+import torch.distributed as dist
+
+from trainers.errors import VLLMServerError
+
+ENGINE_NAME = "trainers_gloo"  # the server's transfer engine (trainers_vllm_worker.ENGINE_NAME)
+STORE_PREFIX = "trainers_weights"  # trainers_vllm_worker.STORE_PREFIX
+START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the server allocates before each tensor arrives."""
+
+    name: str
+    dtype_name: str  # "float32", "bfloat16", ...
+    shape: list[int]
+
+
+class VLLMClient:
+    """A vLLM server started by ``trainers vllm-serve``: generation, and weight updates from the trainer.
+
+    Args:
+        base_url: the server's URL (``http://host:port``); when given, ``host`` and ``server_port`` are unused.
+        host, server_port: the server's address otherwise.
+        group_port: the port of the weight-transfer rendezvous this process hosts (it must be free here and
+            reachable from the server).
+        connection_timeout: seconds to wait for the server to answer before it is an error.
+        transfer_timeout: seconds a weight-transfer rendezvous or tensor may wait for the other side.
+        request_timeout: seconds an HTTP request may wait for the server's bytes (None: no limit, as TRL).
+    """
+
+    def __init__(self, base_url: str | None = None, host: str = "0.0.0.0", server_port: int = 8000,
+                 group_port: int = 51216, connection_timeout: float = 0.0, transfer_timeout: float = 300.0,
+                 request_timeout: float | None = None):
+        if base_url is not None:
+            parsed = urllib.parse.urlparse(base_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise VLLMServerError(f"vllm_server_base_url {base_url!r} must look like http://host:port.")
+            self.base_url = base_url.rstrip("/")
+            self.host = parsed.hostname
+            self.server_port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        else:
+            self.host, self.server_port = host, server_port
+            self.base_url = f"http://{host}:{server_port}"
+        self.group_port = group_port
+        self.transfer_timeout = transfer_timeout
+        self.request_timeout = request_timeout
+        self._group: dist.ProcessGroupGloo | None = None
+        self._store: dist.TCPStore | None = None  # kept alive with the group: it hosts the rendezvous
+        self._in_update = False  # inside weight_update()
+        self.wait_for_server(connection_timeout)
+        self.model = self.served_model()
+
+    # ---- HTTP ----
+
+    def _request(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+        url = self.base_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json"} if data is not None else {})
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as error:  # the server answered with an error status
+            detail = error.read().decode(errors="replace")[:2000]
+            raise VLLMServerError(f"The vLLM server at {self.base_url} answered {method} {path} with HTTP "
+                                  f"{error.code}: {detail}") from error
+        except (urllib.error.URLError, HTTPException, OSError) as error:  # refused, reset, timed out, closed
+            reason = getattr(error, "reason", None) or error
+            raise VLLMServerError(f"The vLLM server at {self.base_url} did not answer {method} {path}: {reason}. "
+                                  f"Is it still running? (its log says why it stopped)") from error
+        return json.loads(payload) if payload else {}
+
+    def _get(self, path: str, params: dict | None = None) -> dict:
+        return self._request("GET", path, params=params)
+
+    def _post(self, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+        return self._request("POST", path, body if body is not None else {}, params)
+
+    # ---- the server ----
+
+    def wait_for_server(self, timeout: float = 0.0, retry_interval: float = 1.0) -> None:
+        """Return once ``/health`` answers; after ``timeout`` seconds without an answer, a VLLMServerError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._get("/health")
+                return
+            except VLLMServerError as error:
+                if time.monotonic() >= deadline:
+                    raise VLLMServerError(f"The vLLM server at {self.base_url} cannot be reached (waited "
+                                          f"{timeout:g} s: {getattr(error.__cause__, 'reason', error.__cause__)}); {START_HINT}, and point "
+                                          f"the trainer at it (vllm_server_base_url, or vllm_server_host and "
+                                          f"vllm_server_port).") from None
+            time.sleep(min(retry_interval, max(0.0, deadline - time.monotonic())))
+
+    def served_model(self) -> str:
+        """The model the server serves, as /v1/models names it (its --model, or --served-model-name)."""
+        models = self._get("/v1/models").get("data") or []
+        if not models:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} serves no model (/v1/models is empty).")
+        return models[0]["id"]
+
+    def check_server(self, expected_model: str | None = None) -> None:
+        """Before training: the server answers, serves ``expected_model`` (the trainer's model: a Hub id or a
+        folder) and can take weight updates. Each failure is a VLLMServerError that names the URL."""
+        self.wait_for_server(0.0)
+        served = self.served_model()
+        if expected_model is not None and not same_model(served, expected_model):
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} serves {served!r}, but the trainer trains {expected_model!r}: "
+                f"restart the server with --model {expected_model} (or, for the same model under another name, "
+                f"pass vLLM's --served-model-name {expected_model}).")
+        info = self.get_server_info()
+        backend = (info.get("weight_transfer_config") or {}).get("backend")
+        if backend != ENGINE_NAME:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} has weight transfer {backend!r}, not {ENGINE_NAME!r}: the "
+                f"trainer cannot update its weights. {START_HINT[0].upper() + START_HINT[1:]}.")
+
+    def get_server_info(self) -> dict:
+        """The server's resolved VllmConfig (dev mode's /server_info)."""
+        try:
+            return self._get("/server_info", {"config_format": "json"})["vllm_config"]
+        except VLLMServerError as error:
+            if "HTTP 404" in str(error):
+                raise VLLMServerError(
+                    f"The vLLM server at {self.base_url} does not expose its development endpoints (weight "
+                    f"updates need VLLM_SERVER_DEV_MODE=1): {START_HINT}.") from None
+            raise
+
+    def get_world_size(self) -> int:
+        """The server's workers (tensor x pipeline x data parallel)."""
+        return int(self._get("/get_world_size")["world_size"])
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prompt KV (computed with the previous weights)."""
+        self._post("/reset_prefix_cache")
+
+    # ---- generation ----
+
+    def generate(self, prompts: list[str] | list[list[int]], n: int = 1, repetition_penalty: float = 1.0,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 max_tokens: int = 16, logprobs: int | None = 0, structured_outputs_regex: str | None = None,
+                 generation_kwargs: dict | None = None) -> dict[str, list]:
+        """Completions for ``prompts`` (texts or token-id lists), ``n`` per prompt, as TRL's ``VLLMClient.generate``.
+
+        Returns ``prompt_ids`` (one row per prompt), ``completion_ids`` (``n`` rows per prompt, prompt-major),
+        ``logprobs`` and ``logprob_token_ids`` ([row][token][k], by descending probability: with ``logprobs=0``
+        the sampled token's alone, with N > 0 the top N and the sampled token among them or added; None when
+        ``logprobs=None``).
+        """
+        body = {
+            "model": self.model, "prompt": list(prompts), "n": n, "repetition_penalty": repetition_penalty,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens,
+            "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+        }
+        if structured_outputs_regex is not None:
+            body["structured_outputs"] = {"regex": structured_outputs_regex}
+        body.update(generation_kwargs or {})
+        choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda choice: choice["index"])
+        if len(choices) != len(prompts) * n:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} returned {len(choices)} completions for "
+                                  f"{len(prompts)} prompts x n={n}.")
+        values, token_ids = parse_logprobs([choice.get("logprobs") for choice in choices])
+        return {
+            "prompt_ids": [choice["prompt_token_ids"] for choice in choices[::n]],
+            "completion_ids": [choice["token_ids"] for choice in choices],
+            "logprobs": values,
+            "logprob_token_ids": token_ids,
+        }
+
+    # ---- weights ----
+
+    def init_communicator(self, device: torch.device | str | int | None = None) -> None:
+        """Open the weight-transfer group with the server's workers (done by the first update if not before).
+        ``device`` is accepted for TRL's signature: tensors travel through host memory whatever their device."""
+        if self._group is not None:
+            return
+        world_size = self.get_world_size() + 1  # this process is rank 0
+        address = local_address(self.host, self.server_port)  # where the server's workers reach this process
+        timeout = timedelta(seconds=self.transfer_timeout)
+        try:
+            store = dist.TCPStore(address, self.group_port, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+        except Exception as error:  # the port is taken (another run?) or not bindable here
+            raise VLLMServerError(f"Cannot host the weight-transfer rendezvous on {address}:{self.group_port} "
+                                  f"(vllm_group_port) for the vLLM server at {self.base_url}: {error}. Pick a "
+                                  f"free port.") from error
+        init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
+                     "rank_offset": 1, "timeout_s": self.transfer_timeout}
+        request = _in_thread(lambda: self._post("/init_weight_transfer_engine", {"init_info": init_info}))
+
+        def join():  # blocks until every worker has joined
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, world_size, options)
+
+        group = _in_thread(join)
+        self._raise_first_error(request, group, "opening the weight-transfer group")
+        self._store, self._group = store, group.result()
+
+    @contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """One weight update of several ``update_named_params`` calls (e.g. one per gathered module): the server
+        reloads layer-wise as the tensors arrive and finishes once, then drops its prefix cache."""
+        self.init_communicator()
+        self._post("/start_weight_update")
+        self._in_update = True
+        try:
+            yield
+        finally:
+            self._in_update = False
+        self._post("/finish_weight_update")
+        self.reset_prefix_cache()
+
+    def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
+        model; inside ``weight_update()`` they join its update, else they are an update of their own."""
+        if not self._in_update:
+            with self.weight_update():
+                self.update_named_params(named_tensors)
+            return
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # references, not copies
+        if not tensors:
+            return
+        metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors]
+        update_info = {"names": [m.name for m in metas], "dtype_names": [m.dtype_name for m in metas],
+                       "shapes": [m.shape for m in metas]}
+        group = self._group
+        # the server receives inside its /update_weights request, so the request and the broadcasts run together
+        request = _in_thread(lambda: self._post("/update_weights", {"update_info": update_info}))
+
+        def broadcast():
+            for _, tensor in tensors:  # one tensor in host memory at a time (a GPU's weights are copied here)
+                group.broadcast(tensor.to("cpu").contiguous(), 0).wait()
+
+        self._raise_first_error(request, _in_thread(broadcast), f"sending {len(tensors)} tensors")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The server's weights := these (name, tensor) pairs, in one update."""
+        with self.weight_update():
+            self.update_named_params(named_tensors)
+
+    def update_named_param(self, name: str, weights: torch.Tensor) -> None:
+        """TRL's: one tensor."""
+        self.update_named_params([(name, weights)])
+
+    def update_model_params(self, model: torch.nn.Module) -> None:
+        """The server's weights := ``model``'s full state dict (a tied output head included)."""
+        self.update_weights(model.state_dict().items())
+
+    def _raise_first_error(self, request: Future, transfer: Future, what: str) -> None:
+        """Wait for the server's request and this side's transfer; the first failure (a dead server, a tensor it
+        refused, a gloo timeout: each transfer waits at most transfer_timeout) closes the group and is raised."""
+        done, _ = wait([request, transfer], return_when=FIRST_EXCEPTION)
+        failed = [f for f in (request, transfer) if f in done and f.exception() is not None]
+        if not failed:
+            return
+        self._drop_group()  # the other side may still wait in it: a new update opens a new one
+        error = failed[0].exception()
+        if isinstance(error, VLLMServerError):
+            raise error
+        raise VLLMServerError(f"Weight transfer to the vLLM server at {self.base_url} failed while {what}: "
+                              f"{error}") from error
+
+    def _drop_group(self) -> None:
+        group, self._group, self._store = self._group, None, None
+        if group is not None:
+            try:
+                group.abort()
+            except RuntimeError as error:  # already broken: nothing left to release
+                print(f"[trainers] closing the weight-transfer group: {error}", file=sys.stderr)
+
+    def close_communicator(self) -> None:
+        """Close the weight-transfer group (the server keeps serving)."""
+        if self._group is None:
+            return
+        try:
+            self._post("/shutdown_weight_transfer_engine")
+        except VLLMServerError:  # the server is gone: nothing to tell it
+            pass
+        self._drop_group()
+
+    def close(self) -> None:
+        """Release this client's group; idempotent. The server is not stopped (it is not the trainer's)."""
+        self.close_communicator()
+
+
+def parse_logprobs(choices_logprobs: list[dict | None]) -> tuple[list | None, list | None]:
+    """/v1/completions log-probs -> ([row][token][k] values, [row][token][k] token ids) by descending probability,
+    the sampled token always among them, as TRL's ``parse_logprobs``; NaN becomes None; (None, None) when the
+    request asked for none."""
+    if not choices_logprobs or choices_logprobs[0] is None:
+        return None, None
+    values, token_ids = [], []
+    for logprobs in choices_logprobs:
+        row_values, row_ids = [], []
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            ranked = {token: logprob, **(top or {})}  # the sampled token even when it is not among the top ones
+            items = sorted(ranked.items(), key=lambda item: -_sortable(item[1]))
+            row_ids.append([int(name.removeprefix("token_id:")) for name, _ in items])
+            row_values.append([None if value is None or math.isnan(value) else value for _, value in items])
+        values.append(row_values)
+        token_ids.append(row_ids)
+    return values, token_ids
+
+
+def _sortable(value: float | None) -> float:
+    return -math.inf if value is None or math.isnan(value) else value
+
+
+def same_model(served: str, expected: str) -> bool:
+    """Whether the server's model name and the trainer's model are the same: equal Hub ids, or the same folder."""
+    def normal(name: str) -> str:
+        return os.path.realpath(name) if os.path.isdir(name) else name.rstrip("/")
+
+    return normal(served) == normal(expected)
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """This host's address on the route to the peer (a UDP 'connect' sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, peer_port))
+        return probe.getsockname()[0]
+
+
+def _in_thread(function) -> Future:
+    """Run ``function`` in a daemon thread (one blocked in a transfer must not keep the process alive)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(function())
+        except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future

@@ -1,0 +1,147 @@
+"""``trainers vllm-serve``: a vLLM server that GRPO's ``vllm_mode="server"`` generates with and pushes weights into.
+
+    trainers vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000             # vLLM in the trainer's environment
+    trainers vllm-serve --model M --python vllm-env/bin/python                     # vLLM in an environment of its own
+    vllm-env/bin/python path/to/trainers/grpo/vllm_server.py --model M             # no trainer environment at all
+
+TRL's ``trl vllm-serve`` options (underscores or dashes); any other flag goes to vLLM as is. It runs
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` console script fails with the CPU wheel) with
+``VLLM_SERVER_DEV_MODE=1`` (the weight-update endpoints), TRL's logprob settings, and our weight-transfer engine
+(trainers/grpo/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
+imports through ``--worker-extension-cls``. The trainer connects with ``VLLMClient`` (trainers/grpo/vllm_client.py).
+
+This file imports only the standard library: it runs as a script in a vLLM-only environment, and the server it
+starts needs only vLLM plus the worker module's folder on PYTHONPATH, never the ``trainers`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")  # holds only the worker module
+WORKER_EXTENSION = "trainers_vllm_worker.TrainersWorkerExtension"
+ENGINE_NAME = "trainers_gloo"  # the worker module's ENGINE_NAME
+
+
+def build_parser(prog: str = "trainers vllm-serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def add(name: str, **kwargs) -> None:  # TRL's parser takes --tensor_parallel_size and --tensor-parallel-size
+        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        parser.add_argument(*flags, dest=name, **kwargs)
+
+    add("model", required=True, help="Model folder or Hub id to serve: the one the trainer trains.")
+    add("revision", default=None, help="Model revision (branch, tag or commit).")
+    add("tensor_parallel_size", type=int, default=1, help="Tensor-parallel workers.")
+    add("data_parallel_size", type=int, default=1, help="Data-parallel replicas (keep 1 for dense models).")
+    add("host", default="0.0.0.0", help="Address the server listens on.")
+    add("port", type=int, default=8000, help="Port the server listens on.")
+    add("gpu_memory_utilization", type=float, default=0.9,
+        help="GPU: fraction of its memory for weights, activations and KV cache. On CPU see --cpu_kvcache_space.")
+    add("cpu_kvcache_space", type=int, default=1,
+        help="CPU only: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE, which wins when set). vLLM "
+             "would otherwise read --gpu_memory_utilization as a fraction of host RAM.")
+    add("dtype", default="auto", help="Weights' dtype in the engine (auto: the model's).")
+    add("max_model_len", type=int, default=None, help="Longest prompt + completion (default: the model's context).")
+    add("enable_prefix_caching", type=_bool, default=None, help="true/false (default: vLLM's).")
+    add("enforce_eager", type=_bool, nargs="?", const=True, default=False,
+        help="No CUDA graphs / compilation: faster start-up, slower decoding.")
+    add("kv_cache_dtype", default="auto", help="KV cache dtype (auto: the model's).")
+    add("trust_remote_code", type=_bool, nargs="?", const=True, default=False, help="Run the model repo's code.")
+    add("log_level", default="info", help="uvicorn's log level.")
+    add("vllm_model_impl", default="vllm", choices=["vllm", "transformers", "auto"], help="Model implementation.")
+    add("distributed_executor_backend", default=None, help="ray for multi-node tensor parallelism.")
+    add("speculative_config", default=None, help="JSON for vLLM's --speculative-config.")
+    add("python", default=sys.executable,
+        help="The Python that runs the server: one whose environment has vLLM (default: this one).")
+    return parser
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def resolve_model(model: str) -> str:
+    """A local folder as an absolute path (it is the name /v1/models reports, which VLLMClient.check_server
+    compares with the trainer's model); a missing local path is an error naming it."""
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
+        raise SystemExit(f"trainers vllm-serve: error: --model {model!r}: no such folder (and not a Hub id).")
+    return model  # a Hub id
+
+
+def build_command(args: argparse.Namespace, extra_args: list[str]) -> list[str]:
+    """The server's command line, starting with the Python that runs it."""
+    command = [
+        args.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", resolve_model(args.model),
+        "--host", args.host,
+        "--port", str(args.port),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--data-parallel-size", str(args.data_parallel_size),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--dtype", args.dtype,
+        "--kv-cache-dtype", args.kv_cache_dtype,
+        "--model-impl", args.vllm_model_impl,
+        "--uvicorn-log-level", args.log_level,
+    ]
+    if args.revision is not None:
+        command += ["--revision", args.revision]
+    if args.max_model_len is not None:
+        command += ["--max-model-len", str(args.max_model_len)]
+    if args.enable_prefix_caching is not None:
+        command += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if args.enforce_eager:
+        command += ["--enforce-eager"]
+    if args.trust_remote_code:
+        command += ["--trust-remote-code"]
+    if args.distributed_executor_backend is not None:
+        command += ["--distributed-executor-backend", args.distributed_executor_backend]
+    if args.speculative_config is not None:
+        command += ["--speculative-config", args.speculative_config]
+    command += [
+        # our transfer engine, registered by the worker module that vLLM's worker imports
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
+        # as TRL: log-probs after temperature/top-k processing (the importance-sampling correction compares
+        # them with the trainer's), and no cap on how many per token
+        "--logprobs-mode", "processed_logprobs",
+        "--max-logprobs", "-1",
+    ]
+    return command + list(extra_args)
+
+
+def build_env(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /init_weight_transfer_engine, /update_weights, /reset_prefix_cache, ...
+    env["PYTHONPATH"] = os.pathsep.join([WORKER_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kvcache_space))  # read by vLLM's CPU platform only
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra_args = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not os.path.isfile(args.python):
+        raise SystemExit(f"trainers vllm-serve: error: --python {args.python!r}: no such file.")
+    command = build_command(args, extra_args)
+    env = build_env(args)
+    print("[trainers vllm-serve] VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE="
+          f"{env['VLLM_CPU_KVCACHE_SPACE']} PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {shlex.join(command)}",
+          flush=True)
+    # the server replaces this process: signals reach it directly and nothing is left behind when it exits
+    os.execve(command[0], command, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
