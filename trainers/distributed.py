@@ -65,26 +65,29 @@ def _notebook_launched() -> bool:
     return "NPROC" in os.environ and "MIXED_PRECISION" in os.environ
 
 
-def _gnu_openmp() -> str | None:
-    """The path of the libgomp this process has loaded (torch's OpenMP), or None (none, or another OpenMP)."""
+def _gnu_openmp() -> list[str]:
+    """The paths of every libgomp this process has loaded (torch's OpenMP; other wheels bundle their own copy, e.g.
+    sentencepiece's, which vLLM's dependencies bring in), or [] (none, or another OpenMP)."""
     try:
         with open("/proc/self/maps") as maps:
-            return next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+            return list(dict.fromkeys(line.split()[-1] for line in maps if "/libgomp" in line))
     except OSError:  # not Linux: no libgomp either
-        return None
+        return []
 
 
 def _release_openmp_threads() -> None:
     """os.register_at_fork hook, in the process about to fork: before notebook_launcher's fork, end the calling
     thread's OpenMP pool so the forked processes do not inherit a pool whose threads they lack."""
     global _released_openmp_before_fork
-    path = _gnu_openmp() if _notebook_launched() else None
-    if path is None:
+    paths = _gnu_openmp() if _notebook_launched() else []
+    if not paths:
         return
     import ctypes
 
     omp_pause_hard = 2  # omp_pause_resource_t: free the threads, not only idle them
-    if ctypes.CDLL(path).omp_pause_resource_all(omp_pause_hard) == 0:
+    # every copy: which one torch's thread pool lives in cannot be told from here
+    results = [ctypes.CDLL(path).omp_pause_resource_all(omp_pause_hard) for path in paths]
+    if all(result == 0 for result in results):
         _released_openmp_before_fork = True
 
 
@@ -95,7 +98,7 @@ def _check_threads_after_fork() -> None:
     """In a process notebook_launcher forked, with this module imported only after the fork (so the hook above did
     not run in the notebook): more than one torch thread would hang the first step if the notebook had run a
     multi-threaded torch op, which cannot be told from here. Refuse it, naming the two ways out."""
-    if _released_openmp_before_fork or torch.get_num_threads() == 1 or _gnu_openmp() is None:
+    if _released_openmp_before_fork or torch.get_num_threads() == 1 or not _gnu_openmp():
         return
     raise DistributedError(
         f"This process was forked by accelerate's notebook_launcher, and trains with {torch.get_num_threads()} "
