@@ -1,7 +1,8 @@
 """One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT or GRPO.
 
 Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
-non-padding tokens, the final loss, the process's peak RSS and, on a GPU, its name and PyTorch's peak
+non-padding tokens, the final loss, the seconds the trainer took to build (model loading; with vLLM colocate, the
+engine's start-up), the process's peak RSS and, on a GPU, its name and PyTorch's peak
 allocated GPU memory. Both frameworks use the GPU when one is visible.
 """
 
@@ -42,6 +43,7 @@ def reward_rare(completions, **kwargs):
 
 
 REWARDS = {"len": reward_len, "rare": reward_rare}
+SETUP = {}  # "started": before the trainer is built; "built": once it is (a colocated vLLM engine starts in between)
 
 
 class StepClock:
@@ -84,6 +86,15 @@ def lora_config(cli):
     return LoraConfig(r=cli.lora, lora_alpha=2 * cli.lora, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
+def ours_grpo_args(cli) -> dict:
+    """grpo_args with --ours_extra over it. With use_vllm, generation_kwargs are vLLM SamplingParams arguments
+    (as in TRL): the full-length forcing is vLLM's min_tokens."""
+    args = {**grpo_args(cli), **cli.ours_extra}
+    if args.get("use_vllm") and "generation_kwargs" not in cli.ours_extra:
+        args["generation_kwargs"] = {"min_tokens": cli.completion_length}
+    return args
+
+
 def run_ours(cli, rows):
     from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
@@ -92,12 +103,14 @@ def run_ours(cli, rows):
                              args=SFTConfig(**sft_args(cli)))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
-                              peft_config=lora_config(cli), args=GRPOConfig(**grpo_args(cli), **cli.ours_extra))
+                              peft_config=lora_config(cli), args=GRPOConfig(**ours_grpo_args(cli)))
+    SETUP["built"] = time.perf_counter()
     clock = StepClock()
     original = trainer.after_optimizer_step  # called once per step, right after the optimizer step
     trainer.after_optimizer_step = lambda metrics: (clock.tick(), original(metrics))[1]
     clock.tick()
     trainer.train()
+    trainer.end()  # a vLLM engine (colocate) is shut down here, not left to the interpreter's exit
     logs = [r for r in trainer.state.log_history if "loss" in r]
     return clock.times, logs[-1]["num_tokens"], logs[-1]["loss"], zero_std_share(logs)
 
@@ -124,6 +137,7 @@ def run_trl(cli, rows):
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
                               callbacks=[Clock()], peft_config=lora_config(cli),
                               args=GRPOConfig(**grpo_args(cli), **cpu))
+    SETUP["built"] = time.perf_counter()
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     return clock.times, logs[-1].get("num_tokens", float("nan")), logs[-1]["loss"], zero_std_share(logs)
@@ -157,11 +171,12 @@ def main():
     if cli.threads:
         torch.set_num_threads(cli.threads)
     rows = sft_rows(cli.max_length) if cli.method == "sft" else grpo_rows()
+    SETUP["started"] = time.perf_counter()
     times, tokens, loss, zero_std = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
     from memory_probe import peak_rss_bytes
 
     result = {"step_times": times, "num_tokens": tokens, "loss": loss, "peak_mb": peak_rss_bytes() / 2**20,
-              "frac_reward_zero_std": zero_std}
+              "frac_reward_zero_std": zero_std, "build_s": SETUP["built"] - SETUP["started"]}
     if torch.cuda.is_available():
         result.update(device=torch.cuda.get_device_name(0), peak_gpu_mb=torch.cuda.max_memory_allocated() / 2**20)
     print("RESULT " + json.dumps(result))

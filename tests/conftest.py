@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,16 @@ def launch(template: str, script: str, *args: str, num_processes: int = 2, timeo
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
                "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script, *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    # a session of its own: on a timeout the launcher's workers are killed with it, not left running
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"launch timed out after {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result

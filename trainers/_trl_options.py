@@ -40,7 +40,6 @@ TRL_ONLY_OPTIONS = {
     'log_multimodal': True,
     'log_on_each_node': True,
     'log_unique_prompts': False,
-    'max_tool_calling_iterations': None,
     'neftune_noise_alpha': None,
     'optim_args': None,
     'optim_target_modules': None,

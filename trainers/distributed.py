@@ -5,7 +5,8 @@ Trainers never branch on the backend. They call:
     Accelerate's ``notebook_launcher``;
     on a machine without a GPU it still gives real multi-process training (DDP over gloo, DeepSpeed ZeRO on CPU).
   - ``configure_deepspeed``: fills the DeepSpeed config values that Accelerate leaves as "auto".
-  - ``gathered_parameters``: the full weights of a ZeRO-3 model for the duration of a block (generation).
+  - ``gathered_parameters``: the full weights of a ZeRO-3 model for the duration of a block;
+    ``gathered_for_generation`` also takes DeepSpeed's hooks off, so ranks may decode different lengths.
   - ``gather_objects`` / ``broadcast_object`` / ``all_reduce_sum`` / ``all_reduce_max``: Python objects, counts
     and extremes across processes.
 """
@@ -289,6 +290,34 @@ def gathered_parameters(accelerator: Accelerator, model: torch.nn.Module, enable
 
     with deepspeed.zero.GatheredParameters(list(model.parameters(recurse=recurse)), modifier_rank=None):
         yield
+
+
+@contextlib.contextmanager
+def gathered_for_generation(accelerator: Accelerator, engine: torch.nn.Module, enabled: bool = True):
+    """``gathered_parameters`` for generation: the full weights on every rank and, under ZeRO-3, DeepSpeed's
+    parameter hooks taken off inside (as TRL's unwrap_model_for_generation does). With the hooks on, every
+    forward gathers again, a collective: processes that decode a different number of tokens (a completion that
+    stops early on one rank, a tool loop's turns) would wait in each other's gathers forever. ``engine``: the
+    prepared model (the DeepSpeed engine)."""
+    with gathered_parameters(accelerator, engine, enabled=enabled):
+        offload = None
+        if enabled and zero_stage(accelerator) == 3:
+            offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+        if offload is None:
+            yield
+            return
+        for parameter in offload.module.parameters(recurse=True):
+            parameter.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()  # the forwards without hooks left its recorded trace stale
+            offload._register_deepspeed_module(offload.module)
 
 
 def prepare_frozen(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -192,12 +192,9 @@ def test_unsupported_trainer_arguments_are_refused_by_name(tiny_model_dir, tmp_p
         """Doubles x."""
         return 2 * x
 
-    with pytest.raises(ConfigError, match="tools=...\\) is not supported; write a rollout_func"):
+    with pytest.raises(ConfigError, match="a rollout_func runs its own episodes; pass tools/environment_factory"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
-                    tools=[tool])
-    with pytest.raises(ConfigError, match="environment_factory=...\\) is not supported"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
-                    environment_factory=object)
+                    tools=[tool], rollout_func=lambda prompts, trainer: {})
     with pytest.raises(ConfigError, match="rollout_func must be a function .* got str"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path), train_dataset=PROMPTS,
                     rollout_func="mine")

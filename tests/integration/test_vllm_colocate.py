@@ -84,3 +84,11 @@ def test_two_processes_each_with_an_engine(tmp_path, template):
         after = report["after_train"]
         assert after["llm_is_none"] and after["llm_collected"] and engine_processes(after) == [], after
         assert report["gather_after_close"] == [0.0, 1.0]
+
+
+def test_tool_loop_on_the_colocated_engine(tmp_path):
+    """The tool loop (tests/integration/vllm_tool_rounds.py) with the engine in this process: the same checks as
+    against a server (test_vllm_server.check_tool_rounds)."""
+    from tests.integration.vllm_tool_rounds import check_tool_rounds
+
+    check_tool_rounds(run_job("tools", tmp_path), IN_SYNC)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, launch, rank_reports
+from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.grpo.vllm_client import VLLMClient
 
@@ -99,7 +100,7 @@ def server(tmp_path_factory):
     port = free_port()
     log_path = str(root / "server.log")
     command = [sys.executable, "-m", "trainers.tools.cli", "vllm-serve", "--python", python, "--model", model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "256",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "1024",
                "--enforce_eager", "--cpu_kvcache_space", "1", "--seed", "0"]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -240,15 +241,17 @@ def run_job(out, *args) -> dict:
         return json.load(f)
 
 
-def test_grpo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
-    """8 GRPO steps against the server: after every step's weight push the server's greedy completions equal
-    the policy's own and the sampler's log-probs match the trainer's; during SYNC_OFF (the push switched off)
-    both checks fail."""
+def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, tmp_path):
+    """24 GRPO steps of the digits task against the server: the reward rises as with the lean engine (and in
+    colocate mode); after every step's weight push the server's greedy completions equal the policy's own and
+    the sampler's log-probs match the trainer's; during SYNC_OFF (the push switched off) both checks fail."""
     report = run_job(tmp_path, "follow", server.url, server.model_dir, free_port())
+    rewards = {r["step"]: r["reward"] for r in report["records"]}
+    assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
     diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
-    print(f"\nGRPO, server mode, 8 steps: {report['seconds']:.1f} s; per round step: log-prob difference {diff}, "
+    print(f"\nGRPO, server mode, 24 steps: {report['seconds']:.1f} s; per round step: log-prob difference {diff}, "
           f"greedy equal {[r['equal'] for r in report['rounds']]}")
-    assert sorted(diff) == list(range(8))
+    assert sorted(diff) == list(range(24))
     synced = [s for s in diff if s not in SYNC_OFF]
     assert all(diff[s] < IN_SYNC for s in synced), diff
     assert all(diff[s] > 100 * IN_SYNC for s in SYNC_OFF), diff  # a stale server is seen
@@ -256,6 +259,29 @@ def test_grpo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
     assert all(equal[s] for s in synced), equal
     assert not all(equal[s] for s in SYNC_OFF), equal  # a stale server's greedy completions differ
     assert report["client_closed"]
+
+
+def test_two_processes_share_the_server(server, tmp_path):
+    """2-process DDP against one server: the main process sends both processes' prompts in one request and the
+    weights once per step; each process gets its own completions, and after every push the server's greedy
+    completions equal each process's policy."""
+    launch("multi_gpu", JOB, "distributed", server.url, server.model_dir, str(free_port()), str(tmp_path),
+           timeout=600)
+    reports = rank_reports(tmp_path)
+    assert [r["is_main_process"] for r in reports] == [True, False]
+    for report in reports:
+        assert [r["step"] for r in report["rounds"]] == [0, 1, 2] and all(r["equal"] for r in report["rounds"])
+        # the trainer's log-probs come from its bf16 autocast forward (the template's), the server's from float32
+        assert all(r["sampling/sampling_logp_difference/mean"] < 5e-3 for r in report["records"]), report["records"]
+    assert reports[0]["client_closed"]
+    # one round's records over both processes: the same metrics on each (they are reduced over the processes)
+    assert [r["reward"] for r in reports[0]["records"]] == [r["reward"] for r in reports[1]["records"]]
+
+
+def test_tool_loop_against_the_server(server, tmp_path):
+    """The tool loop against the server (tests/integration/vllm_tool_rounds.py): the server continues each rollout
+    from its tool result, with log-probs equal to the trainer's."""
+    check_tool_rounds(run_job(tmp_path, "tools", server.url, server.model_dir, free_port()), IN_SYNC)
 
 
 def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):

@@ -4,6 +4,7 @@ per job. Writes ``OUT/report-<rank>.json``.
 
     python tests/integration/vllm_colocate_job.py single OUT        # 24 steps: learning, greedy equality, SYNC_OFF
     python tests/integration/vllm_colocate_job.py lora OUT          # LoRA; SIGTERM, resume, then an exception
+    python tests/integration/vllm_colocate_job.py tools OUT         # the tool loop (vllm_tool_rounds.py), 2 steps
     accelerate launch --config_file accelerate_configs/{multi_gpu,zero3}.yaml --num_processes 2 \\
         tests/integration/vllm_colocate_job.py distributed OUT
 
@@ -24,6 +25,9 @@ import torch
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.grpo.sampling import SamplingParams
 from trainers.tools.tiny import save_tiny_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
 
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat"]
@@ -111,6 +115,11 @@ def main():
     threads_before = {t.ident for t in threading.enumerate()}
     if mode == "lora":
         return lora(out, model_dir, threads_before)
+    if mode == "tools":
+        trainer = tool_trainer(os.path.join(out, "run"), model_dir)
+        scripted = ScriptedFirstTurn(trainer)
+        trainer.train()
+        return write(out, rank, tool_report(trainer, scripted))
     trainer = trainer_for(out, mode, model_dir)
     checks = Checks(trainer)
     if mode == "single":

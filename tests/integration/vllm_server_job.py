@@ -3,8 +3,16 @@
 generation_kwargs), which the pytest process should not. Writes ``OUT/report.json``.
 
     python tests/integration/vllm_server_job.py follow URL MODEL_DIR GROUP_PORT OUT
-        8 steps; after each round's sampling the server's greedy completions of a few probe prompts against the
-        policy's own (the lean engine, float32 both); during SYNC_OFF the weight sync is switched off.
+        24 steps of the digits task (the reward rises); after each round's sampling the server's greedy
+        completions of a few probe prompts against the policy's own (the lean engine, float32 both); during
+        SYNC_OFF the weight sync is switched off.
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \\
+        tests/integration/vllm_server_job.py distributed URL MODEL_DIR GROUP_PORT OUT
+        3 steps, 2 processes: the main process sends every process's prompts and the weights; the same checks on
+        each process. Writes ``OUT/report-<rank>.json``.
+    python tests/integration/vllm_server_job.py tools URL MODEL_DIR GROUP_PORT OUT
+        2 steps of the tool loop (tests/integration/vllm_tool_rounds.py): the server continues every rollout after
+        its tool result.
     python tests/integration/vllm_server_job.py die URL MODEL_DIR GROUP_PORT SERVER_PGID OUT
         the server is killed after step KILL_AFTER: the run stops with a VLLMServerError and a checkpoint, which a
         run without vLLM then resumes for one more step.
@@ -21,7 +29,10 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
-from trainers.grpo.sampling import SamplingParams
+from trainers.grpo.sampling import SamplingParams, generate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
 
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat", "xyz", "sat on", "7", "q"]
@@ -36,7 +47,7 @@ def digits(completions, **kwargs):
 def trainer_for(url, model_dir, group_port, out, **overrides):
     args = GRPOConfig(**{**dict(
         output_dir=os.path.join(out, "run"), per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=8, learning_rate=1e-2, max_steps=8, logging_steps=1, save_strategy="no",
+        max_completion_length=8, learning_rate=1e-2, max_steps=24, logging_steps=1, save_strategy="no",
         disable_tqdm=True, seed=0, report_to="none", use_vllm=True, vllm_mode="server",
         vllm_server_base_url=url, vllm_group_port=group_port, vllm_server_timeout=10), **overrides})
     return GRPOTrainer(model=model_dir, reward_funcs=digits, args=args,
@@ -56,7 +67,10 @@ class Checks:
         out = self.sample(prompts, prompt_ids, params)
         greedy = SamplingParams(max_new_tokens=8, do_sample=False)
         server, _ = self.trainer.vllm_generation.generate(self.probe_ids, greedy)
-        policy = self.trainer.generate(self.probe_ids, greedy)
+        trainer = self.trainer
+        # the policy's own greedy completions in float32, outside the launcher's bf16 autocast, as the server runs
+        policy = generate(trainer.unwrapped_model, self.probe_ids, greedy, trainer.processing_class.pad_token_id,
+                          trainer.eos_ids)
         self.rounds.append({"step": self.trainer.state.global_step, "equal": server == policy})
         return out
 
@@ -134,13 +148,38 @@ def die(url, model_dir, group_port, out, pgid):
     return report
 
 
+def distributed(url, model_dir, group_port, out):
+    trainer = trainer_for(url, model_dir, group_port, out, per_device_train_batch_size=8, max_steps=3)
+    checks = Checks(trainer)
+    trainer.train()
+    report = {"rounds": checks.rounds, "records": records(trainer),
+              "client_closed": trainer.vllm_generation.vllm_client is None,
+              "is_main_process": trainer.accelerator.is_main_process}
+    trainer.end()
+    return report
+
+
+def tools(url, model_dir, group_port, out):
+    trainer = tool_trainer(os.path.join(out, "run"), model_dir, vllm_mode="server", vllm_server_base_url=url,
+                           vllm_group_port=group_port, vllm_server_timeout=10)
+    scripted = ScriptedFirstTurn(trainer)
+    trainer.train()
+    return tool_report(trainer, scripted)
+
+
 def main():
     mode, url, model_dir, group_port, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[-1]
+    name = "report.json"
     if mode == "follow":
         report = follow(url, model_dir, group_port, out)
+    elif mode == "tools":
+        report = tools(url, model_dir, group_port, out)
+    elif mode == "distributed":
+        report = distributed(url, model_dir, group_port, out)
+        name = f"report-{os.environ.get('RANK', '0')}.json"
     else:
         report = die(url, model_dir, group_port, out, int(sys.argv[5]))
-    with open(os.path.join(out, "report.json"), "w") as f:
+    with open(os.path.join(out, name), "w") as f:
         json.dump(report, f)
 
 

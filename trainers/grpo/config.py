@@ -162,6 +162,18 @@ class GRPOConfig(TrainingConfig):
         True, "Under ZeRO-3, gather the full weights once for generation (fast); False generates layer by layer "
         "(slow, but never holds the whole model)."
     )
+    # Tool calling (GRPOTrainer's tools= and environment_factory=; docs/grpo.md, "Tools and environments")
+    max_tool_calling_iterations: int | None = opt(
+        None, "Tool-calling turns per rollout: after this many rounds of tool calls the rollout ends. None: no "
+        "limit; a rollout ends when the model writes a turn without tool calls or max_completion_length (every "
+        "turn and tool result together) is used up.", ge=0)
+    tool_workers: int | None = opt(
+        None, "Threads that run synchronous tool calls (and environments' reset and get_reward); all calls of a "
+        "round run at once, async tools on one event loop. None: one per rollout on this process (at most 64).",
+        ge=1)
+    tool_timeout: float | None = opt(
+        None, "Seconds a tool call may take; a call that takes longer gives an error result and the rollout goes "
+        "on (a synchronous tool's thread is left to finish on its own). None: no limit.", gt=0, finite=True)
     # Generation with vLLM (TRL's use_vllm and vllm_* options; docs/grpo.md, "Generation with vLLM")
     use_vllm: bool = opt(
         False, "Sample completions with vLLM instead of the policy itself: an engine in each training process "

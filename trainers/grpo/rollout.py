@@ -1,6 +1,7 @@
 """GRPO's rollout stage: one generation round, built forward from the round's dataset rows to a ``Rollout``.
 
-    rows -> sample (a Sampler: the policy, or a rollout_func)   sample_and_score
+    rows -> sample (a Sampler: the policy, vLLM, or a rollout_func;  sample_and_score
+            with tools, the tool loop over it: trainers/grpo/tool_loop.py)
          -> decode -> score (the reward functions)               sample_and_score
          -> gather the rewards of every process -> advantages  (trainers/grpo/advantages.py)
          -> loss masks (model tokens, truncation, dynamic sampling)
@@ -31,6 +32,7 @@ from trainers.grpo.metrics import round_metrics, sample_records
 from trainers.grpo.objectives import sampler_importance_weights
 from trainers.grpo.rewards import RewardLogs, call_rewards
 from trainers.grpo.sampling import Samples, SamplingParams, left_pad, right_pad
+from trainers.grpo.tool_loop import ToolCounts, tool_metrics
 from trainers.grpo.user_rollout import logprob_gap, padded_logprobs
 from trainers.stats import Extreme, reduce_extremes, reduce_pairs
 
@@ -44,6 +46,7 @@ class Scored:
     completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
     rewards_per_func: torch.Tensor | None  # [n, F] float32, NaN where a function returned None; None: not scored
     logs: RewardLogs  # what the reward functions passed to log_metric / log_extra
+    tool_counts: ToolCounts | None = None  # with tools: what this process's tool calls did
 
 
 @dataclass(frozen=True)
@@ -62,16 +65,22 @@ def sample_and_score(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]
     company in the collectives (evaluation's last batch)."""
     if trainer.vllm_generation is not None:  # the engine (a rollout function's too) samples from this step's policy
         trainer.vllm_generation.sync_for_step(trainer.state.global_step)
-    samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)
-    prompts, completions = decode(trainer.processing_class, rows, samples.completion_ids)
+    episode = None
+    if trainer.tool_loop is not None:  # several turns, tool calls between them (trainers/grpo/tool_loop.py)
+        episode = trainer.tool_loop.run(trainer, rows, params or trainer.sampling)
+        samples, prompts, completions = episode.samples, episode.prompts, episode.messages
+    else:
+        samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)
+        prompts, completions = decode(trainer.processing_class, rows, samples.completion_ids)
     logs, rewards, error = RewardLogs(), None, None
     if score:
         try:  # user code: a failure on one process must stop all of them
-            rewards = score_completions(trainer, rows, prompts, completions, samples, logs)
+            environments = episode.environments if episode is not None else None
+            rewards = score_completions(trainer, rows, prompts, completions, samples, logs, environments)
         except Exception as caught:
             error = caught
     dist.raise_together(trainer.accelerator, error)
-    return Scored(samples, prompts, completions, rewards, logs)
+    return Scored(samples, prompts, completions, rewards, logs, episode.counts if episode is not None else None)
 
 
 def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tuple[list, list]:
@@ -84,11 +93,14 @@ def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tupl
 
 
 def score_completions(trainer: Any, rows: list[dict], prompts: list, completions: list, samples: Samples,
-                      logs: RewardLogs) -> torch.Tensor:
+                      logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
     """[n, F] rewards of this process's completions (NaN where a function returned None). The dataset's other
-    columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL)."""
+    columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL); with
+    an environment_factory, ``environments`` (each rollout's instance) too."""
     columns = {key: [row[key] for row in rows] for key in rows[0]}
     columns.update(samples.extra)
+    if environments is not None:
+        columns["environments"] = environments
     # as in TRL, columns named like the call's own arguments are not passed on
     columns = {key: values for key, values in columns.items() if key not in ("prompt", "completion", "completion_ids")}
     return call_rewards(trainer.rewards, prompts, completions, samples.completion_ids, columns,
@@ -111,8 +123,12 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     multiple = args.pad_to_multiple_of  # P and C multiples of it (TRL's padding); the extra columns are masked
     prompt_tensor, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
     completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
-    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not be)
-    truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
+    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
+    # be); after tool calls, one that does not end with an EOS (its last turn was cut, as TRL's rule there)
+    if trainer.tool_loop is not None:
+        truncated = torch.tensor([not c or c[-1] not in trainer.eos_ids for c in samples.completion_ids])
+    else:
+        truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
     model_tokens = attention  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
     if samples.model_mask is not None:
         model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
@@ -135,6 +151,8 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     if args.dynamic_sampling:
         metrics["dynamic_sampling/dropped_groups"] = dropped_groups
     metrics.update(sampler_metrics)
+    if scored.tool_counts is not None:
+        metrics.update(tool_metrics(acc, scored.tool_counts))
     metrics.update(logged_metric_means(acc, scored.logs))
     completions = None
     if args.log_completions:

@@ -145,7 +145,7 @@ class PolicySampler:
         model.eval()
         gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
         synced = dist.zero_stage(acc) == 3 and not gather
-        with dist.gathered_parameters(acc, trainer.model_wrapped, enabled=gather), acc.autocast():
+        with dist.gathered_for_generation(acc, trainer.model_wrapped, enabled=gather), acc.autocast():
             completions = generate(model, prompt_ids, params, trainer.processing_class.pad_token_id,
                                    trainer.eos_ids, engine=args.generation_engine, synced_gpus=synced,
                                    pad_to_multiple_of=args.pad_to_multiple_of)

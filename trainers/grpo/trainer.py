@@ -50,6 +50,7 @@ from trainers.grpo.rewards import Reward, RewardModel, accuracy_reward, check_ac
 from trainers.grpo.rollout import logged_names, sample_and_score
 from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
+from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolLoop
 from trainers.grpo.user_rollout import RolloutFuncSampler
 from trainers.grpo.vllm_generation import VLLMGeneration, VLLMSampler, vllm_missing
 from trainers.logs import logger
@@ -99,6 +100,10 @@ def _config_attribute(name: str) -> property:
     return property(read, refuse, doc=f"``args.{name}``, as TRL's trainer attribute of that name.")
 
 
+class _Placeholder(list):
+    """train_dataset=None with an environment_factory: prepare_data makes a round's worth of empty prompts."""
+
+
 class GRPOTrainer(BaseTrainer):
     """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
     "overlong"), ``module:function`` strings, or reward models (folders, Hub ids or instances). ``rollout_func``
@@ -115,20 +120,26 @@ class GRPOTrainer(BaseTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        for name, value in (("tools", tools), ("environment_factory", environment_factory)):
-            if value:  # TRL's tool-calling loop; a rollout_func can run one (docs/grpo.md, "Custom rollouts")
-                raise ConfigError(f"GRPOTrainer({name}=...) is not supported; write a rollout_func that runs the "
-                                  f"tool calls and marks their tokens with env_mask (docs/grpo.md, 'Custom rollouts').")
         if rollout_func is not None and not callable(rollout_func):
             raise ConfigError(f"rollout_func must be a function (prompts, trainer) -> dict, got "
                               f"{type(rollout_func).__name__}.")
+        if rollout_func is not None and (tools or environment_factory):
+            raise ConfigError("GRPOTrainer: a rollout_func runs its own episodes; pass tools/environment_factory "
+                              "(the trainer's tool loop) or a rollout_func, not both.")
+        # TRL's tool calling: built with the tokenizer (prepare_data); trainers/grpo/tool_loop.py
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise ConfigError(f"tools must be a list of functions, got {type(tools).__name__}.")
+        self._tools, self._environment_factory = list(tools or []), environment_factory
+        self.tool_loop: ToolLoop | None = None
+        if train_dataset is None and environment_factory:  # the environment owns the data (TRL's rule)
+            train_dataset = self._placeholder_rows(environment_factory, args)
         self.rollout_func = rollout_func
         # with use_vllm, a VLLMSampler once the engine is up (after_prepare), unless a rollout_func samples
         self.sampler: Sampler = RolloutFuncSampler(rollout_func, self) if rollout_func else PolicySampler(self)
         self.vllm_generation: VLLMGeneration | None = None  # TRL's trainer.vllm_generation, with use_vllm
         self._reward_specs = (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
                               else [] if reward_funcs is None else [reward_funcs])
-        if not self._reward_specs:
+        if not self._reward_specs and not environment_factory:  # an environment may own the reward (get_reward)
             raise ConfigError("No reward source provided: reward_funcs is empty; give at least one reward function.")
         # one entry per reward function (a tokenizer for a reward model, None for a function); one tokenizer alone
         # serves every reward model
@@ -187,8 +198,16 @@ class GRPOTrainer(BaseTrainer):
         if len(weights) != len(self.rewards):
             raise ConfigError(f"reward_weights has {len(weights)} entries but reward_funcs has {len(self.rewards)}; "
                               f"give one weight per reward function.")
+        if self._tools or self._environment_factory:
+            self.tool_loop = ToolLoop(self._tools, self._environment_factory, args, self.processing_class,
+                                      len(self.rewards))
+            # an environment's get_reward is one more reward function, weight 1, named after its class (as TRL)
+            self.rewards += [Reward(name, func) for name, func in self.tool_loop.reward_functions]
+            weights = list(weights) + [1.0] * len(self.tool_loop.reward_functions)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
+        if isinstance(train_dataset, _Placeholder):  # a round's worth of empty prompts, cycled (TRL's)
+            train_dataset = [{"prompt": list(EMPTY_PROMPT)} for _ in range(self.prompts_per_round)]
         self._given_train_dataset = train_dataset  # trainer.train_dataset: as given, as TRL keeps it
         if is_stream(train_dataset):  # read in order during training, a chunk of prompts tokenized at a time
             self.train_rows = self.train_prompt_ids = self.prompt_sampler = None
@@ -233,18 +252,44 @@ class GRPOTrainer(BaseTrainer):
             logger.warning("loss_type='vespo' computes its sequence-level weight itself, from token log-ratios; "
                            "importance_sampling_level is not used (TRL warns the same).")
 
+    @staticmethod
+    def _placeholder_rows(environment_factory, args) -> _Placeholder:
+        """No train_dataset with an environment_factory: the environment owns the data, reset() gives each prompt
+        (TRL's rule, TRL's errors)."""
+        if isinstance(environment_factory, dict):
+            raise ConfigError("A dict environment_factory (several environments) needs a train_dataset with an "
+                              "'environment' column to route each row to its environment. Give a dataset, or a "
+                              "single environment factory.")
+        if args is None or args.max_steps <= 0:
+            raise ConfigError("Training without a train_dataset (the environment owns the data and returns the "
+                              "prompt from reset()) needs max_steps > 0 to set the run's length: "
+                              "GRPOConfig(max_steps=...).")
+        return _Placeholder()
+
+    def _prompt_kwargs(self) -> dict | None:
+        """chat_template_kwargs for tokenizing the dataset's prompts: with tools, every tool's schema (the prompts'
+        lengths then bound what a round renders; the round renders each prompt with its own tools)."""
+        if self.tool_loop is None:
+            return self.args.chat_template_kwargs
+        schemas = {s["function"]["name"]: s for group in self.tool_loop.schemas.values() for s in group}
+        return {**(self.args.chat_template_kwargs or {}), "tools": list(schemas.values()) or None}
+
     def _prompts(self, dataset, name: str) -> tuple[list[dict], list[list[int]]]:
-        rows, ids = tokenize_prompts(dataset, name, self.processing_class, self.args.chat_template_kwargs)
+        rows, ids = tokenize_prompts(dataset, name, self.processing_class, self._prompt_kwargs())
         if any(r.func is accuracy_reward for r in self.rewards):
             check_accuracy_references(rows, name)
+        if self.tool_loop is not None:
+            self.tool_loop.check_rows(rows, name)
         return rows, ids
 
     def _prompt_chunk(self, raw: list[dict], first: int) -> list[PromptRow]:
         """A chunk of a streamed train_dataset (its raw rows ``first``, ``first + 1``, ...) as prompts, checked as
         ``_prompts`` checks a dataset; it may run in a worker thread, with that thread's copy of the tokenizer."""
-        ids = tokenize_prompt_rows(raw, "train_dataset", self._tokenizers.get(), self.args.chat_template_kwargs, first)
+        ids = tokenize_prompt_rows(raw, "train_dataset", self._tokenizers.get(), self._prompt_kwargs(), first)
         if any(r.func is accuracy_reward for r in self.rewards):
             check_accuracy_references(raw, f"train_dataset (the chunk from row {first})")
+        if self.tool_loop is not None:
+            self.tool_loop.check_rows(raw, "train_dataset", first)
         return [PromptRow(row, row_ids) for row, row_ids in zip(raw, ids)]
 
     @property
@@ -448,6 +493,8 @@ class GRPOTrainer(BaseTrainer):
             raise self._stopped_by_server(error) from error
         finally:
             self.close_vllm()
+            if self.tool_loop is not None:  # its threads; a later round starts them again
+                self.tool_loop.close()
 
     def _stopped_by_server(self, error: VLLMServerError) -> VLLMServerError:
         """The vLLM server failed mid-run (it died, or stopped answering): a resumable checkpoint of the last
@@ -467,6 +514,8 @@ class GRPOTrainer(BaseTrainer):
 
     def end(self) -> None:
         self.close_vllm()
+        if self.tool_loop is not None:
+            self.tool_loop.close()
         super().end()
 
     def close_vllm(self) -> None:

@@ -7,6 +7,7 @@ Qwen2 built from a config. Saved with ``save_pretrained``, a tiny model's folder
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -19,9 +20,70 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with tools in Qwen2.5's Hermes form (a system turn listing the tools as JSON, <tool_call> blocks in the
+# assistant turn, consecutive tool results as one user turn of <tool_response> blocks), but with a short system
+# block: a tiny byte-level model pays one token per character of it on every prompt. Prefix-preserving (a turn
+# renders the same whatever follows it), so the tool loop can append a tool turn's tokens to what the model wrote.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call.get('function') is not none %}{%- set call = call['function'] %}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- (call['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 
-def build_tokenizer(chat_template: bool = True):
-    """A byte-level tokenizer (vocabulary: 256 bytes + 3 ChatML specials = 259 tokens)."""
+# transformers' response template (``tokenizer.parse_response``, transformers >= 5.13) for TOOLS_CHAT_TEMPLATE:
+# TRL's ``qwen3_template`` without its <think> field. Each <tool_call> block's JSON becomes one
+# ``{"type": "function", "function": {...}}`` entry of ``tool_calls``; the rest, up to <|im_end|>, is the content.
+TOOLS_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+def _set_templates(tokenizer, chat_template: bool, tools: bool) -> None:
+    """``tools`` wins: it asks for a chat template that renders tools, and the parser of its tool calls."""
+    if tools:
+        tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+        tokenizer.response_template = copy.deepcopy(TOOLS_RESPONSE_TEMPLATE)
+    elif chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+
+
+def build_tokenizer(chat_template: bool = True, tools: bool = False):
+    """A byte-level tokenizer (vocabulary: 256 bytes + 3 ChatML specials = 259 tokens). ``tools=True`` gives it
+    TOOLS_CHAT_TEMPLATE and TOOLS_RESPONSE_TEMPLATE (both saved by ``save_pretrained``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -35,8 +97,7 @@ def build_tokenizer(chat_template: bool = True):
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    if chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+    _set_templates(tokenizer, chat_template, tools)
     return tokenizer
 
 
@@ -108,9 +169,10 @@ def as_sft_rows(rows: list[dict]) -> list[dict]:
     return [{"prompt": r["prompt"], "completion": r["answer"]} for r in rows]
 
 
-def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0):
+def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, tools: bool = False):
     """A byte-level BPE of ``vocab_size`` tokens trained offline on synthetic words (benchmarks: logits then cost
-    what they would with a real vocabulary), with ChatML's specials and chat template."""
+    what they would with a real vocabulary), with ChatML's specials and chat template (``tools=True``: the
+    tool-capable one and its response template, as ``build_tokenizer``)."""
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -128,7 +190,7 @@ def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0):
     backend.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = CHATML_TEMPLATE
+    _set_templates(tokenizer, True, tools)
     return tokenizer
 
 
