@@ -11,6 +11,7 @@ log-probs and trains on every token of the rollout.
 
 import asyncio
 import copy
+import dataclasses
 import json
 import threading
 import time
@@ -548,3 +549,43 @@ def test_resume_with_tools_is_exact(model_dir, tmp_path):
 
     assert last(resumed) == last(straight) and last(straight)["tools/call_frequency"] == 1.0
     assert any(r["grad_norm"] > 0 for r in step_records(straight))
+
+
+def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
+    """The gradient of the loss with respect to each completion token's log-prob: exactly 0 on the tool turn's
+    tokens, nonzero on the model's own (rows with a nonzero advantage), so the tool's tokens give the policy no
+    gradient; with the tool turn put back into the loss mask, its tokens get one (the test can fail)."""
+    def first(index, text):
+        return call("multiply", a=index, b=7)
+
+    def gradients(unmask_tool_turn: bool):
+        trainer = build(model_dir, tmp_path / str(unmask_tool_turn), first, tools=[multiply])
+        forward, seen = trainer._training_forward, {}
+
+        def keep_logps(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            out["logps"].retain_grad()
+            seen["logps"] = out["logps"]
+            return out
+
+        trainer._training_forward = keep_logps
+        if unmask_tool_turn:
+            build_round = trainer.build_round
+
+            def whole_mask(index):
+                rollout = build_round(index)
+                return dataclasses.replace(rollout, loss_mask=rollout.completion_attention.float())
+
+            trainer.build_round = whole_mask
+        trainer.train()
+        return seen["logps"].grad, trainer.rounds[0]
+
+    grad, rollout = gradients(unmask_tool_turn=False)
+    tool_tokens = (rollout.completion_attention == 1) & (rollout.loss_mask == 0)  # [n, C]
+    moving = rollout.advantages != 0  # [n]
+    assert tool_tokens.sum() > 8 * 40 and moving.sum() >= 4
+    assert torch.all(grad[tool_tokens] == 0)
+    model_tokens = rollout.loss_mask.bool() & moving[:, None]
+    assert torch.all(grad[model_tokens] != 0)
+    unmasked, _ = gradients(unmask_tool_turn=True)
+    assert torch.all(unmasked[tool_tokens & moving[:, None]] != 0)
