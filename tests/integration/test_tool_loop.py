@@ -89,12 +89,12 @@ class Scripted:
         return Samples(prompt_ids, completions)
 
 
-def build(model_dir, tmp_path, first, then="done", reward_funcs=None, dataset=PROMPTS, **options):
+def build(model_dir, tmp_path, first, then="done", reward_funcs=None, dataset=PROMPTS, eval_dataset=None, **options):
     """A trainer whose sampler is scripted, recording each round's Rollout (``trainer.rounds``), each tool loop's
     Episode (``trainer.episodes``) and the loop's wall time (``trainer.loop_seconds``)."""
     tools, factory = options.pop("tools", None), options.pop("environment_factory", None)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_funcs or [Recorder()], args=config(tmp_path, **options),
-                          train_dataset=dataset, tools=tools, environment_factory=factory)
+                          train_dataset=dataset, eval_dataset=eval_dataset, tools=tools, environment_factory=factory)
     trainer.sampler = Scripted(trainer, first, then)
     trainer.rounds, trainer.episodes, trainer.loop_seconds = [], [], []
     build_round, run = trainer.build_round, trainer.tool_loop.run
@@ -250,6 +250,20 @@ def test_failing_malformed_and_hanging_calls_become_error_results(model_dir, tmp
     assert record["tools/call_frequency"] == 7 / 8 and record["tools/malformed_frequency"] == 1 / 8
     assert record["tools/failure_frequency"] == pytest.approx(5 / 7, abs=1e-6)
     assert record["tools/truncated_results"] == 0
+
+
+def test_evaluation_reports_the_tool_metrics(model_dir, tmp_path):
+    """evaluate() runs the tool loop as a training round does and reports its tools/* metrics with the eval_
+    prefix (TRL logs them in both modes): of every 4 rollouts, 3 call a tool and 1 of those calls fails."""
+    first = [call("multiply", a=3, b=4), "42", call("explode"), call("multiply", a=1, b=2)]
+    trainer = build(model_dir, tmp_path, first, tools=[multiply, explode], eval_dataset=PROMPTS,
+                    per_device_eval_batch_size=8)
+    metrics = trainer.evaluate()
+    assert trainer.sampler.calls == 4  # 2 batches of 8 rollouts, each a turn and, after the calls, one more
+    assert metrics["eval_tools/call_frequency"] == 0.75
+    assert metrics["eval_tools/failure_frequency"] == pytest.approx(1 / 3)
+    assert metrics["eval_tools/malformed_frequency"] == 0.0 and metrics["eval_tools/truncated_results"] == 0.0
+    assert "eval_reward" in metrics
 
 
 def long_text() -> str:

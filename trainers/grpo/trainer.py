@@ -50,7 +50,7 @@ from trainers.grpo.rewards import Reward, RewardModel, accuracy_reward, check_ac
 from trainers.grpo.rollout import logged_names, sample_and_score
 from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
-from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolLoop
+from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolCounts, ToolLoop, tool_metrics
 from trainers.grpo.user_rollout import RolloutFuncSampler
 from trainers.grpo.vllm_generation import VLLMGeneration, VLLMSampler, vllm_missing
 from trainers.logs import logger
@@ -697,6 +697,7 @@ class GRPOTrainer(BaseTrainer):
         counts = torch.zeros(len(self.rewards) + 1, device=device)
         per_prompt, size = args.num_generations_eval or args.num_generations, self.eval_rows_per_batch()
         logged: dict[str, list[float]] = {}  # log_metric calls of every batch
+        tool_counts = ToolCounts()  # with tools: what the evaluation's tool calls did on this process
         for start in range(0, per_process, size):
             chunk = mine[start:start + size]  # empty: this process only keeps the others company in collectives
             indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]
@@ -704,6 +705,8 @@ class GRPOTrainer(BaseTrainer):
                                       [self.eval_prompt_ids[i] for i in indices], score=bool(chunk))
             for name, values in scored.logs.metrics.items():
                 logged.setdefault(name, []).extend(values)
+            if chunk and scored.tool_counts is not None:  # a companion batch's dummy rollouts count nothing
+                tool_counts += scored.tool_counts
             self.callback_handler.fire("prediction_step")
             if scored.rewards_per_func is None:
                 continue
@@ -719,6 +722,10 @@ class GRPOTrainer(BaseTrainer):
             pooled[name] = (total + sums[i], count + counts[i])
         for name, (total, count) in logged_names(acc, logged).items():  # summed over processes by the caller
             pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
+        if self.tool_loop is not None:  # a training round's tools/* metrics, already over every process: the
+            main = float(acc.is_main_process)  # main process carries each as value / 1 through the caller's sum
+            for name, value in tool_metrics(acc, tool_counts).items():
+                pooled[name] = (torch.tensor(value * main, device=device), torch.tensor(main, device=device))
         return pooled
 
     def on_log(self, record: dict) -> None:

@@ -194,6 +194,37 @@ def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, tools: bool = Fal
     return tokenizer
 
 
+def build_task_tokenizer(texts: list[str], vocab_size: int = 1024, tools: bool = False):
+    """A byte-level BPE of at most ``vocab_size`` tokens trained on a task's own (rendered) texts, with ChatML's
+    specials and chat template (``tools=True``: the tool-capable one and its response template).
+
+    Its words are whole tokens (a tool schema's keys, "multiply", "answer"), so a tiny model's sequences are
+    several times shorter than ``build_tokenizer``'s one token per byte, while digits stay one token each and
+    no token goes on past a line end or across a special token (a turn's header and its content never share a
+    token). It
+    splits text exactly as Qwen2's tokenizer does (``Qwen2Tokenizer``'s pre-tokenizer and normalizer): loading a
+    saved tiny Qwen2's folder, transformers' AutoTokenizer puts those back whatever the file says, so a tokenizer
+    split any other way would tokenize differently once reloaded."""
+    import re
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = Qwen2Tokenizer()._tokenizer.pre_tokenizer  # an empty Qwen2 tokenizer's
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    backend.train_from_iterator((piece for text in texts for piece in specials.split(text) if piece), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    _set_templates(tokenizer, True, tools)
+    return tokenizer
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The embedded default run: what `examples/*.py` and `trainers sft|grpo` do when no model is given.
 # ----------------------------------------------------------------------------------------------------------------
