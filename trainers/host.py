@@ -85,6 +85,16 @@ def float32_attention_on_cpu(model: torch.nn.Module, device: torch.device):
             config._attn_implementation_internal = "sdpa"
 
 
+def allow_amx_tiles() -> bool:
+    """Ask Linux for this process's permission to use AMX tiles, where the CPU has them; -> whether it may.
+
+    The kernel lets a process run AMX tile instructions only after it asked (arch_prctl ARCH_REQ_XCOMP_PERM).
+    oneDNN asks before its own AMX kernels; vLLM's CPU attention picks AMX kernels for bf16 without asking, and the
+    engine's first bf16 forward then dies with SIGILL (seen on a Xeon with AMX: a colocated engine under the ZeRO-3
+    template, whose bf16 policy makes the engine bf16). Asking twice is harmless; without AMX nothing happens."""
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 def let_gloo_workers_finish() -> None:
     """At exit, give gloo's worker threads the GIL for a moment so they drop their finished work (``atexit``).
 

@@ -148,14 +148,27 @@ def test_the_packed_layout_stacks_qkv_and_gate_up():
 
 
 def test_the_packed_weight_path_gives_the_same_greedy_tokens(tokenizer):
-    """Where packing runs (test_the_packed_layout_stacks_qkv_and_gate_up), the engine decodes through it."""
+    """Where packing runs (test_the_packed_layout_stacks_qkv_and_gate_up), the engine decodes through it: the
+    same greedy tokens as HF in float32; in bf16 (packed bf16 weights against HF's autocast, two different
+    kernels) the same tokens up to a tie at bf16's resolution, after which greedy decoding may part."""
     model = packable_model(len(tokenizer))
     params = SamplingParams(max_new_tokens=12, do_sample=False)
     pad, eos = tokenizer.pad_token_id, {tokenizer.eos_token_id}
     assert engine.generate(model, PROMPTS, params, pad, eos) == hf_generate(model, PROMPTS, params, pad, eos)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 packed weights
         ours, hf = engine.generate(model, PROMPTS, params, pad, eos), hf_generate(model, PROMPTS, params, pad, eos)
-    assert sum(a == b for a, b in zip(ours, hf)) >= len(PROMPTS) - 1, (ours, hf)
+    for prompt, a, b in zip(PROMPTS, ours, hf):
+        parted = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if parted is None:
+            assert a == b, (a, b)
+            continue
+        # Measured on an AMX CPU: the two tokens are float32's best two, 0.015 apart at logits of ~9-11, where
+        # one bf16 step is 0.0625. A wrong packed layout parts at the first token, between unrelated tokens.
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + b[:parted]])).logits[0, -1]
+        assert {a[parted], b[parted]} == set(logits.topk(2).indices.tolist()), (parted, a, b)
+        assert abs(logits[a[parted]] - logits[b[parted]]) < 2 ** -7 * logits.abs().max(), (parted, a, b)
+    assert sum(a == b for a, b in zip(ours, hf)) >= len(PROMPTS) // 2, (ours, hf)
 
 
 @pytest.mark.skipif(not PACKS, reason="needs oneDNN packed GEMM")

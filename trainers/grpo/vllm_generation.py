@@ -38,6 +38,7 @@ import torch
 from trainers import distributed as dist
 from trainers.errors import ConfigError, VLLMServerError
 from trainers.grpo.sampling import Samples, SamplingParams, cut_at_eos
+from trainers.host import allow_amx_tiles
 from trainers.logs import logger
 from trainers.modeling import context_length
 
@@ -293,6 +294,8 @@ class VLLMGeneration:
                               WORLD_SIZE=str(acc.num_processes))
         from vllm import LLM
 
+        if acc.device.type == "cpu":
+            allow_amx_tiles()  # vLLM's bf16 CPU attention uses AMX without asking the kernel (trainers/host.py)
         # each sync's reload warns that the rotary embedding's cache was not loaded: it is computed, not a weight
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._owns_process_group = not torch.distributed.is_initialized()  # single process: vLLM makes its own
