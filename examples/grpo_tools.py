@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.grpo.sampling import SamplingParams, generate
-from trainers.grpo.tools import ToolResult, parse_turn, tool_schemas, tool_turn_ids
+from trainers.grpo.tools import ToolRunner, parse_turn, tool_schemas, tool_turn_ids, toolbox
 from trainers.tools.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
 
 
@@ -97,20 +97,21 @@ def greedy_eval(model, tokenizer, rows: list[dict], force_call: bool = False, ma
     prompts = [list(tokenizer.apply_chat_template(r["prompt"], tools=schemas, add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for r in rows]
     first = generate(model, [p + forced for p in prompts], params, tokenizer.pad_token_id, eos)
-    answers, calls, follow_up = [], 0, {}
+    answers, calling = [], {}  # calling: rollout index -> (prompt + its first turn, that turn's calls)
     for i, (prompt, generated) in enumerate(zip(prompts, first)):
         turn_ids = forced + generated
         turn = parse_turn(tokenizer, turn_ids, prompt, schemas)
         answers.append(turn.message["content"].strip())
         if turn.calls and turn_ids[-1:] == [tokenizer.eos_token_id]:
-            calls += len(turn.calls)
-            results = []
-            for call in turn.calls:
-                try:
-                    results.append(ToolResult(call.name, str(multiply(**call.arguments)), failed=False))
-                except Exception as error:  # noqa: BLE001 - a bad call fails, as in training
-                    results.append(ToolResult(call.name, str({"error": str(error)}), failed=True))
-            follow_up[i] = prompt + turn_ids + tool_turn_ids(tokenizer, results, None)
+            calling[i] = (prompt + turn_ids, turn.calls)
+    runner = ToolRunner(workers=1, timeout=None)  # the training loop's runner: its error results, its checks
+    try:
+        results = runner.run_calls([calls for _, calls in calling.values()], [toolbox(TOOLS)] * len(calling))
+    finally:
+        runner.close()
+    follow_up = {i: ids + tool_turn_ids(tokenizer, turn_results, None)
+                 for (i, (ids, _)), turn_results in zip(calling.items(), results)}
+    calls = sum(len(turn_calls) for _, turn_calls in calling.values())
     if follow_up:
         second = generate(model, list(follow_up.values()), params, tokenizer.pad_token_id, eos)
         for i, turn_ids in zip(follow_up, second):

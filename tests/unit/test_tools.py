@@ -21,14 +21,7 @@ from trainers.grpo.tools import (
     tool_turn_ids,
     toolbox,
 )
-from trainers.tools.tiny import (
-    CHATML_TEMPLATE,
-    TOOLS_RESPONSE_TEMPLATE,
-    build_bpe_tokenizer,
-    build_task_tokenizer,
-    build_tokenizer,
-    save_tiny_model,
-)
+from trainers.tools.tiny import CHATML_TEMPLATE, TOOLS_RESPONSE_TEMPLATE, build_bpe_tokenizer, build_tokenizer
 
 
 def multiply(a: int, b: int) -> int:
@@ -118,39 +111,6 @@ def test_the_template_is_prefix_preserving_and_passes_the_check(build):
     assert suffix == whole[len(head):]
     assert tokenizer.decode(suffix) == \
         "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_a_task_tokenizer_spells_digits_and_reloads_to_the_same_ids(tmp_path):
-    """build_task_tokenizer (the tool demo's): the words of its texts become tokens, digits stay one token each,
-    a sampled assistant turn tokenizes as it does inside the whole conversation, and a tiny Qwen2's folder reloads
-    it to the same ids (transformers' AutoTokenizer puts Qwen2's own pre-tokenizer back on load, whatever
-    tokenizer.json says: a tokenizer that split text another way would change under the trainer)."""
-    from transformers import AutoTokenizer
-
-    def conversation(a, b):
-        return [{"role": "user", "content": f"What is {a} * {b}?"},
-                call_message(("multiply", {"a": a, "b": b})),
-                {"role": "tool", "name": "multiply", "content": str(a * b)},
-                {"role": "assistant", "content": f"The answer is {a * b}."}]
-
-    renderer, schemas = build_tokenizer(tools=True), tool_schemas([multiply])
-    texts = [renderer.apply_chat_template(conversation(a, a + 7), tools=schemas, tokenize=False)
-             for a in range(100, 400, 3)]
-    tok = build_task_tokenizer(texts, tools=True)
-    check_tool_template(tok, None)
-    words = tok.convert_ids_to_tokens(tok("multiply answer integer", add_special_tokens=False)["input_ids"])
-    assert words == ["multiply", "Ġanswer", "Ġinteger"]
-    assert tok.tokenize("56088") == list("56088")
-    whole = conversation(123, 456)
-    head = tok.apply_chat_template(whole[:1], tools=schemas, add_generation_prompt=True, tokenize=True,
-                                   return_dict=False)
-    turn = tok.apply_chat_template(whole[:2], tools=schemas, tokenize=True, return_dict=False)
-    assert turn[:len(head)] == head  # the header's tokens end where the model's begin
-    assert len(turn) < len(renderer.apply_chat_template(whole[:2], tools=schemas, tokenize=True,
-                                                        return_dict=False)) / 3
-    again = AutoTokenizer.from_pretrained(save_tiny_model(str(tmp_path / "model"), tokenizer=tok))
-    for text in texts[:5] + ["The answer is 56088. 0123456789"]:
-        assert again(text)["input_ids"] == tok(text)["input_ids"]
 
 
 def test_tool_turn_ids_of_several_results(tok):

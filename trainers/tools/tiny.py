@@ -175,23 +175,13 @@ def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, tools: bool = Fal
     tool-capable one and its response template, as ``build_tokenizer``)."""
     import random
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
     rng = random.Random(seed)
     syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
     corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(4000)]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=["<|im_start|>"])
-    _set_templates(tokenizer, True, tools)
-    return tokenizer
+    return _trained_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), None, corpus, vocab_size, tools)
 
 
 def build_task_tokenizer(texts: list[str], vocab_size: int = 1024, tools: bool = False):
@@ -201,24 +191,34 @@ def build_task_tokenizer(texts: list[str], vocab_size: int = 1024, tools: bool =
     Its words are whole tokens (a tool schema's keys, "multiply", "answer"), so a tiny model's sequences are
     several times shorter than ``build_tokenizer``'s one token per byte, while digits stay one token each and
     no token goes on past a line end or across a special token (a turn's header and its content never share a
-    token). It
-    splits text exactly as Qwen2's tokenizer does (``Qwen2Tokenizer``'s pre-tokenizer and normalizer): loading a
-    saved tiny Qwen2's folder, transformers' AutoTokenizer puts those back whatever the file says, so a tokenizer
-    split any other way would tokenize differently once reloaded."""
+    token). It splits text exactly as Qwen2's tokenizer does (``Qwen2Tokenizer``'s pre-tokenizer and
+    normalizer): loading a saved tiny Qwen2's folder, transformers' AutoTokenizer puts those back whatever the
+    file says, so a tokenizer split any other way would tokenize differently once reloaded."""
     import re
 
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import normalizers
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = Qwen2Tokenizer()._tokenizer.pre_tokenizer  # an empty Qwen2 tokenizer's
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     specials = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
-    backend.train_from_iterator((piece for text in texts for piece in specials.split(text) if piece), trainer)
+    pieces = (piece for text in texts for piece in specials.split(text) if piece)
+    qwen2_split = Qwen2Tokenizer()._tokenizer.pre_tokenizer  # an empty Qwen2 tokenizer's
+    return _trained_bpe(qwen2_split, normalizers.NFC(), pieces, vocab_size, tools, min_frequency=2)
+
+
+def _trained_bpe(pre_tokenizer, normalizer, corpus, vocab_size: int, tools: bool, min_frequency: int = 0):
+    """A byte-level BPE trained on ``corpus`` (strings) with this pre-tokenizer and normalizer, wrapped with
+    ChatML's specials (EOS <|im_end|>, padding <|endoftext|>) and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=min_frequency,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=["<|im_start|>"])
     _set_templates(tokenizer, True, tools)
