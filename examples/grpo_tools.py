@@ -191,8 +191,8 @@ def grpo_settings(output_dir: str, steps: int, learning_rate: float, num_generat
     call (34 tokens), its tool turn (~20) and the answer (~12), or the answer alone."""
     return {"output_dir": output_dir, "per_device_train_batch_size": 16, "num_generations": num_generations,
             "max_completion_length": 96, "max_tool_calling_iterations": 1, "learning_rate": learning_rate,
-            "max_steps": steps, "logging_steps": 5, "save_strategy": "no", "bf16": False, "beta": 0.0,
-            "seed": seed, "report_to": "none", "disable_tqdm": True}
+            "max_steps": steps, "logging_steps": 5, "logging_first_step": True, "save_strategy": "no", "bf16": False,
+            "beta": 0.0, "seed": seed, "report_to": "none", "disable_tqdm": True}
 
 
 def main(argv=None):
@@ -234,7 +234,7 @@ def main(argv=None):
     rl_started = time.time()
     trainer.train()
     rl_seconds = time.time() - rl_started
-    logged = [r for r in trainer.state.log_history if "tools/call_frequency" in r]
+    logged = [r for r in trainer.state.log_history if "tools/call_frequency" in r and "loss" in r]  # steps
     for record in logged:
         print(f"   step {record['step']:3d}: reward {record['reward']:.2f}, "
               f"tools/call_frequency {record['tools/call_frequency']:.2f}", flush=True)

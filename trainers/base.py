@@ -419,7 +419,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
                     self._stop_on_signal(stop.received)
                 if self._stopped_by_callback():
                     break
-        return self._finish_run(started_at, first_step, step_losses)
+        return self._finish_run(started_at, first_step, step_losses, window)
 
     def _begin_step(self, step: int, first_step: int) -> float:
         """Fire the callbacks that open step ``step`` (on_epoch_begin too at an epoch's start, or the first step of
@@ -465,14 +465,16 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             logger.info(f"a callback stopped training at step {self.state.global_step}")
         return True
 
-    def _finish_run(self, started_at: float, first_step: int, step_losses: list[float]) -> TrainOutput:
+    def _finish_run(self, started_at: float, first_step: int, step_losses: list[float], window: list[dict]
+                    ) -> TrainOutput:
         """Close the progress bar, log the run's summary (transformers' last log_history entry: train_runtime, the
-        rates, total_flos, train_loss, epoch, step), settle the best model, fire on_train_end, close the trackers;
-        train()'s output."""
+        rates, total_flos, train_loss, epoch, step; with the trainer's metrics, as TRL: ``_summary_extras``),
+        settle the best model, fire on_train_end, close the trackers; train()'s output."""
         self.run_log.close()
         training_loss = sum(step_losses) / max(len(step_losses), 1)
         summary = self._train_summary(training_loss, time.time() - started_at, first_step)
-        self.log({name: value for name, value in summary.items() if name != "epoch"})  # log() adds the epoch
+        closing = {name: value for name, value in summary.items() if name != "epoch"}  # log() adds the epoch
+        self.log({**self._summary_extras(window), **closing})
         self._settle_best_model()
         self.accelerator.wait_for_everyone()
         self.callback_handler.fire("train_end")

@@ -326,8 +326,7 @@ class TrainingConfig:
         "as they are.", choices=LOG_LEVELS
     )
     log_level_replica: str = opt("warning", "log_level for the other processes.", choices=LOG_LEVELS)
-    logging_first_step: bool = opt(
-        True, "Also log the first step (TRL's default is False; here the first loss is shown unless you turn it off).")
+    logging_first_step: bool = opt(False, "Also log the first step.")
     # Evaluation and checkpoints
     eval_strategy: str = opt("no", "When to evaluate on eval_dataset.", choices=STRATEGIES)
     eval_on_start: bool = opt(

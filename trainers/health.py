@@ -62,9 +62,12 @@ def _number(value) -> float | None:
 
 
 def series(history: list[dict], name: str) -> list[tuple[int | None, float]]:
-    """(step, value) of every record that holds a finite number for ``name``, in order."""
+    """(step, value) of every record that holds a finite number for ``name``, in order. train()'s closing record
+    (``train_runtime``) is left out: the trainer metrics it carries repeat the last step record's."""
     out = []
     for record in history:
+        if "train_runtime" in record:
+            continue
         value = _number(record.get(name))
         if value is not None and math.isfinite(value):
             out.append((record.get("step"), value))

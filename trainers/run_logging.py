@@ -20,6 +20,11 @@ from trainers.logs import RunLog, logger
 from trainers.trackers import flat_config, numeric_metrics
 
 
+# The base loop's own metrics of a step record; the others are the trainer's (TRL's ``_metrics``: rewards,
+# mean_token_accuracy, entropy, ...), which TRL's log() merges into whatever is logged next, train()'s summary included
+LOOP_METRICS = frozenset({"loss", "learning_rate", "grad_norm", "nonfinite_steps", "step_time", "tokens_per_second"})
+
+
 class RunLogging:
     """Starting and ending a run's records, the log / evaluate / save schedule, and ``log()`` (module docstring)."""
 
@@ -42,6 +47,8 @@ class RunLogging:
             acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
             self._trackers_open = True
         started_at, first_step = time.time(), self.state.global_step
+        self._pending_summary: dict = {}  # the trainer's metrics train()'s summary will carry (_summary_extras)
+        self._unlogged: dict = {}  # logging_strategy='no': name -> (sum, steps) of every step's
         self.model.train()
         self._describe_run()
         self.callback_handler.new_training()
@@ -65,6 +72,24 @@ class RunLogging:
         shown["tok/s"] = round(metrics["tokens_per_second"])
         return shown
 
+    def _window_means(self, window: list[dict]) -> dict:
+        """The mean of each metric over the steps in ``window`` (every name, first-seen order)."""
+        means = {}
+        for name in dict.fromkeys(name for w in window for name in w):
+            values = [w[name] for w in window if name in w]
+            if name == "loss" and self.args.logging_nan_inf_filter:  # as transformers: the finite steps' mean
+                values = [v for v in values if math.isfinite(v)] or values
+            means[name] = sum(values) / len(values)
+        return means
+
+    def _summary_extras(self, window: list[dict]) -> dict:
+        """The trainer's own metrics (not LOOP_METRICS) that train()'s closing summary carries, as TRL's trainers
+        merge their pending metrics into it: those of the steps not logged yet (``window``: a run stopped between
+        logs), else the last step record's, or with logging_strategy='no' the means over every step."""
+        pending = self._window_means(window) if window else self._pending_summary
+        return {name: value for name, value in pending.items()
+                if name not in LOOP_METRICS and name not in ("step", "epoch", "num_input_tokens_seen")}
+
     def _log_eval_save(self, window: list[dict], force_log: bool = False) -> None:
         """After an optimizer step: log the mean of the steps' metrics in ``window`` (emptied when logged), then
         evaluate and save the checkpoint when due. ``force_log``: log now (the run stops on a signal)."""
@@ -75,24 +100,24 @@ class RunLogging:
         callbacks = self.callback_handler  # a callback may ask for a log, an evaluation or a checkpoint
         if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log \
                 or callbacks.requested("should_log"):
-            record = {"step": step, "epoch": round(state.epoch, 4)}
-            for name in dict.fromkeys(name for w in window for name in w):  # every name, first-seen order
-                values = [w[name] for w in window if name in w]
-                if name == "loss" and args.logging_nan_inf_filter:  # as transformers: the finite steps' mean
-                    values = [v for v in values if math.isfinite(v)] or values
-                record[name] = sum(values) / len(values)
+            record = {"step": step, "epoch": round(state.epoch, 4), **self._window_means(window)}
             record["num_tokens"] = state.num_tokens
             if args.include_num_input_tokens_seen != "no":
                 record["num_input_tokens_seen"] = state.num_input_tokens_seen
             self._publish(record)
             window.clear()
+            self._pending_summary = {name: value for name, value in record.items() if name not in LOOP_METRICS}
             for warning in self.health.check(state.log_history):
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
             self.on_log(record)
             callbacks.fire("log", logs={k: v for k, v in record.items() if k != "step"})
-        elif args.logging_strategy == "no":
-            window.clear()  # nothing will log these steps
+        elif args.logging_strategy == "no":  # nothing logs these steps: train()'s summary has their means (TRL's)
+            for name, value in window.pop().items():
+                if name not in LOOP_METRICS and isinstance(value, (int, float)):
+                    total, count = self._unlogged.get(name, (0.0, 0))
+                    self._unlogged[name] = (total + value, count + 1)
+            self._pending_summary = {name: total / count for name, (total, count) in self._unlogged.items()}
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
                     and step >= args.eval_delay) or (
             args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay) \

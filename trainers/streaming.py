@@ -84,6 +84,43 @@ def stream_batches(trainer, stream, prepare: Callable[[list, int], list], batch_
                            agree=agree if acc.num_processes > 1 else None)
 
 
+def first_row_columns(data) -> list:
+    """The columns of a dataset's first row (a list of dicts, a Dataset, or a stream, whose first row is read when
+    its columns are not declared), as TRL reads them off ``next(iter(train_dataset))``; [] when there is none."""
+    if isinstance(data, list):
+        return list(data[0]) if data and isinstance(data[0], dict) else []
+    columns = getattr(data, "column_names", None)
+    if isinstance(columns, list):
+        return columns
+    if is_stream(data):
+        return list(next(iter(data), None) or [])
+    return []
+
+
+def stream_dispatch_batches(trainer, name: str = "train_dataset") -> None:
+    """TRL's SFTTrainer rule for a streamed train_dataset: accelerator_config's ``dispatch_batches=True`` is forced
+    to False, with TRL's warning (here each process reads the whole stream and takes its own rows of every batch,
+    never one process's batches sent to the others). TRL's GRPOTrainer refuses it instead (a ValueError)."""
+    args = trainer.args
+    if (args.accelerator_config or {}).get("dispatch_batches") is not True:
+        return
+    if trainer.accelerator.is_main_process:
+        logger.warning(f"You are using an `IterableDataset` for training with `dispatch_batches=True`. "
+                       f"`dispatch_batches` is forced to `False` when using an `IterableDataset`. To remove this "
+                       f"warning, unset `dispatch_batches` in `{type(args).__name__}` or set it to `False`. "
+                       f"({name} is a stream.)")
+    args.accelerator_config["dispatch_batches"] = False
+
+
+def refuse_dispatch_batches(args) -> None:
+    """TRL's GRPOTrainer rule for a streamed train or eval dataset: accelerator_config's ``dispatch_batches=True`` is
+    refused with TRL's message (a ConfigError, a ValueError as TRL's)."""
+    if (args.accelerator_config or {}).get("dispatch_batches") is True:
+        raise ConfigError(f"{type(args).__name__}.accelerator_config: Iterable datasets require "
+                          f"`dispatch_batches=False`, but it is set to `True` in `accelerator_config`. Please set it "
+                          f"to `False`.")
+
+
 def note_map_style_workers(trainer) -> None:
     """dataloader_num_workers with a map-style train_dataset: said once that it has nothing to do."""
     if trainer.args.dataloader_num_workers and trainer.accelerator.is_main_process:

@@ -25,8 +25,9 @@ def test_sft_example_on_its_embedded_default_and_resume(tmp_path):
               "--resume_from_checkpoint", "true"])
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    # logged: first, last, last after resuming (the first run's closing summary is not in its checkpoint), summary
-    assert [r["step"] for r in records] == [1, 3, 4, 4] and "train_runtime" in records[-1]
+    # logged: the last step, the last after resuming (the first run's closing summary is not in its checkpoint),
+    # the summary
+    assert [r["step"] for r in records] == [3, 4, 4] and "train_runtime" in records[-1]
 
 
 def test_grpo_example_with_a_local_file_and_named_rewards(tiny_model_dir, tmp_path):

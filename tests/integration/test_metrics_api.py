@@ -309,7 +309,8 @@ def test_compute_loss_func_replaces_the_loss_as_transformers(tiny_model_dir, tmp
     runs = {}
     for name, func in (("builtin", None), ("user", loss_func)):
         trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, eval_dataset=EVAL, compute_loss_func=func,
-                             args=args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, seed=3))
+                             args=args(tmp_path / name, max_steps=3, gradient_accumulation_steps=2, seed=3,
+                                       logging_first_step=True))
         trainer.train()
         runs[name] = trainer
     history = {name: [r for r in t.state.log_history if "loss" in r] for name, t in runs.items()}

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from tests.conftest import step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
-from trainers.sft.tokenize import Collator, pack_samples, shift_targets
+from trainers.sft.packing import pack_samples
+from trainers.sft.tokenize import Collator, shift_targets
 from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
 
@@ -28,7 +29,7 @@ def test_sft_drives_the_loss_well_down(tiny_model_dir, tmp_path):
     rows = as_sft_rows(reverse_digits_rows(512, seed=1))
     trainer = SFTTrainer(model=tiny_model_dir, args=config(
         tmp_path, per_device_train_batch_size=32, learning_rate=3e-3, max_steps=80, logging_steps=10,
-        lr_scheduler_type="cosine", warmup_steps=5), train_dataset=rows)
+        logging_first_step=True, lr_scheduler_type="cosine", warmup_steps=5), train_dataset=rows)
     result = trainer.train()
     history = step_records(trainer)
     assert history[0]["loss"] > 5.0  # ln(259) = 5.56: a random model

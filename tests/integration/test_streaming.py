@@ -1,6 +1,8 @@
 """Streamed datasets (datasets.IterableDataset) in both trainers, skip_prepare_dataset, dataloader_num_workers, and
 the train_dataset / eval_dataset attributes, one CPU process (tests/distributed/test_streaming_distributed.py: 2)."""
 
+import logging
+
 import pytest
 import torch
 from datasets import Dataset, IterableDatasetDict
@@ -146,6 +148,34 @@ def test_sft_resumed_mid_stream_sees_the_rows_and_reaches_the_weights_of_an_unin
     assert first_rows + resumed_rows == straight_rows and len(straight_rows) == 12  # 48 rows: 2 passes and more
     assert_same_weights(weights(resumed), weights(straight))
     assert losses(resumed)[-3:] == losses(straight)[-3:]
+
+
+SFT_DISPATCH_WARNING = ("You are using an `IterableDataset` for training with `dispatch_batches=True`. "
+                        "`dispatch_batches` is forced to `False` when using an `IterableDataset`. To remove this "
+                        "warning, unset `dispatch_batches` in `SFTConfig` or set it to `False`.")
+
+
+def test_a_streamed_train_set_turns_dispatch_batches_off_and_keeps_its_workers_as_trls_sft(tiny_model_dir, tmp_path,
+                                                                                           caplog):
+    """TRL's SFTTrainer: an IterableDataset as train_dataset forces accelerator_config's dispatch_batches=True to
+    False, with its warning, and leaves dataloader_num_workers as given (TRL's GRPOTrainer refuses dispatch_batches
+    and sets the workers to 0 instead; its SFTTrainer does neither). A streamed eval_dataset beside a map-style
+    train_dataset changes neither."""
+    options = dict(dataloader_num_workers=2, accelerator_config={"dispatch_batches": True})
+    with caplog.at_level(logging.WARNING, logger="trainers"):
+        streamed = SFTTrainer(model=tiny_model_dir, args=sft_config(tmp_path, **options), train_dataset=stream(ROWS))
+    warnings = [r.getMessage() for r in caplog.records if "dispatch_batches" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(SFT_DISPATCH_WARNING)
+    assert streamed.args.accelerator_config["dispatch_batches"] is False
+    # the threads preparing the stream ahead: as many as dataloader_num_workers
+    assert streamed.args.dataloader_num_workers == 2 and streamed.train_batches.workers == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainers"):
+        eval_only = SFTTrainer(model=tiny_model_dir, args=sft_config(tmp_path, **options), train_dataset=ROWS,
+                               eval_dataset=stream(ROWS[:4]))
+    assert not [r for r in caplog.records if "dispatch_batches" in r.getMessage()]
+    assert eval_only.args.accelerator_config["dispatch_batches"] is True
+    assert eval_only.args.dataloader_num_workers == 2
 
 
 def test_a_map_style_checkpoint_does_not_resume_a_stream(tiny_model_dir, tmp_path):

@@ -534,7 +534,7 @@ def test_normalize_then_sum_is_checked_and_says_scale_rewards_is_unused(tiny_mod
 
 @pytest.mark.parametrize("first, logged", [(True, [1, 3, 4]), (False, [3, 4])])
 def test_logging_first_step(tiny_model_dir, tmp_path, first, logged):
-    """logging_first_step (TRL's default False; True here): step 1 gets a record of its own or not; the last
+    """logging_first_step (default False, as TRL): step 1 gets a record of its own or not; the last
     step always does."""
     trainer = SFTTrainer(model=tiny_model_dir, train_dataset=ROWS,
                          args=sft_args(tmp_path, logging_steps=3, logging_first_step=first))

@@ -116,8 +116,6 @@ INVALID = [
     (GRPOConfig, {"entropy_coef": float("nan")}, "entropy_coef"),
     (GRPOConfig, {"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
     (GRPOConfig, {"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
-    (GRPOConfig, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 20},
-     "metric_for_best_model"),  # its default, 'loss': GRPO evaluation has none
     (TrainingConfig, {"ddp_backend": "tcp"}, "ddp_backend"),
     (SFTConfig, {"include_for_metrics": "inputs"}, "include_for_metrics"),  # a list, not a string
     (GRPOConfig, {"reward_weights": 5}, "reward_weights"),

@@ -7,12 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainers.data import DatasetFormatError, check_messages, is_conversational
+from trainers.sft.packing import pack_bfd, pack_samples
 from trainers.sft.tokenize import (
     IGNORE,
     Collator,
     detect_format,
-    pack_bfd,
-    pack_samples,
     shift_targets,
     tokenize_row,
     truncate,

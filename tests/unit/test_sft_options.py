@@ -11,7 +11,8 @@ from trainers import GRPOConfig, SFTConfig
 from trainers.grpo.batch import unpadded_columns
 from trainers.grpo.sampling import left_pad, right_pad
 from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
-from trainers.sft.tokenize import IGNORE, Collator, pack_samples, shift_targets
+from trainers.sft.packing import pack_samples
+from trainers.sft.tokenize import IGNORE, Collator, shift_targets
 
 # documents of 5, 9, 3, 12 and 4 tokens (token ids 1..33), every token trained
 DOCS = [list(range(1, 6)), list(range(6, 15)), list(range(15, 18)), list(range(18, 30)), list(range(30, 34))]
@@ -136,10 +137,10 @@ def test_collated_rows_pad_to_the_multiple():
         assert torch.equal(padded["target_ids"][:, :-extra], plain["target_ids"])
 
 
-def test_padding_free_with_max_length_is_trls_error():
-    with pytest.raises(ValueError, match=r"When `padding_free=True` without packing, `max_length` is not "
-                                         r"enforced\. Either enable packing"):
-        SFTConfig(padding_free=True)
+def test_padding_free_with_max_length_is_a_valid_config_as_in_trl():
+    # TRL's SFTConfig accepts it (its default max_length is 1024); the trainer refuses it, as TRL's does
+    # (tests/integration/test_sft_options.py test_padding_free_with_max_length_is_refused_by_the_trainer)
+    assert SFTConfig(padding_free=True).max_length == 1024
     assert SFTConfig(padding_free=True, max_length=None).padding_free
     assert SFTConfig(padding_free=True, packing=True, max_length=64).padding_free
 

@@ -241,9 +241,6 @@ class GRPOConfig(TrainingConfig):
         super().__post_init__()  # also each field's own choices and bounds
         # Rules that relate fields to each other
         name = type(self).__name__
-        check_field(self.metric_for_best_model not in ("loss", "eval_loss"), name, "metric_for_best_model",
-                    self.metric_for_best_model, "GRPO evaluation measures rewards, not a loss: give 'reward' or "
-                    "'rewards/<function>/mean' (load_best_model_at_end defaults it to 'loss')")
         check_field(not self.sync_ref_model or self.beta > 0, name, "sync_ref_model", self.sync_ref_model,
                     "with beta=0 there is no reference model to synchronize: set beta > 0, or leave it False")
         check_field(self.entropy_coef_min <= self.entropy_coef_max, name, "entropy_coef_min", self.entropy_coef_min,

@@ -119,29 +119,17 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
     n, start = len(rows), acc.process_index * len(rows)
     local_advantages = adv.advantages[start:start + n]  # [n]
 
-    pad_id = trainer.processing_class.pad_token_id
-    multiple = args.pad_to_multiple_of  # P and C multiples of it (TRL's padding); the extra columns are masked
-    prompt_tensor, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
-    completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
-    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
-    # be); after tool calls, one that does not end with an EOS (its last turn was cut, as TRL's rule there)
-    if trainer.tool_loop is not None:
-        truncated = torch.tensor([not c or c[-1] not in trainer.eos_ids for c in samples.completion_ids])
-    else:
-        truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
-    model_tokens = attention  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
-    if samples.model_mask is not None:
-        model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
+    padded = pad_samples(trainer, samples)
+    truncated, model_tokens = padded.truncated, padded.model_tokens
     loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
-    groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)  # [n]
-    rollout = Rollout(prompt_tensor, prompt_mask, completion_ids, attention, groups, loss_mask,
-                      local_advantages, pad_to_multiple_of=multiple).to(acc.device)
+    rollout = padded.rollout(loss_mask, local_advantages).to(acc.device)
     old = trainer.round_logprobs(trainer.model_wrapped, rollout) if trainer.need_old_logps else None
     ref = trainer.reference_logprobs(rollout) if args.beta > 0 else None
     rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
     sampler_metrics = {}
     if trainer.rollout_func is not None or args.use_vllm:  # a sampler other than the policy itself
-        sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, completion_ids.shape[1])
+        width = rollout.completion_ids.shape[1]
+        sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
         rollout, sampler_metrics = with_sampler_logps(trainer, rollout, sampler, model_tokens.to(acc.device))
 
     lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
@@ -160,6 +148,44 @@ def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> 
                                adv.rewards[start:start + n], local_advantages, scored.logs.extra)
         completions = dist.gather_objects(acc, local)
     return Round(rollout, metrics, completions)
+
+
+@dataclass(frozen=True)
+class PaddedSamples:
+    """A batch's samples as padded tensors, and which completions were cut and which tokens the model wrote."""
+
+    prompt_ids: torch.Tensor  # [n, P] left-padded
+    prompt_mask: torch.Tensor  # [n, P]
+    completion_ids: torch.Tensor  # [n, C] right-padded
+    attention: torch.Tensor  # [n, C] 1 on real completion tokens
+    truncated: torch.Tensor  # [n] bool: the completion did not end
+    model_tokens: torch.Tensor  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
+    groups: torch.Tensor  # [n] long: each row's distinct prompt (``prompt_groups``)
+    pad_to_multiple_of: int | None
+
+    def rollout(self, loss_mask: torch.Tensor, advantages: torch.Tensor) -> Rollout:
+        return Rollout(self.prompt_ids, self.prompt_mask, self.completion_ids, self.attention, self.groups, loss_mask,
+                       advantages, pad_to_multiple_of=self.pad_to_multiple_of)
+
+
+def pad_samples(trainer: Any, samples: Samples) -> PaddedSamples:
+    """``samples`` padded (P and C multiples of pad_to_multiple_of, TRL's padding; the extra columns are masked),
+    with which completions were cut and which tokens the model wrote."""
+    pad_id, multiple = trainer.processing_class.pad_token_id, trainer.args.pad_to_multiple_of
+    prompt_ids, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
+    completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
+    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
+    # be); after tool calls, one that does not end with an EOS (its last turn was cut, as TRL's rule there)
+    if trainer.tool_loop is not None:
+        truncated = torch.tensor([not c or c[-1] not in trainer.eos_ids for c in samples.completion_ids])
+    else:
+        truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
+    model_tokens = attention
+    if samples.model_mask is not None:
+        model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
+    groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)
+    return PaddedSamples(prompt_ids, prompt_mask, completion_ids, attention, truncated.bool(), model_tokens, groups,
+                         multiple)
 
 
 def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor, start: int,

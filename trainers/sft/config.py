@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options, resolve_pad_to_multiple_of
-from trainers.errors import ConfigError
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
-PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's; trainers/sft/tokenize.py pack_samples
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's; trainers/sft/packing.py pack_samples
 LOSS_TYPES = ("nll", "dft")  # trainers/losses.py SFT_TOKEN_LOSSES
 METRIC_INPUTS = ("inputs", "loss")  # what include_for_metrics may add to compute_metrics' arguments
 
@@ -93,12 +92,8 @@ class SFTConfig(TrainingConfig):
         super().__post_init__()  # also each field's own choices and bounds
         check_field(not ((self.packing or self.eval_packing) and self.max_length is None), type(self).__name__,
                     "max_length", self.max_length, "packing needs a max_length (the length of a packed row)")
-        # TRL's rule and message: it does not truncate padding-free rows, so a max_length would silently not hold
-        if self.padding_free and not self.packing and self.max_length is not None:
-            raise ConfigError(
-                "When `padding_free=True` without packing, `max_length` is not enforced. Either enable packing "
-                "(e.g., `packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set "
-                "`max_length=None`.")
+        # padding_free=True without packing and with a max_length is refused by the trainer, as TRL refuses it
+        # (SFTTrainer.prepare_data): TRL's SFTConfig accepts it
         self._check_dataset_kwargs()
 
     DATASET_KWARGS = ("skip_prepare_dataset",)  # TRL's only key

@@ -1,5 +1,5 @@
-"""SFT rows -> token sequences: the dataset formats, loss masks, truncation, shifted targets, best-fit-decreasing
-packing and the collator."""
+"""SFT rows -> token sequences: the dataset formats, loss masks, truncation, shifted targets and the collator
+(packing: trainers/sft/packing.py)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,39 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, **chat_kwargs) 
 
 def tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str = "text", eos_token: str,
                  completion_only_loss: bool | None = None, assistant_only_loss: bool = False) -> dict:
-    """One dataset row -> ``{"input_ids", "labels"}`` (labels are input ids, or -100 where no loss is taken)."""
+    """One dataset row -> ``{"input_ids", "labels"}`` (labels are input ids, or -100 where no loss is taken).
+
+    A row's own 'labels' (any format) are its labels as given, as TRL leaves a 'labels' column as it is; they must
+    match the tokens the row makes. ``completion_only_loss`` None applies the format's own mask (a 'completion_mask',
+    a prompt/completion row's completion); the trainer passes TRL's resolved value (``resolve_completion_only_loss``).
+    """
+    sample = _tokenize_row(row, tokenizer, fmt, text_field=text_field, eos_token=eos_token,
+                           completion_only_loss=completion_only_loss, assistant_only_loss=assistant_only_loss)
+    given = row.get("labels")
+    if given is None or fmt == "tokenized":  # a tokenized row's labels were taken already
+        return sample
+    labels = check_token_ids(given, "'labels' (a 'labels' column is used as the row's labels, as in TRL)",
+                             allow_ignore=True)
+    if len(labels) != len(sample["input_ids"]):
+        raise DatasetFormatError(
+            f"A row's 'labels' has {len(labels)} entries but the row tokenizes to {len(sample['input_ids'])} tokens: "
+            f"a 'labels' column is used as the labels of the tokenized row as given (as TRL uses it), so it must "
+            f"match them. Drop the column to have the labels computed from the {fmt} format.")
+    return {"input_ids": sample["input_ids"], "labels": labels}
+
+
+def resolve_completion_only_loss(completion_only_loss: bool | None, train_columns) -> bool:
+    """TRL's completion_only_loss: None means True when the training dataset (its first row) has 'prompt' and
+    'completion' columns, else False; the one value then applies to every dataset, evaluation ones included. So a
+    pre-tokenized dataset's 'completion_mask' applies only with completion_only_loss=True (or prompt/completion
+    columns beside it); 'assistant_masks' always applies."""
+    if completion_only_loss is not None:
+        return completion_only_loss
+    return {"prompt", "completion"} <= set(train_columns)
+
+
+def _tokenize_row(row: dict, tokenizer, fmt: str, *, text_field: str, eos_token: str,
+                  completion_only_loss: bool | None, assistant_only_loss: bool) -> dict:
     if fmt == "tokenized":
         input_ids = check_token_ids(row["input_ids"], "'input_ids'")
         if row.get("labels") is not None:
@@ -244,99 +276,23 @@ def shift_targets(sample: dict) -> dict:
     return {"input_ids": sample["input_ids"], "target_ids": list(labels[1:]) + [IGNORE]}
 
 
+def training_sample(sample: dict) -> dict:
+    """``{"input_ids", "labels"}`` -> the sample the trainer keeps: ``shift_targets``'s, and, when the first label
+    is not -100, ``first_labels``: ``{0: labels[0]}``. No target carries the first label (nothing predicts the
+    first token), but TRL's prepared labels show it (``prepared_view``)."""
+    shifted = shift_targets(sample)
+    labels = sample["labels"]
+    if labels and labels[0] != IGNORE:
+        shifted["first_labels"] = {0: labels[0]}
+    return shifted
+
+
 def transformers_labels(target_ids: torch.Tensor) -> torch.Tensor:
     """Our targets (position t's next token) -> transformers' labels (position t's own token, -100 where not
     trained; position 0 always -100): [B, T] -> [B, T]. What compute_metrics and compute_loss_func receive."""
     labels = torch.full_like(target_ids, IGNORE)  # IGNORE is transformers' -100
     labels[:, 1:] = target_ids[:, :-1]
     return labels
-
-
-def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: assign items (by index) to bins of ``capacity`` tokens, each item to the fullest bin
-    it still fits in. Returns the bins, each a list of item indices. Every length must be <= capacity."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    free: list[int] = []  # free[b]: tokens left in bin b
-    for i in order:
-        n = lengths[i]
-        best = None
-        for b, space in enumerate(free):
-            if n <= space and (best is None or space < free[best]):
-                best = b
-        if best is None:
-            bins.append([i])
-            free.append(capacity - n)
-        else:
-            bins[best].append(i)
-            free[best] -= n
-    return bins
-
-
-def split_overflow(samples: Sequence[dict], max_length: int) -> list[dict]:
-    """TRL's 'bfd_split' pieces: a sample longer than ``max_length`` becomes consecutive pieces of ``max_length``
-    tokens (the last one shorter), each a sample of its own. A piece's last token predicts nothing
-    (``cut_targets``): the token it would predict starts the next piece, which it does not attend to."""
-    pieces = []
-    for sample in samples:
-        n = len(sample["input_ids"])
-        if n <= max_length:
-            pieces.append(sample)
-            continue
-        for start in range(0, n, max_length):
-            pieces.append(cut_targets(sample, start, min(start + max_length, n)))
-    return pieces
-
-
-def cut_targets(sample: dict, start: int, end: int) -> dict:
-    """Tokens [start, end) of a shifted sample, its last target IGNORE: across the cut, as TRL (whose labels are
-    shifted within each piece) leaves it. ``{"input_ids", "target_ids"}`` -> the same keys."""
-    return {"input_ids": sample["input_ids"][start:end],
-            "target_ids": sample["target_ids"][start:end - 1] + [IGNORE]}
-
-
-def pack_wrapped(samples: Sequence[dict], max_length: int) -> list[dict]:
-    """TRL's 'wrapped' packing: every sample concatenated, in order, and cut into rows of ``max_length`` tokens
-    (the last row shorter). Each row is one sequence, as in TRL: ``position_ids`` run 0..len-1 over the row and
-    a sample attends to the samples before it in the row; a sample may be cut in the middle, its rest starting
-    the next row at position 0.
-
-    What each token predicts (targets are shifted per sample, before packing): the next token of its own sample.
-    So a sample's last token predicts nothing, where TRL (which shifts the concatenated labels) trains it on the
-    next sample's first token; and at a cut, the row's last token predicts nothing (its next token is in the next
-    row, as in TRL), while the next row's first token, with no context before it, predicts its sample's next
-    token (as in TRL)."""
-    input_ids = [t for s in samples for t in s["input_ids"]]
-    target_ids = [t for s in samples for t in s["target_ids"]]
-    whole = {"input_ids": input_ids, "target_ids": target_ids}
-    rows = []
-    for start in range(0, len(input_ids), max_length):
-        row = cut_targets(whole, start, min(start + max_length, len(input_ids)))
-        rows.append({**row, "position_ids": list(range(len(row["input_ids"])))})
-    return rows
-
-
-def pack_samples(samples: Sequence[dict], max_length: int, strategy: str = "bfd") -> list[dict]:
-    """Pack shifted samples into rows of at most ``max_length`` tokens, with TRL's ``packing_strategy``:
-    'bfd' (samples already truncated to max_length) and 'bfd_split' (longer samples split first,
-    ``split_overflow``) fill rows best-fit decreasing, ``position_ids`` restarting per sample; 'wrapped'
-    concatenates and cuts (``pack_wrapped``)."""
-    if strategy == "wrapped":
-        return pack_wrapped(samples, max_length)
-    if strategy == "bfd_split":
-        samples = split_overflow(samples, max_length)
-    elif strategy != "bfd":
-        raise ValueError(f"unknown packing strategy {strategy!r}")
-    bins = pack_bfd([len(s["input_ids"]) for s in samples], max_length)
-    rows = []
-    for members in bins:
-        input_ids, target_ids, position_ids = [], [], []
-        for i in sorted(members):
-            input_ids += samples[i]["input_ids"]
-            target_ids += samples[i]["target_ids"]
-            position_ids += list(range(len(samples[i]["input_ids"])))
-        rows.append({"input_ids": input_ids, "target_ids": target_ids, "position_ids": position_ids})
-    return rows
 
 
 @dataclass
@@ -451,12 +407,16 @@ def given_samples(rows: Sequence[dict], name: str, first: int = 0) -> list[dict]
                                     or sum(lengths) != len(input_ids)):
             raise DatasetFormatError(f"{where}: 'seq_lengths' {lengths!r:.80} must be positive lengths that add up "
                                      f"to the row's {len(input_ids)} tokens.")
-        target_ids, position_ids, start = [], [], 0
+        target_ids, position_ids, first_labels, start = [], [], {}, 0
         for length in lengths or [len(input_ids)]:  # each sequence predicts its own next tokens only
             target_ids += labels[start + 1: start + length] + [IGNORE]
             position_ids += list(range(length))
+            if labels[start] != IGNORE:  # predicted by nothing, kept for prepared_view
+                first_labels[start] = labels[start]
             start += length
         sample = {"input_ids": input_ids, "target_ids": target_ids}
+        if first_labels:
+            sample["first_labels"] = first_labels
         if lengths is not None:  # a packed row (the Collator keeps its sequences apart by position ids)
             sample["position_ids"] = position_ids
         samples.append(sample)
@@ -464,9 +424,10 @@ def given_samples(rows: Sequence[dict], name: str, first: int = 0) -> list[dict]
 
 
 def prepared_view(samples: Sequence[dict]):
-    """Training samples as TRL's prepared dataset: a ``datasets.Dataset`` with 'input_ids', 'labels' (transformers'
-    labels: the token at each position, -100 where it is not trained on, which includes the first token of each
-    sequence, predicted by nothing) and, for packed rows, 'seq_lengths' (the lengths of the sequences in a row)."""
+    """Training samples as TRL's prepared dataset: a ``datasets.Dataset`` with 'input_ids', 'labels' (TRL's
+    prepared labels: the token at each position, -100 where it is not trained on; a sequence's first token, which
+    nothing predicts, shows the label the row gave it, as TRL's do) and, for packed rows, 'seq_lengths' (the lengths
+    of the sequences in a row)."""
     from datasets import Dataset
 
     packed = any("position_ids" in s for s in samples)
@@ -475,9 +436,9 @@ def prepared_view(samples: Sequence[dict]):
         ids, targets = sample["input_ids"], sample["target_ids"]
         positions = sample.get("position_ids") or list(range(len(ids)))
         starts = [t for t, position in enumerate(positions) if position == 0] + [len(ids)]
-        labels = []
-        for start, end in zip(starts, starts[1:]):
-            labels += [IGNORE] + targets[start:end - 1]  # position t's label: what position t - 1 predicts
+        first = sample.get("first_labels", {})
+        # position t's label: what position t - 1 predicts, or, where nothing does, the label kept for it
+        labels = [first[t] if t in first else IGNORE if positions[t] == 0 else targets[t - 1] for t in range(len(ids))]
         columns["input_ids"].append(list(ids))
         columns["labels"].append(labels)
         if packed:

@@ -23,15 +23,16 @@ from trainers.samplers import local_slice
 from trainers.sft.batch import SFTBatch
 from trainers.sft.config import SFTConfig
 from trainers.sft.predictions import Predictions, check_metric_functions
+from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import (
     IGNORE,
     Collator,
     detect_format,
     given_samples,
-    pack_samples,
     prepared_view,
-    shift_targets,
+    resolve_completion_only_loss,
     tokenize_row,
+    training_sample,
     transformers_labels,
     truncate,
 )
@@ -39,12 +40,22 @@ from trainers.stats import Stats
 from trainers.streaming import (
     IndexedBatches,
     PerThread,
+    first_row_columns,
     is_stream,
     load_data_position,
     note_map_style_workers,
     save_data_position,
     stream_batches,
+    stream_dispatch_batches,
 )
+
+
+def transformed(dataset) -> bool:
+    """Whether ``dataset`` is a ``datasets.Dataset`` with a transform (``set_transform`` / ``with_transform``:
+    datasets' 'custom' format), as TRL tells."""
+    from datasets import Dataset
+
+    return isinstance(dataset, Dataset) and dataset.format["type"] == "custom"
 
 
 class SFTTrainer(BaseTrainer):
@@ -113,6 +124,16 @@ class SFTTrainer(BaseTrainer):
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
         args, tokenizer = self.args, self.processing_class
+        if args.padding_free and not args.packing and args.max_length is not None:
+            # TRL's rule and words, raised where TRL raises it (the trainer; its SFTConfig accepts the values): such
+            # rows are not truncated, so max_length would silently not hold
+            raise ConfigError(
+                "When `padding_free=True` without packing, `max_length` is not enforced. Either enable packing "
+                "(e.g., `packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set "
+                "`max_length=None`.")
+        # TRL's completion_only_loss: None means "the training rows are prompt/completion pairs"
+        self.completion_only_loss = resolve_completion_only_loss(args.completion_only_loss,
+                                                                 first_row_columns(train_dataset))
         if args.eos_token is not None:
             if args.eos_token not in tokenizer.get_vocab():
                 raise ConfigError(f"SFTConfig: `eos_token={args.eos_token!r}` is not in the tokenizer's vocabulary.")
@@ -124,6 +145,7 @@ class SFTTrainer(BaseTrainer):
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = self.effective_batch_size
         if is_stream(train_dataset):  # read in order during training, prepared a chunk at a time
+            stream_dispatch_batches(self)
             self.train_rows, self.sampler = None, None
             # a copy of the tokenizer for each worker thread (dataloader_num_workers): one thread at a time may use
             # a fast tokenizer
@@ -149,21 +171,43 @@ class SFTTrainer(BaseTrainer):
         """A (map-style) dataset as training samples: tokenized (dataset_num_proc processes), then ``_samples``;
         with skip_prepare_dataset, the rows as given."""
         args = self.args
+        if transformed(dataset) and not args.skip_prepare_dataset:  # TRL's rule and words
+            raise DatasetFormatError(
+                f"{name}: SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`. The preparation "
+                "pipeline calls `Dataset.map()`, which reads through the transform and can bake a random or stateful "
+                "transform into the tokenized columns. Pass `dataset_kwargs={'skip_prepare_dataset': True}` and make "
+                "the transform return trainer-ready examples, including tokenized fields, or materialize "
+                "deterministic transforms with `Dataset.map()` before constructing the trainer.")
         dataset = as_dataset(dataset, name)
         if args.skip_prepare_dataset:
-            return given_samples(dataset.to_list(), name)
+            return given_samples(self._given_rows(dataset, name), name)
         dataset = self._formatted(dataset, name)
         kwargs = self._row_kwargs(dataset.column_names, name)
         with self.accelerator.main_process_first():
             tokenized = dataset.map(lambda row: tokenize_row(row, **kwargs), remove_columns=dataset.column_names,
                                     num_proc=args.dataset_num_proc, desc=f"tokenizing {name}")
-        samples, skipped = self._samples(tokenized["input_ids"], tokenized["labels"], pack)
-        if not samples:
+        samples, dropped = self._samples(tokenized["input_ids"], tokenized["labels"], pack)
+        if not any(t != IGNORE for sample in samples for t in sample["target_ids"]):
             raise DatasetFormatError(f"No row of {name} has a token to train on (check max_length and the loss masks).")
-        if skipped and self.accelerator.is_main_process:
-            logger.warning(f"{skipped} rows of {name} have no token to train on after truncation to "
-                           f"max_length={args.max_length}; they are skipped.")
+        if dropped and self.accelerator.is_main_process:
+            logger.warning(f"{dropped} rows of {name} have no label left (all -100) after truncation to "
+                           f"max_length={args.max_length}: they are dropped, as TRL drops them.")
         return samples
+
+    def _given_rows(self, dataset, name: str) -> list[dict]:
+        """skip_prepare_dataset's rows, read through the dataset's transform (set_transform / with_transform) if it
+        has one: once, here (TRL's data loader applies it each time it loads a row)."""
+        if not transformed(dataset):
+            return dataset.to_list()  # a plain read (to_list ignores a format, which holds tensors or arrays)
+        if self.accelerator.is_main_process:
+            logger.warning(f"{name} has a transform (set_transform / with_transform): with skip_prepare_dataset its "
+                           f"rows are read through it once, now, and trained as read; TRL applies it each time it "
+                           f"loads a row, so a random transform gives other rows each epoch there.")
+        rows = []
+        for start in range(0, len(dataset), 1000):
+            batch = dataset[start:start + 1000]  # a dict of columns, as the transform returns them
+            rows += [dict(zip(batch, values)) for values in zip(*batch.values())]
+        return rows
 
     def _row_kwargs(self, columns, name: str) -> dict:
         """tokenize_row's arguments for a dataset with these ``columns`` (its format detected from them)."""
@@ -172,21 +216,27 @@ class SFTTrainer(BaseTrainer):
         if args.assistant_only_loss and fmt != "conversational":
             raise ConfigError(f"assistant_only_loss=True needs a 'messages' column; {name} is in the {fmt} format.")
         return dict(tokenizer=self.processing_class, fmt=fmt, text_field=args.dataset_text_field,
-                    eos_token=self.processing_class.eos_token, completion_only_loss=args.completion_only_loss,
+                    eos_token=self.processing_class.eos_token, completion_only_loss=self.completion_only_loss,
                     assistant_only_loss=args.assistant_only_loss)
 
     def _samples(self, input_ids: list[list[int]], labels: list[list[int]], pack: bool) -> tuple[list[dict], int]:
-        """Tokenized rows -> training samples: truncated, shifted, the rows with no token to train on left out,
-        packed (``pack``). Returns them and how many rows were left out."""
+        """Tokenized rows -> training samples: truncated, shifted, packed (``pack``). Returns them and how many
+        rows were dropped: TRL's rule, when rows are truncated to max_length without packing, drops those whose
+        labels are all -100 after truncation (a label on the first token alone keeps a row, which then trains
+        nothing); rows are otherwise kept, with or without a token to train on. A row with no token is dropped."""
         args = self.args
-        samples = [shift_targets(truncate({"input_ids": ids, "labels": row_labels}, args.truncation_length(pack),
-                                          args.truncation_mode))
-                   for ids, row_labels in zip(input_ids, labels)]
-        trainable = [s for s in samples if any(t != IGNORE for t in s["target_ids"])]
-        skipped = len(samples) - len(trainable)
-        if pack and trainable:
-            trainable = pack_samples(trainable, args.max_length, args.packing_strategy)
-        return trainable, skipped
+        length = args.truncation_length(pack)
+        drop_masked = args.max_length is not None and not pack
+        samples, dropped = [], 0
+        for ids, row_labels in zip(input_ids, labels):
+            sample = truncate({"input_ids": ids, "labels": row_labels}, length, args.truncation_mode)
+            if not sample["input_ids"] or (drop_masked and all(label == IGNORE for label in sample["labels"])):
+                dropped += 1
+                continue
+            samples.append(training_sample(sample))
+        if pack and samples:
+            samples = pack_samples(samples, args.max_length, args.packing_strategy)
+        return samples, dropped
 
     def _prepare_chunk(self, raw: list[dict], first: int, name: str, pack: bool) -> list[dict]:
         """A chunk of a streamed dataset (raw rows ``first``, ``first + 1``, ... of a pass over it) as training
