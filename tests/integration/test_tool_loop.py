@@ -295,6 +295,49 @@ def test_a_result_over_the_budget_is_cut_with_a_marker_and_counted(model_dir, tm
     assert record["tools/truncated_results"] == 8 and record["tools/call_frequency"] == 1.0
 
 
+@pytest.fixture(scope="module")
+def hermes_model_dir(tmp_path_factory):
+    """The same tiny model and template without the tokenizer's response_template: the Hermes text parser's path
+    (a Qwen template's tokenizer that ships no parser)."""
+    tokenizer = build_tokenizer(tools=True)
+    tokenizer.response_template = None
+    return save_tiny_model(str(tmp_path_factory.mktemp("hermes") / "model"), tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("parser", ["response_template", "hermes"])
+def test_a_call_cut_off_by_the_budget_reaches_the_reward_functions_as_written(parser, model_dir, hermes_model_dir,
+                                                                            tmp_path):
+    """max_completion_length=40 cuts every first turn inside its call (issue 42): the reward functions get the
+    text the model wrote, as TRL hands them (no tool_calls: the turn its parser cannot read is its content),
+    whichever parser reads the turn; the call is not run, not counted in tools/call_frequency, and counted in
+    tools/malformed_frequency."""
+    ran = []
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        ran.append((a, b))
+        return a * b
+
+    written = ("Hm " + call("multiply", a=552, b=39))[:40]
+    recorder = Recorder()
+    trainer = build(model_dir if parser == "response_template" else hermes_model_dir, tmp_path,
+                    ["Hm " + call("multiply", a=552, b=39)], reward_funcs=[recorder], tools=[multiply],
+                    max_completion_length=40)
+    trainer.train()
+    assert written.endswith('{"name": "multiply", "arg')
+    assert recorder.completions == [[{"role": "assistant", "content": written}]] * 8
+    assert ran == [] and trainer.sampler.calls == 1
+    assert trainer.episodes[0].counts == ToolCounts(rollouts=8, malformed=8)
+    (record,) = step_records(trainer)
+    assert record["tools/call_frequency"] == 0.0 and record["tools/malformed_frequency"] == 1.0
+    assert record["completions/clipped_ratio"] == 1.0
+
+
 def wait_sync(seconds: float) -> str:
     """Waits, then answers.
 

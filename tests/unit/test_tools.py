@@ -230,15 +230,32 @@ def test_parse_turn_counts_a_malformed_call_and_never_raises(which, text, reques
     assert isinstance(turn.message["content"], str)
 
 
-def test_parse_turn_malformed_content_by_path(tok, hermes_tok):
-    # transformers' parser fails the whole turn on bad JSON (TRL's fallback: the turn is its text) ...
-    turn = parse_turn(tok, ids(tok, BAD_JSON), prompt_ids(tok), [multiply])
-    assert turn.message["content"] == BAD_JSON.removesuffix("<|im_end|>")
-    # ... the text parser keeps what is outside the blocks
-    turn = parse_turn(hermes_tok, ids(hermes_tok, BAD_JSON), prompt_ids(hermes_tok), [multiply])
-    assert turn.message["content"] == "x"
-    turn = parse_turn(hermes_tok, ids(hermes_tok, TRUNCATED), None, [multiply])
-    assert turn.message["content"] == "Hm"
+@pytest.mark.parametrize("which", ["tok", "hermes_tok"])
+def test_a_block_that_is_not_a_call_stays_in_the_content(which, request):
+    """What the model wrote reaches the reward functions: a turn whose block has bad JSON or was cut off by the
+    length limit is its text, as TRL's parse_response falls back to (transformers' parser fails the whole turn;
+    the Hermes text parser keeps the block that is not a call where it was)."""
+    tokenizer = request.getfixturevalue(which)
+    for text in (BAD_JSON, TRUNCATED, "<tool_call>\n"):
+        turn = parse_turn(tokenizer, ids(tokenizer, text), prompt_ids(tokenizer), [multiply])
+        assert turn.message == {"role": "assistant", "content": text.removesuffix("<|im_end|>")}, text
+        assert (turn.calls, turn.malformed) == ((), 1)
+
+
+def test_a_call_cut_off_at_every_token_is_the_text_written_with_either_parser(tok, hermes_tok):
+    """A turn cut after each of its tokens: wherever the cut leaves no whole call, both parsers give TRL's form,
+    the text as written and no tool_calls (only a cut after the JSON's last brace, before </tool_call>, reads
+    as a call in transformers' parser; the loop does not run a call of a turn without its EOS)."""
+    text = 'Hm <tool_call>\n{"name": "multiply", "arguments": {"a": 552, "b": 39}}\n</tool_call>'
+    tokens = ids(tok, text)
+    end = text.index("}}") + 2
+    for n in range(len(ids(tok, "Hm <")), len(tokens)):  # from the block's first character
+        written = tok.decode(tokens[:n])
+        for tokenizer in (tok, hermes_tok):
+            turn = parse_turn(tokenizer, tokens[:n], prompt_ids(tokenizer), [multiply])
+            if tokenizer is tok and end <= len(written):  # the JSON is whole
+                continue
+            assert (turn.message, turn.calls) == ({"role": "assistant", "content": written}, ()), written
 
 
 @pytest.mark.parametrize("which", ["tok", "hermes_tok"])

@@ -116,12 +116,19 @@ def _json_call(body: str) -> ToolCall | None:
 
 def _parse_hermes(tokenizer, completion_ids) -> Turn:
     """The Qwen/Hermes form: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, each parsed on
-    its own (a bad or unclosed block is counted, the good ones still run); the text outside them is the content."""
+    its own (a bad or unclosed block is counted, the good ones still run). When every block is a call, the text
+    outside them is the content; a block that is not one (bad JSON, cut off by the length limit) stays in the
+    content as the model wrote it, so the reward functions see it (TRL: a turn its parser cannot read is its
+    text, ``"<tool_call>\\n{\\"name\\": \\"mul"`` for a call cut off)."""
     text = tokenizer.decode(completion_ids)
     text = text.split(tokenizer.eos_token)[0] if tokenizer.eos_token else text
     found = [_json_call(match[1]) if match[2] else None for match in _HERMES_BLOCK.finditer(text)]
     calls = tuple(call for call in found if call is not None)
-    return Turn(_message(_HERMES_BLOCK.sub("", text).strip(), calls), calls, len(found) - len(calls))
+    if len(calls) == len(found):
+        return Turn(_message(_HERMES_BLOCK.sub("", text).strip(), calls), calls, 0)
+    # only the blocks that became calls leave the content (they are its tool_calls)
+    content = _HERMES_BLOCK.sub(lambda match: "" if match[2] and _json_call(match[1]) else match[0], text)
+    return Turn(_message(content, calls), calls, len(found) - len(calls))
 
 
 def _renders_hermes(tokenizer) -> bool:

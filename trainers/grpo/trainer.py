@@ -140,10 +140,14 @@ class GRPOTrainer(BaseTrainer):
                               else [] if reward_funcs is None else [reward_funcs])
         if not self._reward_specs and not environment_factory:  # an environment may own the reward (get_reward)
             raise ConfigError("No reward source provided: reward_funcs is empty; give at least one reward function.")
-        # one entry per reward function (a tokenizer for a reward model, None for a function); one tokenizer alone
-        # serves every reward model
-        self._reward_tokenizers = (list(reward_processing_classes) if isinstance(reward_processing_classes, (list, tuple))
-                                   else [reward_processing_classes] * len(self._reward_specs))
+        # one entry per reward function (a tokenizer for a reward model, None for a function); as in TRL, one
+        # tokenizer given alone is a list of one, for a single reward function
+        if reward_processing_classes is None:
+            self._reward_tokenizers = [None] * len(self._reward_specs)
+        elif isinstance(reward_processing_classes, (list, tuple)):
+            self._reward_tokenizers = list(reward_processing_classes)
+        else:
+            self._reward_tokenizers = [reward_processing_classes]
         if len(self._reward_tokenizers) != len(self._reward_specs):
             raise ConfigError(f"The number of reward processing classes ({len(self._reward_tokenizers)}) must match "
                               f"the number of reward functions ({len(self._reward_specs)}): give one per reward "
