@@ -362,6 +362,11 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
     # ------------------------------------------------------------------ transformers' Trainer attributes
 
     @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the Mixture-of-Experts router loss is added (TRL's name, on its SFT and GRPO trainers)."""
+        return bool(self.router_aux_loss_coef)
+
+    @property
     def control(self):
         """The TrainerControl the callbacks share (transformers' ``trainer.control``)."""
         return self.callback_handler.control

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from trainers.errors import DatasetFormatError
+from trainers.errors import DatasetFormatError, DatasetTypeError
 
 DATA_FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -68,8 +68,9 @@ def as_dataset(data, name: str):
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
     if isinstance(data, (DatasetDict, IterableDatasetDict)):
-        raise DatasetFormatError(f"{name} is a {type(data).__name__} of splits {sorted(data)}; pass one split, e.g. "
-                                 f"{name}=dataset[{next(iter(data), 'train')!r}].")
+        raise DatasetTypeError(f"`{name}` must be a `Dataset` or `IterableDataset`, got `{type(data).__name__}` (of "
+                               f"splits {sorted(data)}); pass one split, e.g. "
+                               f"{name}=dataset[{next(iter(data), 'train')!r}].")
     if isinstance(data, IterableDataset):
         data = read_stream(data, name)
     if isinstance(data, list):

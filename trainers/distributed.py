@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import (
     DistributedDataParallelKwargs,
     DistributedType,
@@ -158,6 +159,10 @@ def build_accelerator(
             kwargs["cpu"] = True
     group = {"timeout": timedelta(seconds=timeout_seconds)} | ({"backend": backend} if backend else {})
     kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group), DistributedDataParallelKwargs(**(ddp_kwargs or {}))]
+    # As transformers does for every Trainer: each trainer's Accelerator starts from a fresh AcceleratorState, so
+    # one built earlier in the process (another mixed precision, another DeepSpeed plugin) does not refuse this one.
+    # The process group (PartialState) is kept: later trainers share it.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(**kwargs)
     if _world_size_from_env() > 1 and accelerator.num_processes == 1:
         raise RuntimeError(

@@ -14,6 +14,10 @@ class DatasetFormatError(TrainersError):
     """A dataset lacks the columns or values a trainer needs."""
 
 
+class DatasetTypeError(DatasetFormatError, TypeError):
+    """A dataset of a type the trainer cannot take (e.g. a DatasetDict of splits); a TypeError too, as TRL raises."""
+
+
 class ModelLoadError(TrainersError):
     """A model or tokenizer could not be loaded."""
 

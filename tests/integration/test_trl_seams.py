@@ -199,3 +199,15 @@ def test_a_model_folder_without_tokenizer_files_is_refused(tiny_model_dir, tmp_p
 
     with pytest.raises(ModelLoadError, match="has no tokenizer files"):
         SFTTrainer(model=str(bare), args=sft_args(tmp_path), train_dataset=ROWS)
+
+
+def test_trainers_of_another_mixed_precision_in_one_process(tiny_model_dir, tmp_path):
+    """transformers starts each Trainer from a fresh AcceleratorState: a notebook can build a bf16 trainer, then a
+    float32 one (Accelerate refused the second: 'AcceleratorState has already been initialized')."""
+    precisions = []
+    for name, bf16 in (("bf16", True), ("fp32", False)):
+        trainer = SFTTrainer(model=tiny_model_dir, args=sft_args(tmp_path / name, bf16=bf16, max_steps=1),
+                             train_dataset=ROWS)
+        trainer.train()
+        precisions.append(trainer.accelerator.mixed_precision)
+    assert precisions == ["bf16", "no"]

@@ -422,11 +422,6 @@ class GRPOTrainer(BaseTrainer):
         return control.coef if control is not None else self.args.entropy_coef
 
     @property
-    def aux_loss_enabled(self) -> bool:
-        """Whether the Mixture-of-Experts router loss is added (TRL's name)."""
-        return bool(self.router_aux_loss_coef)
-
-    @property
     def eos_token_ids(self) -> list[int]:
         """The ids that end a completion: the tokenizer's EOS first, then the model's own end ids (as TRL)."""
         first = self.processing_class.eos_token_id

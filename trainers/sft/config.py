@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options, resolve_pad_to_multiple_of
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's; trainers/sft/packing.py pack_samples
-LOSS_TYPES = ("nll", "dft")  # trainers/losses.py SFT_TOKEN_LOSSES
+LOSS_TYPES = ("nll", "dft", "chunked_nll")  # trainers/losses.py SFT_TOKEN_LOSSES
 METRIC_INPUTS = ("inputs", "loss")  # what include_for_metrics may add to compute_metrics' arguments
 
 
@@ -49,7 +50,8 @@ class SFTConfig(TrainingConfig):
     loss_type: str = opt(
         "nll", "'nll': the token-level negative log-likelihood. 'dft': Dynamic Fine-Tuning (arXiv:2508.05629), "
         "each token's NLL weighted by its probability p (detached): -p log p, averaged as the NLL is. Not with "
-        "compute_loss_func (as in TRL).", choices=LOSS_TYPES
+        "compute_loss_func (as in TRL). 'chunked_nll': TRL's deprecated alias of 'nll' (read as 'nll', with TRL's "
+        "FutureWarning).", choices=LOSS_TYPES
     )
     completion_only_loss: bool | None = opt(
         None, "For prompt/completion data, train on completion tokens only. None means True for such data."
@@ -89,6 +91,11 @@ class SFTConfig(TrainingConfig):
 
     def __post_init__(self):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of, type(self).__name__)
+        if self.loss_type == "chunked_nll":  # TRL 1.16's deprecated alias, with its warning
+            warnings.warn("`loss_type='chunked_nll'` is deprecated and will be removed in v2.0.0. Use "
+                          "`loss_type='nll'` (the default), which computes the loss the same way.", FutureWarning,
+                          stacklevel=3)
+            self.loss_type = "nll"
         super().__post_init__()  # also each field's own choices and bounds
         check_field(not ((self.packing or self.eval_packing) and self.max_length is None), type(self).__name__,
                     "max_length", self.max_length, "packing needs a max_length (the length of a packed row)")

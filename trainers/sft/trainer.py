@@ -292,6 +292,10 @@ class SFTTrainer(BaseTrainer):
         return text
 
     def after_load(self, model) -> None:
+        # as TRL: the model's configs agree with the tokenizer on the pad token (its EOS when it has none)
+        model.config.get_text_config().pad_token_id = self.processing_class.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = self.processing_class.pad_token_id
         if self.args.eos_token is not None:
             # The saved model must stop where it was trained to (TRL does the same): the configs get the new EOS;
             # the generation config keeps its old ones too, since any of them ends generation.
