@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny models built offline (never the Hub), and a launcher for 2-process CPU jobs."""
+"""Shared fixtures and helpers: tiny models built offline (never the Hub), a launcher for 2-process CPU jobs, a
+runner for single-process jobs and their reports, child processes, and the digit-fraction rewards the GRPO tests
+learn."""
 
 import json
 import os
@@ -58,6 +60,47 @@ def launch(template: str, script: str, *args: str, num_processes: int = 2, timeo
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def run_script(script: str, *args, timeout: int = 600, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` in its own process from the repository (a job that starts vLLM, or needs a fresh
+    interpreter); with ``check``, a non-zero exit is an AssertionError showing the ends of its output."""
+    result = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True,
+                            timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{os.path.basename(script)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def run_job(script: str, *args, report: str, timeout: int = 600) -> dict:
+    """``run_script`` a job that writes a JSON report, and read the report (a path)."""
+    run_script(script, *args, timeout=timeout)
+    with open(report) as f:
+        return json.load(f)
+
+
+def child_processes(pid: int | None = None) -> list[str]:
+    """The command lines of a process's children (this one's by default): e.g. an engine core vLLM started."""
+    pid = pid or os.getpid()
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                    children.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
+    return children
+
+
+def digits(completions, **kwargs) -> list[float]:
+    """A reward: the fraction of digit characters, learnable from scratch in a few dozen steps."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def digits_varied(completions, **kwargs) -> list[float]:
+    """``digits`` plus a small content-dependent term, so a group's rewards always differ."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + (sum(map(ord, c)) % 7) / 100 for c in completions]
 
 
 def rank_reports(folder, prefix: str = "report", num_processes: int = 2) -> list[dict]:

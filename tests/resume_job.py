@@ -10,15 +10,15 @@ generation round, so a checkpoint can fall in the middle of a round.
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
 
-
-def digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
+from tests.conftest import digits  # noqa: E402
 
 
 def build(method, model, out, total, save_steps, extra):

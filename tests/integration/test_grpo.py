@@ -10,16 +10,11 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import step_records
+from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.configs import ConfigError
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
-
-
-def digits(completions, **kwargs):
-    """Fraction of digit characters: learnable from scratch in a few dozen steps."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def config(tmp_path, **overrides):

@@ -2,24 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 JOB = os.path.join(REPO, "tests", "resume_job.py")
 
 
 def run(*args, check=True, timeout=300):
-    result = subprocess.run([sys.executable, JOB, *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if check and result.returncode != 0:
-        raise AssertionError(f"job failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
+    return run_script(JOB, *args, check=check, timeout=timeout)
 
 
 def final_weights(out):

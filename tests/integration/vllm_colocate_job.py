@@ -29,25 +29,12 @@ from trainers.tools.tiny import save_tiny_model
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
+from tests.conftest import child_processes, digits  # noqa: E402
+
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat"]
 SYNC_OFF = range(4, 7)  # single: these steps sample without syncing the engine first (the test's negative case)
-
-
-def digits(completions, **kwargs):
-    """Fraction of digit characters: learnable from scratch in a few dozen steps."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def child_processes() -> list[str]:
-    """This process's children (an engine core or worker vLLM would have started), by command line."""
-    children = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            for pid in f.read().split():
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    children.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
-    return children
 
 
 class Checks:

@@ -34,14 +34,13 @@ from trainers.grpo.sampling import SamplingParams, generate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
+from tests.conftest import digits  # noqa: E402
+
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat", "xyz", "sat on", "7", "q"]
 SYNC_OFF = range(3, 6)  # follow: these steps sample without pushing the policy's weights first
 KILL_AFTER = 2  # die: the server is killed once this many steps are done
-
-
-def digits(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def trainer_for(url, model_dir, group_port, out, **overrides):

@@ -18,15 +18,13 @@ import torch
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.tools.tiny import save_tiny_model
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
+from tests.conftest import child_processes  # noqa: E402
+
 
 def children() -> list[str]:
-    found = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            for pid in f.read().split():
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    found.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
-    return [c for c in found if "multiprocessing.resource_tracker" not in c]
+    """This process's children, less Python's multiprocessing resource tracker."""
+    return [c for c in child_processes() if "multiprocessing.resource_tracker" not in c]
 
 
 def build(model_dir: str, out: str) -> dict:
