@@ -71,7 +71,7 @@ SCALING = {
 
 def build_models(workdir: str, names=("tiny", "small")) -> dict[str, str]:
     sys.path.insert(0, REPO)
-    from trainers.tools.tiny import build_bpe_tokenizer, save_tiny_model
+    from trainers.cli.tiny import build_bpe_tokenizer, save_tiny_model
 
     paths = {}
     for name in names:

@@ -20,7 +20,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "examples")]
 import grpo_arithmetic as demo  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trainers.tools.tiny import save_tiny_model  # noqa: E402
+from trainers.cli.tiny import save_tiny_model  # noqa: E402
 
 EVERY = 100
 

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def build_model(path: str, width: int, layers: int) -> str:
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     if not os.path.exists(os.path.join(path, "config.json")):
         heads = max(1, width // 128)

@@ -56,7 +56,7 @@ def warm_model(path: str) -> None:
     """The tool demo's tokenizer and model shape, 80 SFT steps on transcripts that all call multiply."""
     from grpo_tools import MODEL_SHAPE, make_splits, sft, sft_conversations, task_tokenizer
 
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     _, _, train = make_splits()
     base = save_tiny_model(os.path.join(path, "base"), tokenizer=task_tokenizer(sft_conversations(train, 0.5)),

@@ -191,7 +191,7 @@ def run_one(cli) -> None:
     import torch
 
     sys.path.insert(0, REPO)
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     if cli.threads:
         torch.set_num_threads(cli.threads)
@@ -254,7 +254,7 @@ def main():
         parser.error(f"--steps ({cli.steps}) must exceed --warmup ({cli.warmup})")
     os.makedirs(cli.workdir, exist_ok=True)
     sys.path.insert(0, REPO)
-    from trainers.tools.tiny import build_tokenizer, save_tiny_model
+    from trainers.cli.tiny import build_tokenizer, save_tiny_model
 
     cli.model = os.path.join(cli.workdir, "model-tools")
     if not os.path.exists(os.path.join(cli.model, "config.json")):

@@ -51,7 +51,7 @@ def start_server(model: str, workdir: str) -> tuple[subprocess.Popen, str, float
 
     port = free_port()
     log = open(os.path.join(workdir, f"server-{port}.log"), "w")
-    command = [sys.executable, "-m", "trainers.tools.cli", "vllm-serve", "--model", model, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "trainers.cli.main", "vllm-serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--max_model_len", "1024", "--enforce_eager",
                "--cpu_kvcache_space", "1", "--log_level", "warning"]
     started = time.perf_counter()

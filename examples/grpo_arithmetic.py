@@ -24,7 +24,7 @@ import time
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.grpo.sampling import SamplingParams, hf_generate
-from trainers.tools.tiny import save_tiny_model
+from trainers.cli.tiny import save_tiny_model
 
 
 def reversed_sum(a: int, b: int) -> str:

@@ -4,7 +4,7 @@
 
 1. Generate problems ("What is 123 * 456?") and split them: held out for the final score, validation, training.
 2. Build a tiny Qwen2 and a tokenizer whose chat template renders tools (Qwen2.5's Hermes <tool_call> form with
-   a short system block: trainers/tools/tiny.py). The tokenizer is a BPE trained on the task's own transcripts,
+   a short system block: trainers/cli/tiny.py). The tokenizer is a BPE trained on the task's own transcripts,
    words one token, digits one token each, so a whole conversation is ~210 tokens instead of ~640 bytes.
 3. Warm up with SFT, in two stages. First on transcripts that all call ``multiply`` (an assistant turn with the
    call, the tool's result, then "The answer is 56088."), until the model, made to call, answers most
@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.grpo.sampling import SamplingParams, generate
 from trainers.grpo.tools import ToolRunner, parse_turn, tool_schemas, tool_turn_ids, toolbox
-from trainers.tools.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
+from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
 
 
 def multiply(a: int, b: int) -> int:
@@ -43,7 +43,7 @@ def multiply(a: int, b: int) -> int:
 
 TOOLS = [multiply]
 MODEL_SHAPE = {"hidden_size": 128, "num_layers": 4}
-CALL_START = "<tool_call>\n"  # how a call opens in the template (trainers/tools/tiny.py); one token
+CALL_START = "<tool_call>\n"  # how a call opens in the template (trainers/cli/tiny.py); one token
 
 
 def make_splits(seed: int = 0, digits: int = 3, held_out: int = 200, validation: int = 64,
@@ -144,7 +144,7 @@ def sft_conversations(train: list[dict], call_share: float, seed: int = 0) -> li
 
 
 def task_tokenizer(conversations: list[list[dict]]):
-    """A BPE trained on the transcripts as the tool template renders them (trainers/tools/tiny.py)."""
+    """A BPE trained on the transcripts as the tool template renders them (trainers/cli/tiny.py)."""
     renderer = build_tokenizer(tools=True)  # the same template; used here only to render text
     schemas = tool_schemas(TOOLS)
     texts = [renderer.apply_chat_template(c, tools=schemas, tokenize=False) for c in conversations]

@@ -18,8 +18,8 @@ import os
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.data import load_dataset_file
-from trainers.tools.argparsing import add_config_arguments, config_overrides
-from trainers.tools.tiny import embedded_default, embedded_rows
+from trainers.cli.argparsing import add_config_arguments, config_overrides
+from trainers.cli.tiny import embedded_default, embedded_rows
 
 
 def main(argv=None):

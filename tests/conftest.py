@@ -22,14 +22,14 @@ CONFIGS = os.path.join(REPO, "accelerate_configs")  # a symlink to trainers/temp
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny Qwen2 (width 64, 2 layers) with a byte-level tokenizer and a ChatML template."""
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"), hidden_size=64, num_layers=2)
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     return build_tokenizer()
 

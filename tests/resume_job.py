@@ -15,7 +15,7 @@ import sys
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
 from tests.conftest import digits  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from trainers import SFTConfig, SFTTrainer
 from trainers.distributed import gathered_parameters
 from trainers.errors import ConfigError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
 def config(output_dir, **overrides):

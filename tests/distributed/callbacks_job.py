@@ -13,7 +13,7 @@ import torch
 from transformers import TrainerCallback
 
 from trainers import SFTConfig, SFTTrainer
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
 class OneRankAsks(TrainerCallback):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import DistributedError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
 def main():

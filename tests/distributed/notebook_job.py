@@ -29,7 +29,7 @@ def train(method: str, model_dir: str, output_dir: str, bf16: bool | None) -> No
     """The launched function: the imports and everything that builds the trainer happen in the started process,
     as the notebook_launcher docs ask."""
     from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+    from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
     common = {"output_dir": output_dir, "max_steps": 3, "logging_steps": 1, "save_strategy": "no",
               "disable_tqdm": True, "seed": 0, "bf16": bf16, "learning_rate": 1e-2}

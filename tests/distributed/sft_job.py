@@ -11,7 +11,7 @@ import torch
 
 from trainers import SFTConfig, SFTTrainer
 from trainers.distributed import gathered_parameters, zero_stage
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
 def main():

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 import trainers.streaming
 from trainers import SFTConfig, SFTTrainer
 from trainers.distributed import gathered_parameters
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(20, seed=1))  # distinct rows; 2 global batches of 8 span a pass
 

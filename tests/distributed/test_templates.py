@@ -123,7 +123,7 @@ def test_a_moe_models_router_loss_joins_the_loss_under_ddp(tmp_path):
     step's loss (before any update) with router_aux_loss_coef=0.5 is the one with 0 plus 0.5 x the logged
     aux_loss, averaged over both processes' micro-batches as the loss is."""
     from tests.integration.test_trl_contracts import tiny_moe
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tiny_moe(tokenizer).save_pretrained(tmp_path / "moe")

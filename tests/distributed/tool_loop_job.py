@@ -21,7 +21,7 @@ import torch
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
 from trainers.grpo.sampling import Samples
-from trainers.tools.tiny import build_tokenizer
+from trainers.cli.tiny import build_tokenizer
 
 END = "<|im_end|>"
 

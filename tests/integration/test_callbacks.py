@@ -6,7 +6,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(16, seed=1))
 COMMON = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}

@@ -15,7 +15,7 @@ import trainers.base
 from tests.conftest import step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(64))
 

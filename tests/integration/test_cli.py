@@ -14,7 +14,7 @@ from tests.conftest import REPO, free_port
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
 from trainers.sft.config import SFTConfig
-from trainers.tools import cli
+from trainers.cli import main as cli
 
 SHIPPED_YAMLS = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
 
@@ -118,7 +118,7 @@ def test_launch_flags_are_stripped_for_the_launched_processes():
 @pytest.mark.distributed
 def test_grpo_through_accelerate_launch_on_two_processes(tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "trainers.tools.cli", "grpo", "--config", os.path.join(REPO, "examples", "grpo.yaml"),
+    command = [sys.executable, "-m", "trainers.cli.main", "grpo", "--config", os.path.join(REPO, "examples", "grpo.yaml"),
                "--accelerate_config", "multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
                "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(out), "--disable_tqdm", "true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -132,7 +132,7 @@ def test_grpo_through_accelerate_launch_on_two_processes(tmp_path):
 
 def test_env_shows_versions_devices_and_a_template():
     script = os.path.join(os.path.dirname(sys.executable), "trainers")
-    command = [script] if os.path.isfile(script) else [sys.executable, "-m", "trainers.tools.cli"]
+    command = [script] if os.path.isfile(script) else [sys.executable, "-m", "trainers.cli.main"]
     result = subprocess.run(command + ["env", "--accelerate_config", "zero3_offload"], capture_output=True,
                             text=True, timeout=120, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, launch
-from trainers.tools.planner import GB, PlanInputs, make_plan
+from trainers.cli.planner import GB, PlanInputs, make_plan
 
 JOB = os.path.join(REPO, "tests", "integration", "planner_job.py")
 WIDTH, LAYERS, BATCH, SEQ_LEN = 768, 8, 4, 128
@@ -24,7 +24,7 @@ TOLERANCE = 0.25
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("planner") / "model"), hidden_size=WIDTH, num_layers=LAYERS,
                            num_heads=WIDTH // 64, num_kv_heads=WIDTH // 256)

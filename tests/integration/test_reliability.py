@@ -18,7 +18,7 @@ from tests.integration.test_resume import assert_identical, final_weights, run
 from trainers import SFTConfig, SFTTrainer
 from trainers.checkpoint import resolve_resume_path, rotate_checkpoints
 from trainers.errors import CheckpointError, NonFiniteError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 JOB = os.path.join(REPO, "tests", "resume_job.py")
 

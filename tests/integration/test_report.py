@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.tools.report import visible_text, write_report
+from trainers.cli.report import visible_text, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 GRPO_PLOTS = ["clip_ratio", "completion_length", "entropy", "kl", "learning_rate", "loss", "reward",
@@ -86,7 +86,7 @@ def test_html_shows_the_best_and_worst_completions(grpo_run, report):
 
 def test_health_warnings_in_the_page_are_the_monitors(grpo_run, report):
     from trainers.health import HealthMonitor
-    from trainers.tools.report import read_jsonl
+    from trainers.cli.report import read_jsonl
 
     page = read_text(report["html"])
     warnings = HealthMonitor().replay(read_jsonl(os.path.join(grpo_run, "metrics.jsonl")))

@@ -13,7 +13,7 @@ import trainers.configs
 from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError, DistributedError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(20))
 

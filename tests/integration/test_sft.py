@@ -12,7 +12,7 @@ from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import Collator, shift_targets
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
 def config(tmp_path, **overrides):

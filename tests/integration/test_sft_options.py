@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.sft.tokenize import IGNORE, Collator, transformers_labels
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 TEXTS = [{"text": "a sentence of text number " + str(i) + " that goes on" * (i % 3)} for i in range(10)]
 

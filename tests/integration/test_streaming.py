@@ -12,7 +12,7 @@ import trainers.streaming
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError, DatasetFormatError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(20, seed=1))
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on", "mat", "dog"]]

@@ -24,7 +24,7 @@ from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.grpo.sampling import Samples
 from trainers.grpo.tool_loop import TRUNCATED_MARKER, ToolCounts
-from trainers.tools.tiny import build_tokenizer, save_tiny_model
+from trainers.cli.tiny import build_tokenizer, save_tiny_model
 
 END = "<|im_end|>"
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 7?"}]} for i in range(4)]

@@ -263,7 +263,7 @@ def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
 
 def donor_tokenizer_folder(path) -> str:
     """A tokenizer whose chat template needs three special tokens the tiny model's tokenizer lacks."""
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     donor = build_tokenizer(chat_template=False)
     donor.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|bot|>", "<|end|>"]})
@@ -305,7 +305,7 @@ def test_chat_template_path_tokens_train_under_peft(tmp_path, tied):
     """The added tokens' embedding rows train beside the adapters; an untied output head trains whole."""
     from peft import LoraConfig
 
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"), tie_word_embeddings=tied)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])

@@ -139,7 +139,7 @@ def reward_model_dir(tmp_path_factory):
     with the policy's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def qwen3_reward_model_dir(tmp_path_factory):
     """``trl-internal-testing/tiny-Qwen3ForSequenceClassification``."""
     from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(1)
@@ -168,7 +168,7 @@ def llama_reward_model_dir(tmp_path_factory):
     (``<|finetune_right_pad_id|>``) that the config does not name."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from trainers.tools.tiny import build_task_tokenizer
+    from trainers.cli.tiny import build_task_tokenizer
 
     template = ("{{ '<|begin_of_text|>' }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
                 "<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>{% endfor %}")
@@ -189,7 +189,7 @@ def qwen3_model_dir(tmp_path_factory):
     ``enable_thinking`` in its chat template."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = QWEN3_TEMPLATE
@@ -204,7 +204,7 @@ def gemma2_model_dir(tmp_path_factory):
     """``trl-internal-testing/tiny-Gemma2ForCausalLM``: its head tied to the embeddings."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(4)
@@ -1075,7 +1075,7 @@ def test_training_with_mask_truncated_completions(lib, tiny_model_dir, reward_mo
 def wide_vocab_model_dir(tmp_path_factory):
     """The tiny model with Qwen2.5's vocabulary size (151936; the ids past the tokenizer's 259 decode to nothing),
     so that EOS is as unlikely a sample as in TRL's Hub model."""
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("wide") / "model"), vocab_size=151936, hidden_size=64,
                            num_layers=2)

@@ -243,7 +243,7 @@ CHATML_TEMPLATE_FILE = (
 
 
 def _save(tmp_path_factory, name: str, **tokenizer_options):
-    from trainers.tools.tiny import build_tokenizer, save_tiny_model
+    from trainers.cli.tiny import build_tokenizer, save_tiny_model
 
     template = tokenizer_options.pop("template", None)
     no_pad = tokenizer_options.pop("no_pad", False)
@@ -285,7 +285,7 @@ def moe_model_dir(tmp_path_factory):
     """A tiny Qwen3-MoE (its config's router_aux_loss_coef: 0.001), for tiny-Qwen3MoeForCausalLM."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 SFT_ROWS = as_sft_rows(reverse_digits_rows(32, seed=1))
 GRPO_ROWS = [{"prompt": f"Reverse the digits {i}{i + 1}{i + 2}:"} for i in range(8)]

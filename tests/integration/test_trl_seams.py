@@ -11,7 +11,7 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.tools.tiny import as_sft_rows, reverse_digits_rows
+from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(16, seed=0))
 PROMPTS = [{"prompt": f"{i}{i + 1}="} for i in range(8)]

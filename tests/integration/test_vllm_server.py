@@ -91,14 +91,14 @@ def server(tmp_path_factory):
     if python is None:
         pytest.skip("vLLM is not installed here (scripts/setup.sh installs it; or set TRAINERS_VLLM_PYTHON to a "
                     "Python that has it)")
-    from trainers.tools.tiny import save_tiny_model
+    from trainers.cli.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_server")
     # width 128: vLLM's CPU attention wants a head dim of at least 32
     model_dir = save_tiny_model(str(root / "model"), hidden_size=128, num_layers=2)
     port = free_port()
     log_path = str(root / "server.log")
-    command = [sys.executable, "-m", "trainers.tools.cli", "vllm-serve", "--python", python, "--model", model_dir,
+    command = [sys.executable, "-m", "trainers.cli.main", "vllm-serve", "--python", python, "--model", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "1024",
                "--enforce_eager", "--cpu_kvcache_space", "1", "--seed", "0"]
     with open(log_path, "w") as log:

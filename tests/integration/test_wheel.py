@@ -71,7 +71,7 @@ def installed(tmp_path_factory) -> dict:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     assert {f"trainers/templates/{name}.yaml" for name in TEMPLATES} <= names, sorted(names)
-    assert "trainers/tools/templates.py" in names and "trainers/tools/planner/__init__.py" in names
+    assert "trainers/cli/templates.py" in names and "trainers/cli/planner/__init__.py" in names
 
     venv = root / "venv"
     run([sys.executable, "-m", "venv", venv], cwd=root)
@@ -88,7 +88,7 @@ def installed(tmp_path_factory) -> dict:
 
 
 def test_the_wheel_imports_from_the_new_environment_not_the_checkout(installed):
-    code = ("import sys, trainers, torch, trainers.tools.templates as t; "
+    code = ("import sys, trainers, torch, trainers.cli.templates as t; "
             "print(trainers.__file__); print(torch.__file__); print(t.templates_dir()); "
             "print(any('__editable__' in name for name in sys.modules))")
     out = run([installed["python"], "-c", code], cwd=installed["outside"]).stdout.split("\n")

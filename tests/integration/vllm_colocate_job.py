@@ -24,7 +24,7 @@ import torch
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.grpo.sampling import SamplingParams
-from trainers.tools.tiny import save_tiny_model
+from trainers.cli.tiny import save_tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402

@@ -8,7 +8,7 @@ import math
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.grpo.sampling import Samples
-from trainers.tools.tiny import build_tokenizer
+from trainers.cli.tiny import build_tokenizer
 
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
 PROMPTS = [[{"role": "user", "content": f"What is 6 times 7? ({i})"}] for i in range(4)]

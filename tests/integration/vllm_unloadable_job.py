@@ -16,7 +16,7 @@ import sys
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.tools.tiny import save_tiny_model
+from trainers.cli.tiny import save_tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
 from tests.conftest import child_processes  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.compare_trl import MODELS, gpu_extra, matmul_parameters, peak_tflops, summarize
-from trainers.tools.tiny import save_tiny_model
+from trainers.cli.tiny import save_tiny_model
 
 
 def test_gpu_model_has_qwen2_5_0_5b_shape():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from trainers.configs import opt
-from trainers.tools.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
+from trainers.cli.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 
@@ -68,7 +68,7 @@ def test_constraints_are_shown_from_the_declarations():
 
 
 def test_a_changed_constraint_alone_lists_the_field_under_the_subclass():
-    from trainers.tools.config_reference import _fields
+    from trainers.cli.config_reference import _fields
 
     base = CONFIG_CLASSES[0]
     same_help = next(f for f in dataclasses.fields(base) if f.name == "logging_steps").metadata["help"]

@@ -44,7 +44,7 @@ def trained_segments(tokenizer, sample: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def no_template_tokenizer():
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     return build_tokenizer(chat_template=False)
 
@@ -626,7 +626,7 @@ def bos_tokenizer():
     """The tiny tokenizer plus a BOS its post-processor adds to plain text, as Llama's and Gemma's do."""
     from tokenizers import processors
 
-    from trainers.tools.tiny import build_tokenizer
+    from trainers.cli.tiny import build_tokenizer
 
     tok = build_tokenizer()
     tok.add_special_tokens({"bos_token": "<s>"})
@@ -663,7 +663,7 @@ def test_tokenized_rows_use_assistant_masks_and_completion_mask_like_trl(tokeniz
 def test_tools_and_chat_template_kwargs_columns_reach_the_template():
     import json
 
-    from trainers.tools.tiny import CHATML_TEMPLATE, build_tokenizer
+    from trainers.cli.tiny import CHATML_TEMPLATE, build_tokenizer
 
     tok = build_tokenizer()
     tok.chat_template = ("{% if tools %}{{ 'TOOLS:' ~ (tools|length) ~ '\\n' }}{% endif %}"

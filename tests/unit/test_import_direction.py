@@ -1,5 +1,5 @@
 """Imports flow one way (docs/design.md): the core knows no trainer and no tool, GRPO does not import SFT (nor SFT
-GRPO), the library never imports the tools, and no two modules import each other, even lazily inside a function.
+GRPO), the library never imports the CLI, and no two modules import each other, even lazily inside a function.
 
 Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
 """
@@ -35,26 +35,26 @@ GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()
 
 
 def room(name: str) -> str:
-    """The room a module lives in: 'grpo', 'sft', 'tools', or 'core' (the top of the package)."""
+    """The room a module lives in: 'grpo', 'sft', 'cli', or 'core' (the top of the package)."""
     parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[1] in ("grpo", "sft", "tools") else "core"
+    return parts[1] if len(parts) >= 2 and parts[1] in ("grpo", "sft", "cli") else "core"
 
 
 # the modules whose job is to re-export: the package's public names, and TRL's `trl.rewards` path
 FACADES = {"trainers", "trainers.rewards"}
 ALLOWED = {"core": {"core"}, "grpo": {"core", "grpo"}, "sft": {"core", "sft"},
-           "tools": {"core", "grpo", "sft", "tools"}}
+           "cli": {"core", "grpo", "sft", "cli"}}
 
 
 def test_the_graph_was_read():
-    assert {"trainers.base", "trainers.grpo.trainer", "trainers.sft.trainer", "trainers.tools.cli"} <= set(GRAPH)
+    assert {"trainers.base", "trainers.grpo.trainer", "trainers.sft.trainer", "trainers.cli.main"} <= set(GRAPH)
     assert "trainers.base" in GRAPH["trainers.grpo.trainer"]  # the reader finds imports at all
 
 
 @pytest.mark.parametrize("name", sorted(set(MODULES) - FACADES))
 def test_each_room_imports_only_the_rooms_below_it(name):
     wrong = {dep for dep in GRAPH[name] if dep not in FACADES and room(dep) not in ALLOWED[room(name)]}
-    wrong |= {dep for dep in GRAPH[name] if dep in FACADES and room(name) != "tools"}  # the library never uses them
+    wrong |= {dep for dep in GRAPH[name] if dep in FACADES and room(name) != "cli"}  # the library never uses them
     assert not wrong, f"{name} ({room(name)}) imports {sorted(wrong)}"
 
 

@@ -1,4 +1,4 @@
-"""The memory planner (trainers/tools/planner/): byte arithmetic per strategy, recommendations, output, flags."""
+"""The memory planner (trainers/cli/planner/): byte arithmetic per strategy, recommendations, output, flags."""
 
 import argparse
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from trainers.errors import ConfigError
-from trainers.tools import planner
-from trainers.tools.planner import GB, MODEL_SIZES, ModelShape, PlanInputs, Strategy, make_plan, model_state_bytes
+from trainers.cli import planner
+from trainers.cli.planner import GB, MODEL_SIZES, ModelShape, PlanInputs, Strategy, make_plan, model_state_bytes
 
 # The model of docs/distributed.md's measured tables: Qwen2-shaped, width 2048, 8 layers, byte vocabulary.
 SHAPE_303M = ModelShape("303M", 2048, 8, 16, 4, 4464, 259, True, qkv_bias=True)
@@ -198,7 +198,7 @@ def test_a_new_template_file_shows_up_in_the_plan(tmp_path):
 
 
 def test_no_template_is_an_error_naming_the_folder_never_nothing_fits(tmp_path, monkeypatch, capsys):
-    from trainers.tools import cli, templates
+    from trainers.cli import main as cli, templates
 
     with pytest.raises(templates.TemplatesNotFoundError, match=str(tmp_path)):
         planner.load_templates(tmp_path)
@@ -223,7 +223,7 @@ def test_the_shipped_templates_are_package_data_and_the_checkout_folder_links_to
     import os
 
     from tests.conftest import CONFIGS
-    from trainers.tools import templates
+    from trainers.cli import templates
 
     folder = templates.templates_dir()
     assert folder.name == "templates" and folder.parent.name == "trainers"
@@ -331,7 +331,7 @@ def test_invalid_numbers_name_the_flag(field, value, flag):
 
 
 def test_a_model_folder_plans_through_the_trainers_command(tiny_model_dir, capsys):
-    from trainers.tools.cli import main
+    from trainers.cli.main import main
 
     assert main(["plan", "--model", tiny_model_dir, "--method", "sft", "--device", "cpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""trainers.tools.report on hand-written run folders: which plots an SFT run gets, tokens/s derived from num_tokens,
+"""trainers.cli.report on hand-written run folders: which plots an SFT run gets, tokens/s derived from num_tokens,
 the errors for a missing metrics.jsonl or matplotlib, and HTML escaping."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainers.errors import TrainersError
-from trainers.tools.report import ReportError, build_plots, tokens_per_second, visible_text, write_report
+from trainers.cli.report import ReportError, build_plots, tokens_per_second, visible_text, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -55,7 +55,7 @@ def test_sft_run_gets_only_loss_lr_and_tokens_plots(tmp_path):
 
 def test_eval_loss_is_overlaid_on_the_loss_plot(tmp_path):
     run = sft_run(tmp_path / "run")
-    from trainers.tools.report import read_run
+    from trainers.cli.report import read_run
 
     loss = next(p for p in build_plots(read_run(run)[0]) if p.name == "loss")
     assert [label for label, _ in loss.lines] == ["loss", "eval_loss"]

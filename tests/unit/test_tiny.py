@@ -1,11 +1,11 @@
-"""trainers/tools/tiny.py: the embedded default's tiny model (every process of a launch builds it into the same
+"""trainers/cli/tiny.py: the embedded default's tiny model (every process of a launch builds it into the same
 folder at once), and the task tokenizer of the tool demo."""
 
 import multiprocessing
 import os
 
 from trainers.grpo.tools import check_tool_template, tool_schemas
-from trainers.tools.tiny import build_task_tokenizer, build_tokenizer, embedded_default, save_tiny_model
+from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, embedded_default, save_tiny_model
 
 
 def build_and_read(output_dir: str, failures) -> None:

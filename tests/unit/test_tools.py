@@ -21,7 +21,7 @@ from trainers.grpo.tools import (
     tool_turn_ids,
     toolbox,
 )
-from trainers.tools.tiny import CHATML_TEMPLATE, TOOLS_RESPONSE_TEMPLATE, build_bpe_tokenizer, build_tokenizer
+from trainers.cli.tiny import CHATML_TEMPLATE, TOOLS_RESPONSE_TEMPLATE, build_bpe_tokenizer, build_tokenizer
 
 
 def multiply(a: int, b: int) -> int:

@@ -11,7 +11,7 @@ from trainers import GRPOConfig, GRPOTrainer
 from trainers.configs import ConfigError
 from trainers.grpo.sampling import SamplingParams
 from trainers.grpo.vllm_generation import policy_weights, vllm_sampling_kwargs
-from trainers.tools.tiny import build_model
+from trainers.cli.tiny import build_model
 
 
 def test_sampling_options_map_as_trl_maps_them():

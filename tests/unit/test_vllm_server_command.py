@@ -56,7 +56,7 @@ def test_environment_exposes_only_the_worker_module(tmp_path):
 
 
 def test_model_and_python_are_checked_before_starting(tmp_path, monkeypatch):
-    from trainers.tools import cli
+    from trainers.cli import main as cli
 
     relative = os.path.relpath(tmp_path)
     assert vllm_server.resolve_model(relative) == str(tmp_path)  # the name /v1/models reports: absolute

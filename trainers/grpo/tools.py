@@ -22,7 +22,7 @@ from typing import Any
 from trainers.errors import ConfigError, DatasetFormatError
 
 _TEMPLATE_FIX = ("Give the tokenizer a chat template that renders tools, e.g. Qwen2.5's "
-                 "(trainers.tools.tiny.TOOLS_CHAT_TEMPLATE for the tiny offline tokenizers)")
+                 "(trainers.cli.tiny.TOOLS_CHAT_TEMPLATE for the tiny offline tokenizers)")
 
 
 # -- Parsing what the model wrote -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import importlib.metadata
 import os
 import platform
 
-from trainers.tools.templates import resolve_template
+from trainers.cli.templates import resolve_template
 
 PACKAGES = ("trainers", "torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "safetensors", "trl",
             "matplotlib", "tensorboard")

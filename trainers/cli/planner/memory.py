@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainers.tools.planner.shapes import GB, ModelShape, PlanInputs
-from trainers.tools.templates import shipped_templates
+from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs
+from trainers.cli.templates import shipped_templates
 
 # ----------------------------------------------------------------------------------------------------------------
 # Templates and strategies

@@ -3,7 +3,7 @@
 Each class's docstring and each field's ``opt()`` declaration (its help text and its constraints, the ones
 ``TrainingConfig.__post_init__`` checks) are the single source; regenerate the page with
 
-    python -m trainers.tools.config_reference > docs/config-reference.md
+    python -m trainers.cli.config_reference > docs/config-reference.md
 
 ``tests/unit/test_config_reference.py`` fails when the committed page differs from ``render()``.
 """
@@ -18,7 +18,7 @@ from trainers.configs import TrainingConfig, describe_constraints
 from trainers.grpo.config import GRPOConfig
 from trainers.sft.config import SFTConfig
 
-REGENERATE = "python -m trainers.tools.config_reference > docs/config-reference.md"
+REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
 CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig)
 _BASE = TrainingConfig
 

@@ -9,9 +9,9 @@ import os
 import sys
 
 from trainers.errors import ConfigError
-from trainers.tools.planner.memory import load_templates
-from trainers.tools.planner.plan import Plan, make_plan
-from trainers.tools.planner.shapes import GB, PlanInputs, shape_from_size, validate
+from trainers.cli.planner.memory import load_templates
+from trainers.cli.planner.plan import Plan, make_plan
+from trainers.cli.planner.shapes import GB, PlanInputs, shape_from_size, validate
 
 # ----------------------------------------------------------------------------------------------------------------
 # Output
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainers.tools import planner
+    from trainers.cli import planner
 
     parser = argparse.ArgumentParser(prog="trainers plan", description=planner.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -25,8 +25,8 @@ import yaml
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, TrainersError
-from trainers.tools.argparsing import add_config_arguments, config_overrides
-from trainers.tools.templates import resolve_template, templates_dir  # noqa: F401  (cli.resolve_template)
+from trainers.cli.argparsing import add_config_arguments, config_overrides
+from trainers.cli.templates import resolve_template, templates_dir  # noqa: F401  (cli.resolve_template)
 
 # Keys of a run's YAML that are not config fields: what to train, on what, and how to launch it.
 RUN_KEYS = {
@@ -128,7 +128,7 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
 def run_training(method: str, options: dict) -> None:
     """Build the trainer from the gathered options, train, and save the final model to output_dir/final."""
     from trainers.data import load_dataset_file
-    from trainers.tools.tiny import embedded_default, embedded_rows
+    from trainers.cli.tiny import embedded_default, embedded_rows
 
     keys = run_keys(method)
     fields = {k: v for k, v in options.items() if k not in keys}
@@ -173,7 +173,7 @@ def cmd_train(method: str, cli: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_report(cli: argparse.Namespace) -> int:
-    from trainers.tools.report import write_report
+    from trainers.cli.report import write_report
 
     written = write_report(cli.output_dir, cli.out)
     for name, path in written.items():
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         build_run_parser(method, subparsers)
     subparsers.add_parser("vllm-serve", add_help=False,
                           help="A vLLM server for GRPO's vllm_mode='server' (trainers vllm-serve --help).")
-    from trainers.tools import planner
+    from trainers.cli import planner
 
     plan = subparsers.add_parser("plan", help="Estimate memory per GPU for every shipped template and pick one.",
                                  description=planner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             return planner.run(cli)
         if cli.command == "report":
             return cmd_report(cli)
-        from trainers.tools.environment import describe
+        from trainers.cli.environment import describe
 
         print(describe(cli.accelerate_config))
         return 0

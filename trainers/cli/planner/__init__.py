@@ -21,7 +21,7 @@ GB here are GiB (2^30 bytes), as torch.cuda and benchmarks/memory.py report them
 # for), memory (templates' strategies and the bytes per process under each), plan (the recommendation, suggestions
 # and launch commands), output (the table, JSON and flags). Every public name is re-exported here.
 
-from trainers.tools.planner.memory import (  # noqa: F401
+from trainers.cli.planner.memory import (  # noqa: F401
     ACTIVATION_COEFFICIENTS,
     ALLOCATOR_FRAGMENTATION,
     CPU_PROCESS_BASELINE_BYTES,
@@ -48,7 +48,7 @@ from trainers.tools.planner.memory import (  # noqa: F401
     zero3_live_elements,
     zero_bucket_elements,
 )
-from trainers.tools.planner.output import (  # noqa: F401
+from trainers.cli.planner.output import (  # noqa: F401
     add_arguments,
     describe,
     format_table,
@@ -57,7 +57,7 @@ from trainers.tools.planner.output import (  # noqa: F401
     plan_to_json,
     run,
 )
-from trainers.tools.planner.plan import (  # noqa: F401
+from trainers.cli.planner.plan import (  # noqa: F401
     Plan,
     Suggestion,
     best_of,
@@ -69,7 +69,7 @@ from trainers.tools.planner.plan import (  # noqa: F401
     suggestions,
     trainer_flags,
 )
-from trainers.tools.planner.shapes import (  # noqa: F401
+from trainers.cli.planner.shapes import (  # noqa: F401
     GB,
     MODEL_SIZES,
     ModelShape,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trainers.tools.planner.memory import Template, TemplateEstimate, estimate, load_templates
-from trainers.tools.planner.shapes import GB, ModelShape, PlanInputs, resolve_shape
-from trainers.tools.templates import TemplatesNotFoundError, checkout_path, is_shipped
+from trainers.cli.planner.memory import Template, TemplateEstimate, estimate, load_templates
+from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs, resolve_shape
+from trainers.cli.templates import TemplatesNotFoundError, checkout_path, is_shipped
 
 # ----------------------------------------------------------------------------------------------------------------
 # The plan: every template, the recommendation, and what would fit when nothing does
