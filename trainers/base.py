@@ -30,6 +30,7 @@ from trainers.checkpoint import TrainerState
 from trainers.configs import ConfigError, TrainingConfig, config_from_training_arguments, tf32_available
 from trainers.errors import DatasetFormatError
 from trainers.evaluation import Evaluation, named_eval_datasets
+from trainers import health
 from trainers.health import HealthMonitor
 from trainers.interrupts import StopOnSignal
 from trainers.logs import RunLog, logger, set_log_level
@@ -97,6 +98,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
     _tag_names: tuple[str, ...] = ("trainers",)  # added to the model's model_tags (TRL's attribute, its ["trl", "sft"])
     # DistributedDataParallel arguments where the config's ddp_* option is None (the config's win)
     ddp_defaults: dict = {}
+    HEALTH_RULES: tuple = health.RULES  # the warnings its run can raise (trainers/health.py); a trainer adds its own
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
@@ -136,7 +138,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             raise ConfigError(f"{type(args).__name__}: `save_only_model=True` with `load_best_model_at_end=True` "
                               f"does not work under DeepSpeed (as in transformers); drop one of them.")
         set_log_level(args.log_level if self.accelerator.is_main_process else args.log_level_replica)
-        self.health = HealthMonitor()
+        self.health = HealthMonitor(self.HEALTH_RULES)
         if args.full_determinism:
             enable_full_determinism(args.seed)  # seeds too
         else:
@@ -544,8 +546,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             local[2] += batch.num_input_tokens
             local[3] += batch.num_padded_tokens
         tokens, sequences = dist.all_reduce_sum(acc, local[:2]).tolist()
-        counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches),
-                             max_completion_length=getattr(self.args, "max_completion_length", 1))
+        counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches))
         return counts, float(local[2]), float(local[3])
 
     def _clip_gradients(self):

@@ -85,11 +85,12 @@ def test_html_shows_the_best_and_worst_completions(grpo_run, report):
 
 
 def test_health_warnings_in_the_page_are_the_monitors(grpo_run, report):
+    from trainers.grpo.trainer import GRPOTrainer
     from trainers.health import HealthMonitor
     from trainers.cli.report import read_jsonl
 
     page = read_text(report["html"])
-    warnings = HealthMonitor().replay(read_jsonl(os.path.join(grpo_run, "metrics.jsonl")))
+    warnings = HealthMonitor(GRPOTrainer.HEALTH_RULES).replay(read_jsonl(os.path.join(grpo_run, "metrics.jsonl")))
     for warning in warnings:
         assert html.escape(warning) in page
     assert ("No health warnings." in page) == (not warnings)

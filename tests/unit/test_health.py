@@ -7,16 +7,17 @@ import math
 import pytest
 
 from trainers import health
-from trainers.health import (
-    RULES,
-    HealthMonitor,
+from trainers.grpo import health as grpo_health
+from trainers.grpo.health import (
     entropy_collapse,
     kl_growth,
     length_explosion,
-    nonfinite_loss,
     truncated_completions,
     zero_reward_variance,
 )
+from trainers.health import HealthMonitor, nonfinite_loss
+
+RULES = grpo_health.RULES + health.RULES  # a GRPO trainer's (GRPOTrainer.HEALTH_RULES)
 
 
 def grpo_history(steps: int = 8, **columns) -> list[dict]:
@@ -146,13 +147,13 @@ def test_nonfinite_survives_a_json_round_trip_and_ignores_none():
 
 
 def test_monitor_warns_once_per_rule():
-    monitor = HealthMonitor()
+    monitor = HealthMonitor(RULES)
     history = SICK["entropy_collapse"]
     assert len(monitor.check(history)) == 1
     assert monitor.check(history) == []  # still collapsed: not repeated
     assert monitor.check(history + SICK["kl_growth"][-5:]) == [kl_growth(SICK["kl_growth"][-5:])]
     assert monitor.check(SICK["nonfinite_loss"]) != []  # another rule still warns the first time it fires
-    assert HealthMonitor().check(history) == monitor_warning_of(history)  # a new monitor (a new run) warns again
+    assert HealthMonitor(RULES).check(history) == monitor_warning_of(history)  # a new monitor (a new run) warns again
 
 
 def monitor_warning_of(history):
@@ -160,7 +161,7 @@ def monitor_warning_of(history):
 
 
 def test_monitor_as_the_trainer_calls_it_after_each_log():
-    monitor, history, warnings = HealthMonitor(), [], []
+    monitor, history, warnings = HealthMonitor(RULES), [], []
     for record in SICK["truncated_completions"]:
         history.append(record)
         warnings.append(monitor.check(history))
@@ -171,9 +172,9 @@ def test_monitor_as_the_trainer_calls_it_after_each_log():
 def test_replay_reports_a_problem_that_went_away():
     recovered = grpo_history(**{"completions/clipped_ratio": [0.9, 0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1]})
     assert truncated_completions(recovered) is None  # the end state is healthy
-    replayed = HealthMonitor().replay(recovered)
+    replayed = HealthMonitor(RULES).replay(recovered)
     assert len(replayed) == 1 and "truncated" in replayed[0]
-    assert HealthMonitor().replay(grpo_history()) == []
+    assert HealthMonitor(RULES).replay(grpo_history()) == []
 
 
 def test_monitor_with_custom_rules():
@@ -185,4 +186,4 @@ def test_monitor_with_custom_rules():
 def test_thresholds_are_module_constants():
     for name in ("ZERO_STD_FRACTION", "ENTROPY_FLOOR", "ENTROPY_RELATIVE_FLOOR", "CLIPPED_RATIO", "LENGTH_GROWTH",
                  "NEAR_MAX_FRACTION", "KL_LARGE", "RECENT_RECORDS"):
-        assert isinstance(getattr(health, name), (int, float))
+        assert isinstance(getattr(grpo_health, name), (int, float))

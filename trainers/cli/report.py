@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 
 from trainers.errors import TrainersError
+from trainers.grpo import health as grpo_health
+from trainers.health import RULES as HEALTH_RULES
 from trainers.health import HealthMonitor, series
 from trainers.logs import METRICS_FILE, RUN_INFO_FILE  # RUN_INFO_FILE: written at the start of train()
 
@@ -342,7 +344,7 @@ def write_report(output_dir: str, report_dir: str | None = None) -> dict[str, st
         with open(path, "rb") as f:
             images[plot.name] = f.read()
         written[plot.name] = path
-    warnings = HealthMonitor().replay(history)
+    warnings = HealthMonitor(grpo_health.RULES + HEALTH_RULES).replay(history)  # every trainer's rules
     path = os.path.join(report_dir, HTML_FILE)
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_html(output_dir, history, info, completions, images, plots, warnings))

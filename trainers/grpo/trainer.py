@@ -31,7 +31,9 @@ from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import DatasetFormatError, VLLMServerError
+from trainers import health
 from trainers.grpo import engine, evaluation, rollout
+from trainers.grpo import health as grpo_health
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.entropy_control import EntropyControl
@@ -110,6 +112,7 @@ class GRPOTrainer(BaseTrainer):
 
     config_class = GRPOConfig
     _tag_names = ("trainers", "grpo")  # the model card tags added to the model (TRL: ["trl", "grpo"])
+    HEALTH_RULES = grpo_health.RULES + health.RULES  # reward variance, entropy, truncation, length, KL; non-finite
     # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
     # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
     # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
@@ -634,6 +637,8 @@ class GRPOTrainer(BaseTrainer):
 
     def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args, bonus = self.args, self.entropy_control
+        # dr_grpo normalizes by the longest possible completion (the base loop's counts do not know GRPO)
+        counts = dataclasses.replace(counts, max_completion_length=args.max_completion_length)
         # One autocast (bf16 mixed precision) around the micro-batch's forwards (the shared prompt's two, the rows
         # without a gradient): inside it autocast casts each weight to bf16 once for all of them. Each forward's
         # own would cast anew, and backward would keep a copy per forward (+2 bytes per parameter at the peak).
