@@ -24,8 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.compare_trl import MODELS, build_models  # noqa: E402
-from trainers.grpo import engine  # noqa: E402
-from trainers.grpo.sampling import SamplingParams, generate  # noqa: E402
+from trainers.generation import engine  # noqa: E402
+from trainers.generation.sampling import SamplingParams, generate  # noqa: E402
 
 
 def timed(functions: dict, repeats: int) -> dict:

@@ -112,7 +112,7 @@ class RoundClock:
 
 def run_ours(cli, tokenizer, call_ids):
     from trainers import GRPOConfig, GRPOTrainer
-    from trainers.grpo.sampling import Samples
+    from trainers.generation.sampling import Samples
 
     trainer = GRPOTrainer(model=cli.model, processing_class=tokenizer, reward_funcs=reward_length,
                           train_dataset=rows(), args=GRPOConfig(**config_fields(cli)), tools=[TOOLS[cli.kind]])

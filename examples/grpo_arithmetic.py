@@ -23,7 +23,7 @@ import random
 import time
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.grpo.sampling import SamplingParams, hf_generate
+from trainers.generation.sampling import SamplingParams, hf_generate
 from trainers.cli.tiny import save_tiny_model
 
 

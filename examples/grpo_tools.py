@@ -26,7 +26,7 @@ import time
 from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.grpo.sampling import SamplingParams, generate
+from trainers.generation.sampling import SamplingParams, generate
 from trainers.grpo.tools import ToolRunner, parse_turn, tool_schemas, tool_turn_ids, toolbox
 from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
 

@@ -17,7 +17,7 @@ from trainers.distributed import gathered_parameters, zero_stage
 from trainers.grpo import objectives
 from trainers.grpo.rewards import RewardLogs
 from trainers.grpo.rollout import decode, score_completions
-from trainers.grpo.sampling import Samples
+from trainers.generation.sampling import Samples
 from trainers.samplers import group_slots
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest

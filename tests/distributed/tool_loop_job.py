@@ -20,7 +20,7 @@ import torch
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
-from trainers.grpo.sampling import Samples
+from trainers.generation.sampling import Samples
 from trainers.cli.tiny import build_tokenizer
 
 END = "<|im_end|>"

@@ -22,7 +22,7 @@ import torch
 from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.grpo.sampling import Samples
+from trainers.generation.sampling import Samples
 from trainers.grpo.tool_loop import TRUNCATED_MARKER, ToolCounts
 from trainers.cli.tiny import build_tokenizer, save_tiny_model
 

@@ -1039,8 +1039,8 @@ def test_training_with_chat_template_kwargs(lib, models, reward_model_dir, tmp_p
 
 
 @fails_here("The patched transformers GenerationMixin.generate is never called: on CPU, generation_engine='auto' "
-            "samples Qwen2 with this package's engine (trainers/grpo/sampling.py generate() -> "
-            "trainers/grpo/engine.py), so the random model's completions are all truncated at 8 tokens, "
+            "samples Qwen2 with this package's engine (trainers/generation/sampling.py generate() -> "
+            "trainers/generation/engine.py), so the random model's completions are all truncated at 8 tokens, "
             "mask_truncated_completions masks every one and no parameter moves (passes with generation_engine='hf')",
             condition=not torch.cuda.is_available())
 def test_training_with_mask_truncated_completions(lib, tiny_model_dir, reward_model_dir, tmp_path):

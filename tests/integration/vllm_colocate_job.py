@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.grpo.sampling import SamplingParams
+from trainers.generation.sampling import SamplingParams
 from trainers.cli.tiny import save_tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

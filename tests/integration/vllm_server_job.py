@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
-from trainers.grpo.sampling import SamplingParams, generate
+from trainers.generation.sampling import SamplingParams, generate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402

@@ -7,7 +7,7 @@ on the model's own tokens (``sampling/sampling_logp_difference``)."""
 import math
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.grpo.sampling import Samples
+from trainers.generation.sampling import Samples
 from trainers.cli.tiny import build_tokenizer
 
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'

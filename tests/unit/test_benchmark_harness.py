@@ -84,7 +84,7 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     import inspect
 
     from benchmarks.generation import patched, with_compiled_elementwise
-    from trainers.grpo import engine
+    from trainers.generation import engine
 
     def state():
         return {"rms_norm": engine.rms_norm, **{name: inspect.getattr_static(engine._Decoder, name)

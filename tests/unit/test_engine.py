@@ -4,8 +4,8 @@ family it claims, with LoRA, repeated prompts (shared prefill), ragged prompt le
 import pytest
 import torch
 
-from trainers.grpo import engine
-from trainers.grpo.sampling import SamplingParams, generate, hf_generate
+from trainers.generation import engine
+from trainers.generation.sampling import SamplingParams, generate, hf_generate
 
 
 def make_model(kind: str, vocab: int):

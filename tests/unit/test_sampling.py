@@ -4,8 +4,8 @@ other device (CUDA) it takes HF generate, since the lean engine has not been mea
 import pytest
 import torch
 
-from trainers.grpo import engine, sampling
-from trainers.grpo.sampling import SamplingParams, generate
+from trainers.generation import engine, sampling
+from trainers.generation.sampling import SamplingParams, generate
 
 
 class FakeParams(torch.nn.Module):

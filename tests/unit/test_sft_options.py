@@ -9,7 +9,7 @@ import torch
 
 from trainers import GRPOConfig, SFTConfig
 from trainers.grpo.batch import unpadded_columns
-from trainers.grpo.sampling import left_pad, right_pad
+from trainers.generation.sampling import left_pad, right_pad
 from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
 from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import IGNORE, Collator, shift_targets

@@ -9,7 +9,7 @@ import trainers.base
 import trainers.grpo.trainer
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.configs import ConfigError
-from trainers.grpo.sampling import SamplingParams
+from trainers.generation.sampling import SamplingParams
 from trainers.grpo.vllm_generation import policy_weights, vllm_sampling_kwargs
 from trainers.cli.tiny import build_model
 

@@ -14,13 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers.generation.rows import prompt_groups, round_up
 from trainers.modeling import positions_from_mask
-
-
-def prompt_groups(prompt_ids: list[list[int]]) -> list[int]:
-    """Each row's distinct prompt, numbered in order of first appearance: [[1, 2], [1, 2], [3]] -> [0, 0, 1]."""
-    seen: dict[tuple, int] = {}
-    return [seen.setdefault(tuple(ids), len(seen)) for ids in prompt_ids]
 
 
 def renumbered(groups: torch.Tensor) -> torch.Tensor:
@@ -110,8 +105,3 @@ def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tens
         first = P - min(P, round_up(P - first, multiple))
         width = min(C, round_up(width, multiple))
     return first, width
-
-
-def round_up(n: int, multiple: int | None) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` (None or 0: ``n`` itself)."""
-    return -(-n // multiple) * multiple if multiple else n

@@ -31,7 +31,7 @@ from trainers.grpo.batch import Rollout, prompt_groups
 from trainers.grpo.metrics import round_metrics, sample_records
 from trainers.grpo.objectives import sampler_importance_weights
 from trainers.grpo.rewards import RewardLogs, call_rewards
-from trainers.grpo.sampling import Samples, SamplingParams, left_pad, right_pad
+from trainers.generation.sampling import Samples, SamplingParams, left_pad, right_pad
 from trainers.grpo.tool_loop import ToolCounts, tool_metrics
 from trainers.grpo.user_rollout import logprob_gap, padded_logprobs
 from trainers.stats import Extreme, reduce_extremes, reduce_pairs

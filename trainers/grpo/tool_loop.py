@@ -34,7 +34,7 @@ import torch
 from trainers import distributed as dist
 from trainers.data import is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.grpo.sampling import Samples, SamplingParams
+from trainers.generation.sampling import Samples, SamplingParams
 from trainers.grpo.tools import (
     Environments,
     ToolResult,

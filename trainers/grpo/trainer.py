@@ -32,7 +32,8 @@ from trainers.configs import ConfigError
 from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import DatasetFormatError, VLLMServerError
 from trainers import health
-from trainers.grpo import engine, evaluation, rollout
+from trainers.generation import engine
+from trainers.grpo import evaluation, rollout
 from trainers.grpo import health as grpo_health
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.config import GRPOConfig
@@ -48,7 +49,7 @@ from trainers.grpo.objectives import (
     off_policy_sequence_mask,
 )
 from trainers.grpo.rewards import Reward, RewardModel, accuracy_reward, check_accuracy_references, resolve_reward
-from trainers.grpo.sampling import PolicySampler, Sampler, SamplingParams
+from trainers.generation.sampling import GenerationContext, PolicySampler, Sampler, SamplingParams
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.grpo.tool_loop import EMPTY_PROMPT, ToolLoop
 from trainers.grpo.user_rollout import RolloutFuncSampler
@@ -136,8 +137,8 @@ class GRPOTrainer(BaseTrainer):
         if train_dataset is None and environment_factory:  # the environment owns the data (TRL's rule)
             train_dataset = self._placeholder_rows(environment_factory, args)
         self.rollout_func = rollout_func
-        # with use_vllm, a VLLMSampler once the engine is up (after_prepare), unless a rollout_func samples
-        self.sampler: Sampler = RolloutFuncSampler(rollout_func, self) if rollout_func else PolicySampler(self)
+        self.sampler: Sampler | None = None  # chosen once the policy is prepared (after_prepare)
+        self.policy_sampler: PolicySampler | None = None  # the policy itself (trainer.generate: a rollout_func's)
         self.vllm_generation: VLLMGeneration | None = None  # TRL's trainer.vllm_generation, with use_vllm
         self._reward_specs = (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
                               else [] if reward_funcs is None else [reward_funcs])
@@ -380,7 +381,7 @@ class GRPOTrainer(BaseTrainer):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Completions from the policy (eval mode, no gradients), for a rollout function. Every process must call
         this together."""
-        return PolicySampler(self).generate(prompt_ids, params or self.sampling)
+        return self.policy_sampler.generate(prompt_ids, params or self.sampling)
 
     # ------------------------------------------------------------------ TRL's public attributes
 
@@ -495,10 +496,25 @@ class GRPOTrainer(BaseTrainer):
         for reward in self.rewards:
             if isinstance(reward.func, RewardModel):
                 reward.func.model = dist.prepare_frozen(self.accelerator, reward.func.model)
-        if args.use_vllm:  # last: the engine takes the prepared policy's weights (gathered under ZeRO-3)
+        self._choose_sampler()
+
+    def _choose_sampler(self) -> None:
+        """The one place the rollout stage's sampler is chosen: a user's rollout_func, vLLM (use_vllm), or the
+        policy itself (the lean engine or HF generate). Last in setting up: vLLM's engine takes the prepared
+        policy's weights (gathered under ZeRO-3)."""
+        args = self.args
+        context = GenerationContext(self.accelerator, self.processing_class.pad_token_id, frozenset(self.eos_ids),
+                                    engine=args.generation_engine, gather_for_generation=args.ds3_gather_for_generation,
+                                    pad_to_multiple_of=args.pad_to_multiple_of)
+        self.policy_sampler = PolicySampler(context, self.model, self.model_wrapped)
+        if args.use_vllm:
             self.vllm_generation = VLLMGeneration(self)
-            if self.rollout_func is None:
-                self.sampler = VLLMSampler(self)
+        if self.rollout_func is not None:
+            self.sampler = RolloutFuncSampler(self.rollout_func, self)
+        elif args.use_vllm:
+            self.sampler = VLLMSampler(self)
+        else:
+            self.sampler = self.policy_sampler
 
     # ------------------------------------------------------------------ the vLLM engine's lifetime
 

@@ -23,7 +23,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.errors import RolloutError, TrainersError, VLLMServerError
-from trainers.grpo.sampling import Samples, SamplingParams
+from trainers.generation.sampling import Samples, SamplingParams
 from trainers.modeling import context_length, vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")

@@ -37,7 +37,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.errors import ConfigError, VLLMServerError
-from trainers.grpo.sampling import Samples, SamplingParams, cut_at_eos
+from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos
 from trainers.host import allow_amx_tiles
 from trainers.logs import logger
 from trainers.modeling import context_length

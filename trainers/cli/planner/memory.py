@@ -122,7 +122,7 @@ def precision_of(strategy: Strategy, bf16: bool) -> Precision:
         return Precision(2, 2, 4, 2, "bf16", 2, False)
     if strategy.kind == "fsdp":
         return Precision(4, 4, 0, 2, "bf16", 2, False)
-    # The lean generation engine keeps its KV cache in the weights' dtype (fp32 here; trainers/grpo/engine.py).
+    # The lean generation engine keeps its KV cache in the weights' dtype (fp32 here; trainers/generation/engine.py).
     return Precision(4, 4, 0, 4, "autocast", 2, True)
 
 

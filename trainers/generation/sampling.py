@@ -3,7 +3,7 @@
 A sampler takes this process's prompts of a round (the dataset's ``prompt`` values and their token ids) and
 sampling parameters, and returns ``Samples``: one completion per prompt, with the sampler's own log-probs and
 a mask of the tokens the model wrote where it has them. ``PolicySampler`` samples from the policy being
-trained (the lean engine, trainers/grpo/engine.py, or HF ``generate``); a user's ``rollout_func`` is another
+trained (the lean engine, trainers/generation/engine.py, or HF ``generate``); a user's ``rollout_func`` is another
 sampler (trainers/grpo/user_rollout.py). A new backend is one new class with a ``sample`` method.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from trainers import distributed as dist
-from trainers.grpo.batch import round_up
+from trainers.generation.rows import round_up
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,10 @@ def hf_generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_
 def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id: int, eos_ids: set[int],
              engine: str = "auto", synced_gpus: bool = False, pad_to_multiple_of: int | None = None
              ) -> list[list[int]]:
-    """Completions from ``model``: the lean engine (trainers/grpo/engine.py) where it supports the model and the
+    """Completions from ``model``: the lean engine (trainers/generation/engine.py) where it supports the model and the
     options, else HF ``generate``. ``engine``: "auto", "lean" (error if unsupported) or "hf". "auto" takes the
     lean engine on CPU only: it has not been measured on a GPU, where HF ``generate`` is the default."""
-    from trainers.grpo import engine as lean
+    from trainers.generation import engine as lean
 
     usable = not synced_gpus and lean.supports(model, params.extra)
     if engine == "lean" and not usable:
@@ -129,26 +129,38 @@ def generate(model, prompt_ids: list[list[int]], params: SamplingParams, pad_id:
                        pad_to_multiple_of=pad_to_multiple_of)
 
 
+@dataclass(frozen=True)
+class GenerationContext:
+    """What sampling needs to know of the training set-up, given explicitly (a backend never reads a trainer)."""
+
+    accelerator: Any  # accelerate.Accelerator: the device, autocast, and ZeRO-3's stage
+    pad_id: int
+    eos_ids: frozenset[int]  # a completion ends at the first of these
+    engine: str = "auto"  # generation_engine: "auto", "lean" or "hf"
+    gather_for_generation: bool = True  # ZeRO-3: gather the weights once for a round (ds3_gather_for_generation)
+    pad_to_multiple_of: int | None = None  # HF generate's prompt padding, as TRL pads
+
+
 class PolicySampler:
     """Samples from the policy being trained: eval mode, no gradients, under the training forward's autocast
     (bf16 mixed precision samples from the bf16 policy it trains); under ZeRO-3 the weights are gathered for
-    the round (ds3_gather_for_generation) or generation runs with synced_gpus. ``trainer``: a GRPOTrainer."""
+    the round (``gather_for_generation``) or generation runs with synced_gpus. ``model`` is the policy, ``wrapped``
+    what trains it (DDP, a DeepSpeed engine, or the model itself)."""
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
+    def __init__(self, context: GenerationContext, model: torch.nn.Module, wrapped: torch.nn.Module):
+        self.context, self.model, self.wrapped = context, model, wrapped
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        trainer = self.trainer
-        acc, args = trainer.accelerator, trainer.args
-        model = trainer.unwrapped_model
+        context, model = self.context, self.model
+        acc = context.accelerator
         was_training = model.training
         model.eval()
-        gather = dist.zero_stage(acc) == 3 and args.ds3_gather_for_generation
+        gather = dist.zero_stage(acc) == 3 and context.gather_for_generation
         synced = dist.zero_stage(acc) == 3 and not gather
-        with dist.gathered_for_generation(acc, trainer.model_wrapped, enabled=gather), acc.autocast():
-            completions = generate(model, prompt_ids, params, trainer.processing_class.pad_token_id,
-                                   trainer.eos_ids, engine=args.generation_engine, synced_gpus=synced,
-                                   pad_to_multiple_of=args.pad_to_multiple_of)
+        with dist.gathered_for_generation(acc, self.wrapped, enabled=gather), acc.autocast():
+            completions = generate(model, prompt_ids, params, context.pad_id, set(context.eos_ids),
+                                   engine=context.engine, synced_gpus=synced,
+                                   pad_to_multiple_of=context.pad_to_multiple_of)
         model.train(was_training)
         return completions
 

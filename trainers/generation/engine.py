@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainers.grpo.batch import prompt_groups
+from trainers.generation.rows import prompt_groups
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 SUPPORTED_EXTRA = {"min_new_tokens"}  # generation_kwargs the engine understands; anything else uses HF generate
