@@ -119,10 +119,10 @@ def run_ours(cli, tokenizer, call_ids):
     inner_run, inner_sample = trainer.tool_loop.run, trainer.sampler.sample
     first, rounds = [False], RoundClock()
 
-    def run(trainer_, rows_, params):  # a round starts: its first sampling is the scripted call
+    def run(*args, **kwargs):  # a round starts: its first sampling is the scripted call
         first[0] = True
         with rounds.round():
-            return inner_run(trainer_, rows_, params)
+            return inner_run(*args, **kwargs)
 
     def sample(prompts, prompt_ids, params):
         if first[0]:

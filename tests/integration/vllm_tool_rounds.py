@@ -34,9 +34,9 @@ class ScriptedFirstTurn:
         self.first, self.continuations = False, 0
         trainer.tool_loop.run, trainer.sampler.sample = self.run, self.sample
 
-    def run(self, trainer, rows, params):
+    def run(self, *args, **kwargs):
         self.first = True
-        return self.inner_run(trainer, rows, params)
+        return self.inner_run(*args, **kwargs)
 
     def sample(self, prompts, prompt_ids, params):
         if self.first:

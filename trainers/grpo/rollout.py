@@ -67,7 +67,8 @@ def sample_and_score(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]
         trainer.vllm_generation.sync_for_step(trainer.state.global_step)
     episode = None
     if trainer.tool_loop is not None:  # several turns, tool calls between them (trainers/grpo/tool_loop.py)
-        episode = trainer.tool_loop.run(trainer, rows, params or trainer.sampling)
+        episode = trainer.tool_loop.run(trainer.sampler, rows, params or trainer.sampling, eos_ids=trainer.eos_ids,
+                                        accelerator=trainer.accelerator)
         samples, prompts, completions = episode.samples, episode.prompts, episode.messages
     else:
         samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)

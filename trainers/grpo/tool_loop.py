@@ -17,6 +17,9 @@ A tool result that does not fit the budget left is cut to fit, ending in TRUNCAT
 ``tools/truncated_results``; when not even the tool turn's own tokens fit, the rollout ends there (its results
 are counted the same way). TRL drops such a result silently.
 
+The loop knows no trainer: a sampler, the tokenizer, the EOS ids and the processes' collectives (``run``'s
+arguments).
+
 Every process runs the loop in step: each turn, every process samples together (ZeRO-3 gathers, a vLLM server's
 request), a process with nothing left to sample keeping the others company with one token of a dummy row.
 """
@@ -27,14 +30,13 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from trainers import distributed as dist
 from trainers.data import is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.generation.sampling import Samples, SamplingParams
+from trainers.generation.sampling import Sampler, Samples, SamplingParams
 from trainers.grpo.tools import (
     Environments,
     ToolResult,
@@ -169,9 +171,11 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, trainer: Any, rows: list[dict], params: SamplingParams) -> Episode:
-        """The tool loop for this process's ``rows`` (module docstring). Every process calls it together."""
-        acc, budget = trainer.accelerator, params.max_new_tokens
+    def run(self, sampler: Sampler, rows: list[dict], params: SamplingParams, *, eos_ids: set[int],
+            accelerator) -> Episode:
+        """The tool loop for this process's ``rows`` (module docstring), sampling through ``sampler``; a turn
+        ends at one of ``eos_ids``. Every process calls it together (``accelerator``: their collectives)."""
+        acc, budget = accelerator, params.max_new_tokens
         error, environments, prompts, prompt_ids = None, None, None, None
         try:  # user code (reset, the chat template): a failure on one process stops all
             environments, prompts, prompt_ids = self.begin(rows)
@@ -190,7 +194,7 @@ class ToolLoop:
             # every process samples together, one dummy token where nothing is left here
             ids = [prompt_ids[i] + completions[i] for i in pending] or [prompt_ids[0]]
             room = max([budget - len(completions[i]) for i in pending], default=1)
-            out = trainer.sampler.sample([prompts[i] for i in pending] or [prompts[0]], ids,
+            out = sampler.sample([prompts[i] for i in pending] or [prompts[0]], ids,
                                          dataclasses.replace(params, max_new_tokens=room))
             given_logprobs = given_logprobs and out.logprobs is not None
             calling = []
@@ -198,7 +202,7 @@ class ToolLoop:
                 turn_ids = out.completion_ids[j][:budget - len(completions[i])]
                 turn = parse_turn(self.tokenizer, turn_ids, prompt_ids[i] + completions[i],
                                   self.schemas[self._environment_name(rows[i])])
-                ended = bool(turn_ids) and turn_ids[-1] in trainer.eos_ids  # a whole turn, room left after it
+                ended = bool(turn_ids) and turn_ids[-1] in eos_ids  # a whole turn, room left after it
                 completions[i] += turn_ids
                 masks[i] += [1] * len(turn_ids)
                 if out.logprobs is not None:
