@@ -54,7 +54,7 @@ def main():
         "model_tags": trainer.model.model_tags,
         "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],  # not train()'s summary
         "learning_rates": [r["learning_rate"] for r in trainer.state.log_history if "loss" in r],
-        "aux_losses": [r["aux_loss"] for r in trainer.state.log_history if "aux_loss" in r],  # MoE models only
+        "aux_losses": [r["aux_loss"] for r in trainer.state.log_history if "aux_loss" in r and "loss" in r],  # MoE
         "optimizer_classes": optimizer_classes,
         "local_numel": local_numel,
         "total_numel": total_numel,

@@ -3,9 +3,10 @@ is scored, and report the rewards and the GRPO loss on them (transformers' ``eva
 
 The loss is TRL's evaluation loss: the objective of ``loss_type`` on the evaluation batch, with the advantages of
 its own groups, computed as one micro-batch without accumulation (TRL's ``prediction_step`` calls
-``compute_loss`` in eval mode). Sampled from the current policy, every importance ratio is 1, so for the
-sequence-mean losses it is about 0 plus the KL term; the entropy bonus (``policy_loss`` beside it) and the
-clip and entropy statistics are reported as in training.
+``compute_loss`` in eval mode). Sampled from the current policy, every importance ratio is 1, so with
+loss_type='grpo' it is about 0 plus the KL term; the entropy bonus (``policy_loss`` beside it) and the clip and
+entropy statistics are reported as in training. A sampler other than the policy (vLLM, a rollout_func) gets no
+importance-sampling correction here (TRL applies vLLM's in evaluation too).
 """
 
 from __future__ import annotations
