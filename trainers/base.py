@@ -25,12 +25,12 @@ from transformers.trainer_utils import enable_full_determinism
 from transformers.utils.import_utils import enable_tf32
 
 from trainers import distributed as dist
+from trainers import health
 from trainers.callbacks import CallbackHandler
 from trainers.checkpoint import TrainerState
 from trainers.configs import ConfigError, TrainingConfig, config_from_training_arguments, tf32_available
 from trainers.errors import DatasetFormatError
 from trainers.evaluation import Evaluation, named_eval_datasets
-from trainers import health
 from trainers.health import HealthMonitor
 from trainers.interrupts import StopOnSignal
 from trainers.logs import RunLog, logger, set_log_level

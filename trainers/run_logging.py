@@ -47,7 +47,7 @@ class RunLogging:
             acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
             self._trackers_open = True
         started_at, first_step = time.time(), self.state.global_step
-        self._pending_summary: dict = {}  # the trainer's metrics train()'s summary will carry (_summary_extras)
+        self._pending_summary: dict = {}  # the last step record, whose trainer metrics train()'s summary carries
         self._unlogged: dict = {}  # logging_strategy='no': name -> (sum, steps) of every step's
         self.model.train()
         self._describe_run()
@@ -86,7 +86,12 @@ class RunLogging:
         """The trainer's own metrics (not LOOP_METRICS) that train()'s closing summary carries, as TRL's trainers
         merge their pending metrics into it: those of the steps not logged yet (``window``: a run stopped between
         logs), else the last step record's, or with logging_strategy='no' the means over every step."""
-        pending = self._window_means(window) if window else self._pending_summary
+        if window:
+            pending = self._window_means(window)
+        elif self._unlogged:
+            pending = {name: total / count for name, (total, count) in self._unlogged.items()}
+        else:
+            pending = self._pending_summary
         return {name: value for name, value in pending.items()
                 if name not in LOOP_METRICS and name not in ("step", "epoch", "num_input_tokens_seen")}
 
@@ -106,7 +111,7 @@ class RunLogging:
                 record["num_input_tokens_seen"] = state.num_input_tokens_seen
             self._publish(record)
             window.clear()
-            self._pending_summary = {name: value for name, value in record.items() if name not in LOOP_METRICS}
+            self._pending_summary = record  # the last step record: train()'s summary repeats its trainer metrics
             for warning in self.health.check(state.log_history):
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")
@@ -117,7 +122,6 @@ class RunLogging:
                 if name not in LOOP_METRICS and isinstance(value, (int, float)):
                     total, count = self._unlogged.get(name, (0.0, 0))
                     self._unlogged[name] = (total + value, count + 1)
-            self._pending_summary = {name: total / count for name, (total, count) in self._unlogged.items()}
         eval_due = (args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0
                     and step >= args.eval_delay) or (
             args.eval_strategy == "epoch" and epoch_end and state.epoch >= args.eval_delay) \

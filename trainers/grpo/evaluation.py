@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainers.grpo.advantages import combine_rewards, round_advantages
-from trainers.grpo.rollout import Scored, logged_names, pad_samples, sample_and_score
+from trainers.grpo.rollout import Scored, logged_names, loss_mask_of, pad_samples, sample_and_score
 from trainers.grpo.tool_loop import ToolCounts, tool_metrics
 from trainers.losses import BatchCounts
 from trainers.stats import Extreme, Stats
@@ -81,9 +81,7 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
         advantages = round_advantages(scored.rewards_per_func, trainer.reward_weights, per_prompt,
                                       args.scale_rewards, args.multi_objective_aggregation).advantages
     padded = pad_samples(trainer, scored.samples)
-    loss_mask = padded.model_tokens.float()
-    if args.mask_truncated_completions:
-        loss_mask[padded.truncated] = 0.0
+    loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
     rollout = padded.rollout(loss_mask, advantages).to(device)
     if args.beta > 0:
         rollout = dataclasses.replace(rollout, ref_logps=trainer.reference_logprobs(rollout))

@@ -189,15 +189,16 @@ def pad_samples(trainer: Any, samples: Samples) -> PaddedSamples:
                          multiple)
 
 
-def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor, start: int,
+def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor | None, start: int,
                  args: Any) -> tuple[torch.Tensor, int]:
     """The tokens the loss counts ([n, C] float): the model's own, less truncated completions
     (mask_truncated_completions) and groups without reward variance (dynamic_sampling; ``zero_std`` [G/num_generations]
-    over the round, this process's rows starting at row ``start``). Returns it and the number of groups dropped."""
+    over the round, this process's rows starting at row ``start``; None: no groups dropped, as in evaluation).
+    Returns it and the number of groups dropped."""
     loss_mask = model_tokens.float()
     if args.mask_truncated_completions:
         loss_mask[truncated] = 0.0
-    if not args.dynamic_sampling:
+    if not args.dynamic_sampling or zero_std is None:
         return loss_mask, 0
     group_of_row = torch.arange(start, start + len(loss_mask)) // args.num_generations
     loss_mask[zero_std[group_of_row]] = 0.0

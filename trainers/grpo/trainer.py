@@ -27,11 +27,11 @@ import os
 import torch
 
 from trainers import distributed as dist
+from trainers import health
 from trainers.base import BaseTrainer
 from trainers.configs import ConfigError
 from trainers.data import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import DatasetFormatError, VLLMServerError
-from trainers import health
 from trainers.generation import engine
 from trainers.grpo import evaluation, rollout
 from trainers.grpo import health as grpo_health
