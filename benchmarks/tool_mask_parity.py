@@ -71,7 +71,7 @@ def nll(model_dir: str) -> dict:
     from grpo_tools import make_splits
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainers.grpo.tools import tool_schemas
+    from trainers.agents.rendering import tool_schemas
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -121,7 +121,7 @@ def one(cli) -> None:
     if cli.one == "ours":
         from trainers import GRPOConfig, GRPOTrainer
         if cli.replay:  # failed calls worded as TRL words them, so both tool turns are the same tokens
-            from trainers.grpo import tools
+            from trainers.agents import runner as tools
 
             tools._call_error = lambda call, box: None if call.name in box else f"Tool {call.name} not found."
 

@@ -116,7 +116,7 @@ def run_ours(cli, tokenizer, call_ids):
 
     trainer = GRPOTrainer(model=cli.model, processing_class=tokenizer, reward_funcs=reward_length,
                           train_dataset=rows(), args=GRPOConfig(**config_fields(cli)), tools=[TOOLS[cli.kind]])
-    inner_run, inner_sample = trainer.tool_loop.run, trainer.sampler.sample
+    inner_run, inner_sample = trainer.tool_loop.run, trainer.backend.sample
     first, rounds = [False], RoundClock()
 
     def run(*args, **kwargs):  # a round starts: its first sampling is the scripted call
@@ -133,7 +133,7 @@ def run_ours(cli, tokenizer, call_ids):
         rounds.sampled(out.completion_ids)
         return out
 
-    trainer.tool_loop.run, trainer.sampler.sample = run, sample
+    trainer.tool_loop.run, trainer.backend.sample = run, sample
     clock = StepClock()
     original = trainer.after_optimizer_step  # called once per step, right after the optimizer step
     trainer.after_optimizer_step = lambda metrics: (clock.tick(), original(metrics))[1]

@@ -47,7 +47,7 @@ def start_server(model: str, workdir: str) -> tuple[subprocess.Popen, str, float
     its URL and the seconds until it answered."""
     sys.path.insert(0, REPO)
     from trainers.errors import VLLMServerError
-    from trainers.grpo.vllm_client import VLLMClient
+    from trainers.generation.vllm_client import VLLMClient
 
     port = free_port()
     log = open(os.path.join(workdir, f"server-{port}.log"), "w")

@@ -52,7 +52,7 @@ def main():
         times = {}
         for skip in (False, True):
             trainer.args.skip_zero_gradient_rows = skip
-            trainer.__dict__.pop("skips_zero_gradient_rows", None)
+            trainer.scorer.__dict__.pop("skips_zero_gradient_rows", None)
             runs = []
             for _ in range(cli.repeats + 1):  # the first is a warm-up
                 trainer.model.zero_grad(set_to_none=True)

@@ -27,7 +27,9 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.generation.sampling import SamplingParams, generate
-from trainers.grpo.tools import ToolRunner, parse_turn, tool_schemas, tool_turn_ids, toolbox
+from trainers.agents.parsing import parse_turn
+from trainers.agents.rendering import tool_schemas, tool_turn_ids, toolbox
+from trainers.agents.runner import ToolRunner
 from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
 
 

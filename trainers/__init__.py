@@ -1,6 +1,7 @@
 """trainers: lean RL and supervised fine-tuning for language models, with TRL's names and contracts."""
 
-from trainers.configs import ConfigError, TrainingConfig
+from trainers.configs import TrainingConfig
+from trainers.errors import ConfigError
 from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.sft import SFTConfig, SFTTrainer
 

@@ -6,8 +6,9 @@ step (``_optimizer_step``), ``after_optimizer_step``, the step's bookkeeping, th
 checks that stop a run. A subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``)
 and how its loss is computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
 rest of the trainer is in mixins: ``evaluate()`` and the eval datasets (``trainers.evaluation``), what a run
-records and when it logs, evaluates and saves (``trainers.run_logging``), and checkpoints, resuming, the best
-model and ``save_model`` (``trainers.saving``).
+records and when it logs, evaluates and saves (``trainers.run_logging``), checkpoints, resuming, the best
+model and ``save_model`` (``trainers.saving``), and transformers' Trainer attributes and methods for scripts and
+callbacks (``trainers.trainer_attributes``). The training order comes from ``trainers.samplers``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from accelerate.utils.memory import clear_device_cache
 from transformers import TrainingArguments
 from transformers.trainer_utils import enable_full_determinism
@@ -28,8 +29,8 @@ from trainers import distributed as dist
 from trainers import health
 from trainers.callbacks import CallbackHandler
 from trainers.checkpoint import TrainerState
-from trainers.configs import ConfigError, TrainingConfig, config_from_training_arguments, tf32_available
-from trainers.errors import DatasetFormatError
+from trainers.configs import TrainingConfig, config_from_training_arguments, tf32_available
+from trainers.errors import ConfigError, DatasetFormatError
 from trainers.evaluation import Evaluation, named_eval_datasets
 from trainers.health import HealthMonitor
 from trainers.interrupts import StopOnSignal
@@ -48,11 +49,12 @@ from trainers.modeling import (
 )
 from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
 from trainers.run_logging import RunLogging
-from trainers.samplers import GlobalBatchSampler
+from trainers.samplers import GlobalBatchSampler, per_process_batch_size, training_sampler
 from trainers.saving import Saving
 from trainers.schedules import build_scheduler
 from trainers.stats import Stats, StepStats
 from trainers.trackers import resolve_report_to
+from trainers.trainer_attributes import TrainerAttributes
 
 
 class TrainOutput(NamedTuple):
@@ -78,21 +80,9 @@ class MicroBatch(Protocol):
         ...
 
 
-def per_process_batch_size(args: TrainingConfig, option: str, num_processes: int) -> int:
-    """The rows each process takes per micro-batch for the per_device_* batch ``option``: the option itself, or
-    with accelerator_config's split_batches (the option counts all processes' rows) its share, which must be whole."""
-    size = getattr(args, option)
-    if not args.split_batches:
-        return size
-    if size % num_processes:
-        raise ConfigError(f"{type(args).__name__}: `{option}={size}` with accelerator_config's split_batches=True is "
-                          f"split among {num_processes} processes, so it must be a multiple of {num_processes}.")
-    return size // num_processes
-
-
-class BaseTrainer(Evaluation, RunLogging, Saving):
-    """Owns the model, tokenizer, optimizer, schedule and the loop; evaluation, logging and checkpoints come from
-    its mixins (see the module docstring)."""
+class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
+    """Owns the model, tokenizer, optimizer, schedule and the loop; evaluation, logging, checkpoints and
+    transformers' Trainer attributes come from its mixins (see the module docstring)."""
 
     config_class: type[TrainingConfig] = TrainingConfig
     _tag_names: tuple[str, ...] = ("trainers",)  # added to the model's model_tags (TRL's attribute, its ["trl", "sft"])
@@ -125,7 +115,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
             check_model_path(model)  # before anything slow, and before the tokenizer is looked up there
         self.trackers = resolve_report_to(args.report_to)  # before anything slow: a missing package is an error
         self.accelerator = dist.build_accelerator(
-            args.gradient_accumulation_steps, self._mixed_precision(), args.use_cpu, log_with=self.trackers,
+            args.gradient_accumulation_steps, args.mixed_precision, args.use_cpu, log_with=self.trackers,
             project_dir=args.output_dir, ddp_kwargs={**self.ddp_defaults, **args.ddp_kwargs}, backend=args.ddp_backend,
             timeout_seconds=args.ddp_timeout)
         # rows per process per micro-batch: accelerator_config's split_batches divides the per_device_* sizes
@@ -221,54 +211,6 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
         set_seed(args.seed + self.accelerator.process_index)
         self.callback_handler.fire("init_end")
 
-    # ------------------------------------------------------------------ callbacks (transformers' contract)
-
-    def add_callback(self, callback) -> None:
-        """Add a transformers.TrainerCallback (an instance or its class) after the existing ones."""
-        self.callback_handler.add(callback)
-
-    def pop_callback(self, callback):
-        """Remove and return the first callback that is ``callback`` (or an instance of that class); None if none."""
-        return self.callback_handler.pop(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.callback_handler.pop(callback)
-
-    def is_world_process_zero(self) -> bool:
-        """Whether this is the main process of the run (transformers' Trainer method)."""
-        return self.accelerator.is_main_process
-
-    def is_local_process_zero(self) -> bool:
-        """Whether this is the main process of its machine (transformers' Trainer method)."""
-        return self.accelerator.is_local_main_process
-
-    def end(self) -> None:
-        """Finish the trackers and destroy the distributed process group (transformers' Trainer.end). Call it
-        once, at the very end of a script: train, evaluate and save_model need the other processes."""
-        self.accelerator.end_training()
-
-    def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
-        """The training order of rows of these ``lengths`` in batches of ``batch`` rows (``unit`` names such a batch
-        in messages): reshuffled every epoch (train_sampling_strategy="random" with shuffle_dataset), in dataset
-        order ("sequential"), or in batches of similar lengths ("group_by_length"); the last incomplete batch
-        filled up from the epoch's start or, with dataloader_drop_last, dropped."""
-        args, name, num_rows = self.args, type(self.args).__name__, len(lengths)
-        if args.dataloader_drop_last and num_rows < batch:
-            raise ConfigError(f"{name}: `dataloader_drop_last=True` drops each epoch's last incomplete {unit}, and "
-                              f"train_dataset's {num_rows} rows are fewer than one {unit} ({batch} rows): nothing "
-                              f"would be trained. Use a smaller batch, or dataloader_drop_last=False.")
-        strategy = args.train_sampling_strategy
-        sampler = GlobalBatchSampler(num_rows, batch, args.data_order_seed,
-                                     shuffle=args.shuffle_dataset and strategy != "sequential",
-                                     drop_last=args.dataloader_drop_last,
-                                     lengths=lengths if strategy == "group_by_length" else None)
-        if self.accelerator.is_main_process and (sampler.padding_per_epoch or sampler.dropped_per_epoch):
-            what = (f"leaves out {sampler.dropped_per_epoch} rows (dataloader_drop_last=True)"
-                    if args.dataloader_drop_last else f"repeats {sampler.padding_per_epoch} rows to fill its last one")
-            logger.info(f"train_dataset's {num_rows} rows are not a multiple of the {unit} ({batch} rows): each "
-                        f"epoch {what}.")
-        return sampler
-
     # ------------------------------------------------------------------ what subclasses provide
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
@@ -336,63 +278,15 @@ class BaseTrainer(Evaluation, RunLogging, Saving):
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _mixed_precision(self) -> str | None:
-        if self.args.bf16:
-            return "bf16"
-        if self.args.fp16:
-            return "fp16"
-        if self.args.bf16 is False:
-            return "no"
-        return None  # follow the launch configuration
-
-    @property
-    def effective_batch_size(self) -> int:
-        """Samples per optimizer step over all processes: per-device x processes x accumulation."""
-        return (self.per_process_train_batch_size * self.accelerator.num_processes
-                * self.args.gradient_accumulation_steps)
-
     def _wrap_peft(self, model, peft_config):
         from peft import get_peft_model
 
         return get_peft_model(model, peft_config)
 
-    @property
-    def unwrapped_model(self):
-        """The model without its training wrapper: ``model`` (transformers' name), kept for older scripts."""
-        return self.model
-
-    # ------------------------------------------------------------------ transformers' Trainer attributes
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """Whether the Mixture-of-Experts router loss is added (TRL's name, on its SFT and GRPO trainers)."""
-        return bool(self.router_aux_loss_coef)
-
-    @property
-    def control(self):
-        """The TrainerControl the callbacks share (transformers' ``trainer.control``)."""
-        return self.callback_handler.control
-
-    @property
-    def is_deepspeed_enabled(self) -> bool:
-        return dist.is_deepspeed(self.accelerator)
-
-    @property
-    def is_fsdp_enabled(self) -> bool:
-        return self.accelerator.distributed_type == DistributedType.FSDP
-
-    def get_num_trainable_parameters(self) -> int:
-        """Parameters with requires_grad (on this process: a ZeRO-3 shard counts its share)."""
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def get_learning_rates(self) -> list[float]:
-        """The current learning rate of each optimizer parameter group."""
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def push_to_hub(self, *args, **kwargs):
-        """transformers' push_to_hub: not available (no Hub access here); raises, so no upload is silently skipped."""
-        raise ConfigError(f"{type(self).__name__}.push_to_hub: this project does not upload to the Hub. Save with "
-                          f"trainer.save_model(dir) and upload that folder with huggingface_hub's upload_folder.")
+    def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
+        """The training order of rows of these ``lengths`` in global batches of ``batch`` rows, by the config's
+        data-order options (trainers.samplers.training_sampler); ``unit`` names such a batch in messages."""
+        return training_sampler(self.args, lengths, batch, unit, log=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the loop
 

@@ -6,6 +6,11 @@ A callback is a ``transformers.TrainerCallback`` (or its class). Each event is c
 train_dataloader=None, eval_dataloader=None, **event_kwargs)``; a callback that returns a ``TrainerControl``
 replaces the shared one. There are no DataLoaders here (batches are built from tokenized rows), so the two
 dataloader arguments are None.
+
+Events of this package's own, beyond transformers' (a callback without the method is skipped for them):
+``on_rollout_end(..., rollout=, samples=, metrics=)``, GRPO's: a generation round was built (its ``Rollout``, the
+backend's ``Samples`` before padding, the round's metrics). ``on_episode_end(..., episode=)``: the tool loop ran a
+round's episodes on this process (trainers/agents/tool_loop.py's ``Episode``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from transformers.trainer_callback import ExportableState
 from trainers import distributed as dist
 from trainers.errors import ConfigError
 from trainers.logs import logger
+
+# Events transformers' TrainerCallback does not define: called on the callbacks that have them
+OWN_EVENTS = ("rollout_end", "episode_end")
 
 # The TrainerControl requests that involve every process
 FLAGS = ("should_training_stop", "should_log", "should_evaluate", "should_save")
@@ -95,6 +103,8 @@ class CallbackHandler:
                   "optimizer": getattr(trainer, "optimizer", None), "lr_scheduler": getattr(trainer, "lr_scheduler", None),
                   "train_dataloader": None, "eval_dataloader": None}
         for callback in self.callbacks:
+            if event in OWN_EVENTS and not hasattr(callback, f"on_{event}"):
+                continue
             result = getattr(callback, f"on_{event}")(trainer.args, trainer.state, self.control, **common, **kwargs)
             if result is not None:
                 self.control = result

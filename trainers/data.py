@@ -1,13 +1,11 @@
-"""SFT data: detect a dataset's format, tokenize rows with a loss mask, pack them, and collate micro-batches.
-
-A tokenized sample is ``{"input_ids": [...], "target_ids": [...]}``: ``target_ids[t]`` is the token the model
-must predict at position t (the next input token), or -100 where no loss is taken. Targets are shifted per
-sample, before packing, so a packed row never asks one document to predict the next one.
-"""
+"""Datasets in general, for every trainer: data files, conversations (checked), the one chat renderer
+(``render_chat`` to text, ``chat_ids`` to tokens), and any dataset form as a ``datasets.Dataset``. What a
+trainer makes of its rows is its own (SFT: trainers/sft/tokenize.py; prompts for sampling:
+trainers/generation/prompts.py)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from trainers.errors import DatasetFormatError, DatasetTypeError
 
@@ -95,11 +93,12 @@ def as_dataset(data, name: str):
     return data
 
 
-class PromptRow(NamedTuple):
-    """A GRPO training prompt: the dataset row (what reward functions get) and its prompt's token ids."""
-
-    row: dict
-    ids: list[int]
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> list[int]:
+    """The conversation's token ids: the one renderer of a conversation to tokens (prompts, tool turns, the tool
+    loop's prompts). Rendered as text (``render_chat``), then tokenized without special tokens: the template
+    writes its own, as ``apply_chat_template(tokenize=True)`` does."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def read_stream(stream, name: str) -> list[dict]:
@@ -108,40 +107,3 @@ def read_stream(stream, name: str) -> list[dict]:
     if not rows:
         raise DatasetFormatError(f"{name} is empty: the stream gave no rows.")
     return rows
-
-
-def tokenize_prompts(dataset, name: str, tokenizer, chat_template_kwargs: dict | None = None
-                     ) -> tuple[list[dict], list[list[int]]]:
-    """A prompt dataset (a 'prompt' column: a string, or a list of messages rendered with the chat template and
-    its generation prompt) -> (its rows, each prompt's token ids). Errors name the dataset and the row."""
-    dataset = as_dataset(dataset, name)
-    if "prompt" not in dataset.column_names:
-        raise DatasetFormatError(f"{name} has columns {dataset.column_names}; GRPO needs a 'prompt' column "
-                                 f"(a string, or a list of {{'role', 'content'}} messages).")
-    rows = dataset.to_list()
-    return rows, tokenize_prompt_rows(rows, name, tokenizer, chat_template_kwargs)
-
-
-def tokenize_prompt_rows(rows: list[dict], name: str, tokenizer, chat_template_kwargs: dict | None = None,
-                         first_index: int = 0) -> list[list[int]]:
-    """Each row's prompt as token ids (``tokenize_prompts``); rows are counted from ``first_index`` in errors (a
-    chunk of a stream)."""
-    kwargs = dict(chat_template_kwargs or {})
-    ids = []
-    for index, row in enumerate(rows, start=first_index):
-        if "prompt" not in row:
-            raise DatasetFormatError(f"{name} row {index} has columns {sorted(row)}; GRPO needs a 'prompt' column "
-                                     f"(a string, or a list of {{'role', 'content'}} messages).")
-        prompt = row["prompt"]
-        if isinstance(prompt, list):
-            check_messages(prompt, f"{name} row {index}: 'prompt'")
-            text = render_chat(tokenizer, prompt, add_generation_prompt=True, **kwargs)
-            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        elif isinstance(prompt, str):
-            ids.append(tokenizer(prompt)["input_ids"])
-        else:
-            raise DatasetFormatError(f"{name} row {index}: 'prompt' must be a string or a list of messages, "
-                                     f"got {type(prompt).__name__}.")
-        if not ids[-1]:
-            raise DatasetFormatError(f"{name} row {index}: the prompt is empty.")
-    return ids

@@ -3,14 +3,24 @@ without talking, and a resumed run continues exactly where it stopped (no sample
 
 Within an optimizer step the global batch is laid out as [accumulation step][process][row]:
 micro-batch ``a`` of process ``p`` is rows ``[(a * P + p) * B, (a * P + p + 1) * B)`` of the global batch.
+
+The last two functions read a config: how many rows each process takes per micro-batch (``per_process_batch_size``),
+and the training order its data-order options ask for (``training_sampler``, BaseTrainer.batch_sampler).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+from trainers.errors import ConfigError
+from trainers.logs import logger
+
+if TYPE_CHECKING:
+    from trainers.configs import TrainingConfig
 
 
 def local_slice(global_batch: list[int], accumulation_index: int, process_index: int, per_device: int,
@@ -91,3 +101,40 @@ def group_slots(prompts: list[int], num_generations: int, num_processes: int, pr
         raise ValueError(f"{len(slots)} completions cannot be split evenly over {num_processes} processes")
     share = len(slots) // num_processes
     return slots[process_index * share:(process_index + 1) * share]
+
+
+def per_process_batch_size(args: TrainingConfig, option: str, num_processes: int) -> int:
+    """The rows each process takes per micro-batch for the per_device_* batch ``option``: the option itself, or
+    with accelerator_config's split_batches (the option counts all processes' rows) its share, which must be whole."""
+    size = getattr(args, option)
+    if not args.split_batches:
+        return size
+    if size % num_processes:
+        raise ConfigError(f"{type(args).__name__}: `{option}={size}` with accelerator_config's split_batches=True is "
+                          f"split among {num_processes} processes, so it must be a multiple of {num_processes}.")
+    return size // num_processes
+
+
+def training_sampler(args: TrainingConfig, lengths: list[int], batch: int, unit: str, log: bool = True
+                     ) -> GlobalBatchSampler:
+    """The training order of rows of these ``lengths`` in batches of ``batch`` rows (``unit`` names such a batch
+    in messages): reshuffled every epoch (train_sampling_strategy="random" with shuffle_dataset), in dataset
+    order ("sequential"), or in batches of similar lengths ("group_by_length"); the last incomplete batch
+    filled up from the epoch's start or, with dataloader_drop_last, dropped. ``log``: say so when rows are
+    repeated or left out (on the main process)."""
+    name, num_rows = type(args).__name__, len(lengths)
+    if args.dataloader_drop_last and num_rows < batch:
+        raise ConfigError(f"{name}: `dataloader_drop_last=True` drops each epoch's last incomplete {unit}, and "
+                          f"train_dataset's {num_rows} rows are fewer than one {unit} ({batch} rows): nothing "
+                          f"would be trained. Use a smaller batch, or dataloader_drop_last=False.")
+    strategy = args.train_sampling_strategy
+    sampler = GlobalBatchSampler(num_rows, batch, args.data_order_seed,
+                                 shuffle=args.shuffle_dataset and strategy != "sequential",
+                                 drop_last=args.dataloader_drop_last,
+                                 lengths=lengths if strategy == "group_by_length" else None)
+    if log and (sampler.padding_per_epoch or sampler.dropped_per_epoch):
+        what = (f"leaves out {sampler.dropped_per_epoch} rows (dataloader_drop_last=True)"
+                if args.dataloader_drop_last else f"repeats {sampler.padding_per_epoch} rows to fill its last one")
+        logger.info(f"train_dataset's {num_rows} rows are not a multiple of the {unit} ({batch} rows): each "
+                    f"epoch {what}.")
+    return sampler

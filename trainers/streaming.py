@@ -51,12 +51,12 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, IterableDataset)
 
 
-def stream_batches(trainer, stream, prepare: Callable[[list, int], list], batch_size: int,
+def stream_batches(args, accelerator, stream, prepare: Callable[[list, int], list], batch_size: int,
                    name: str = "train_dataset") -> StreamedBatches:
     """A trainer's streamed training data: its options checked (a stream has no length, so max_steps must say how
     long to train; it is read in the order it gives), then ``StreamedBatches`` with the config's dataloader
     options and, with several processes, the check that they all hold the same batch."""
-    args, acc = trainer.args, trainer.accelerator
+    acc = accelerator
     config = type(args).__name__
     if args.max_steps <= 0:
         raise ConfigError(f"{config}: {name} is a datasets.IterableDataset (a stream), whose length is unknown: set "
@@ -97,14 +97,13 @@ def first_row_columns(data) -> list:
     return []
 
 
-def stream_dispatch_batches(trainer, name: str = "train_dataset") -> None:
+def stream_dispatch_batches(args, accelerator, name: str = "train_dataset") -> None:
     """TRL's SFTTrainer rule for a streamed train_dataset: accelerator_config's ``dispatch_batches=True`` is forced
     to False, with TRL's warning (here each process reads the whole stream and takes its own rows of every batch,
     never one process's batches sent to the others). TRL's GRPOTrainer refuses it instead (a ValueError)."""
-    args = trainer.args
     if (args.accelerator_config or {}).get("dispatch_batches") is not True:
         return
-    if trainer.accelerator.is_main_process:
+    if accelerator.is_main_process:
         logger.warning(f"You are using an `IterableDataset` for training with `dispatch_batches=True`. "
                        f"`dispatch_batches` is forced to `False` when using an `IterableDataset`. To remove this "
                        f"warning, unset `dispatch_batches` in `{type(args).__name__}` or set it to `False`. "
@@ -121,9 +120,9 @@ def refuse_dispatch_batches(args) -> None:
                           f"to `False`.")
 
 
-def note_map_style_workers(trainer) -> None:
+def note_map_style_workers(args, accelerator) -> None:
     """dataloader_num_workers with a map-style train_dataset: said once that it has nothing to do."""
-    if trainer.args.dataloader_num_workers and trainer.accelerator.is_main_process:
+    if args.dataloader_num_workers and accelerator.is_main_process:
         logger.info("dataloader_num_workers applies to a streamed train_dataset: this one was tokenized before "
                     "training and its batches are collated from memory, so no worker is started.")
 

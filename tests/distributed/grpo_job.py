@@ -11,12 +11,14 @@ import sys
 
 import torch
 
+import trainers.grpo.scoring
 import trainers.grpo.trainer
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
 from trainers.grpo import objectives
 from trainers.grpo.rewards import RewardLogs
-from trainers.grpo.rollout import decode, score_completions
+from trainers.grpo.rollout import decode
+from trainers.grpo.scoring import LogProbScorer
 from trainers.generation.sampling import Samples
 from trainers.samplers import group_slots
 
@@ -49,18 +51,18 @@ def main():
                       max_completion_length=6, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05)
     if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
-        GRPOTrainer.shares_prompt_forward = False
+        LogProbScorer.shares_prompt_forward = False
     if os.environ.get("GRPO_JOB_CHECKPOINTING") == "1":
         args.gradient_checkpointing = True
     shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
-    share = trainers.grpo.trainer.shared_prompt_logprobs
+    share = trainers.grpo.scoring.shared_prompt_logprobs
 
     def recording_share(*call_args, **kwargs):
         out = share(*call_args, **kwargs)
         shared_forwards.append(out is not None)
         return out
 
-    trainers.grpo.trainer.shared_prompt_logprobs = recording_share
+    trainers.grpo.scoring.shared_prompt_logprobs = recording_share
     masks = []  # GRPO_JOB_TOP_ENTROPY_QUANTILE: each micro-batch's loss-token entropies and which were kept
     if "GRPO_JOB_TOP_ENTROPY_QUANTILE" in os.environ:
         args.top_entropy_quantile = float(os.environ["GRPO_JOB_TOP_ENTROPY_QUANTILE"])
@@ -77,13 +79,13 @@ def main():
     forwards = []  # GRPO_JOB_SKIP ("1" or "0": skip_zero_gradient_rows): (rows, with gradient) of each forward
     if "GRPO_JOB_SKIP" in os.environ:
         args.beta, args.skip_zero_gradient_rows, reward = 0.0, os.environ["GRPO_JOB_SKIP"] == "1", idle_on_rank_0
-        policy_forward = GRPOTrainer.policy_logprobs
+        policy_forward = LogProbScorer.policy_logprobs
 
         def recording(self, model, rows, **options):
             forwards.append([rows.completion_ids.shape[0], torch.is_grad_enabled()])
             return policy_forward(self, model, rows, **options)
 
-        GRPOTrainer.policy_logprobs = recording
+        LogProbScorer.policy_logprobs = recording
     rollout_prompts = []  # GRPO_JOB_ROLLOUT_FUNC: what each call of the rollout function was given
 
     def rollout(prompts, trainer):
@@ -116,8 +118,8 @@ def main():
     rows_of_round = [trainer.train_rows[i] for i in slots]
     completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_attention)]
     prompts, completions = decode(trainer.processing_class, rows_of_round, completion_ids)
-    local_rewards = score_completions(trainer, rows_of_round, prompts, completions,
-                                      Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
+    local_rewards = trainer.stage.score_completions(rows_of_round, prompts, completions,
+                                                    Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
     round_report = {"slots": slots, "completions": batch.completion_ids.tolist(), "rewards": local_rewards[:, 0].tolist(),
                     "advantages": batch.advantages.tolist()}
     trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself

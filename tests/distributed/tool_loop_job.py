@@ -17,9 +17,11 @@ import os
 import sys
 
 import torch
+from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
+from trainers.generation.backend import PolicyBackend, register_backend
 from trainers.generation.sampling import Samples
 from trainers.cli.tiny import build_tokenizer
 
@@ -52,14 +54,16 @@ FIRST_TURNS = {  # per process, per row of its 4
 SECOND_TURN = call("multiply", a=21, b=2)  # process 0, row 0
 
 
-class Scripted:
-    """The first turn of each round from FIRST_TURNS, every later turn from the trainer's real sampler (which every
-    process calls together), but for SECOND_TURN on process 0. The turn is counted per round (``start_round``), not
-    read from the ids: a process with nothing left to sample still calls the sampler with a dummy row (its first
-    prompt), and must then take the same path as the others."""
+class Scripted(PolicyBackend):
+    """A backend (registered, chosen with generation_backend): the first turn of each round from FIRST_TURNS, every
+    later turn from the policy (which every process samples together), but for SECOND_TURN on process 0. The turn
+    is counted per round (reset when an episode ends: ``start_round``), not read from the ids: a process with
+    nothing left to sample still calls the backend with a dummy row (its first prompt), and must then take the
+    same path as the others."""
 
-    def __init__(self, trainer, rank: int):
-        self.tokenizer, self.real, self.rank, self.turn = trainer.processing_class, trainer.sampler, rank, 0
+    def __init__(self, inputs):
+        super().__init__(inputs)
+        self.tokenizer, self.rank, self.turn = inputs.tokenizer, inputs.context.accelerator.process_index, 0
 
     def start_round(self):
         self.turn = 0
@@ -67,7 +71,7 @@ class Scripted:
     def sample(self, prompts, prompt_ids, params):
         self.turn += 1
         if self.turn > 1:
-            samples = self.real.sample(prompts, prompt_ids, params)
+            samples = super().sample(prompts, prompt_ids, params)
             if self.turn == 2 and self.rank == 0:  # the first of the rollouts that called a tool: row 0
                 completions = [self.encode(SECOND_TURN, params)] + samples.completion_ids[1:]
                 samples = dataclasses.replace(samples, completion_ids=completions)
@@ -105,19 +109,18 @@ def main():
                       save_strategy="no", disable_tqdm=True, seed=0, bf16=False, report_to="none")
     tools = {"tools": [multiply, explode]} if mode == "train" else {"environment_factory": FailingReset}
     # the tiny model's byte-level vocabulary, with the chat template that renders tools
+    counts = []
+
+    class Episodes(TrainerCallback):
+        def on_episode_end(self, args, state, control, episode=None, **kwargs):
+            counts.append(dataclasses.asdict(episode.counts))
+            trainer.backend.start_round()
+
+    register_backend("scripted", Scripted)
+    args.generation_backend = "scripted"
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=rows,
-                          processing_class=build_tokenizer(tools=True), **tools)
+                          processing_class=build_tokenizer(tools=True), callbacks=[Episodes()], **tools)
     acc = trainer.accelerator
-    trainer.sampler = sampler = Scripted(trainer, acc.process_index)
-    counts, run = [], trainer.tool_loop.run
-
-    def recording_run(*call_args, **kwargs):
-        sampler.start_round()
-        episode = run(*call_args, **kwargs)
-        counts.append(dataclasses.asdict(episode.counts))
-        return episode
-
-    trainer.tool_loop.run = recording_run
     with gathered_parameters(acc, trainer.model):
         initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     trainer.train()

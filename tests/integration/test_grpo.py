@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.configs import ConfigError
+from trainers.errors import ConfigError
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
 
@@ -150,17 +150,17 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
 def shared_prompt_calls(monkeypatch) -> list[bool]:
     """Whether each shared_prompt_logprobs call of GRPOTrainer did share (False: it fell back to one forward
     per row)."""
-    import trainers.grpo.trainer
+    import trainers.grpo.scoring
 
     calls = []
-    share = trainers.grpo.trainer.shared_prompt_logprobs
+    share = trainers.grpo.scoring.shared_prompt_logprobs
 
     def recording(*args, **kwargs):
         out = share(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(trainers.grpo.trainer, "shared_prompt_logprobs", recording)
+    monkeypatch.setattr(trainers.grpo.scoring, "shared_prompt_logprobs", recording)
     return calls
 
 
@@ -185,7 +185,7 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
     weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed too
 
     def saved_bf16_weights(shared: bool) -> int:
-        monkeypatch.setattr(trainer, "shares_prompt_forward", shared)
+        monkeypatch.setattr(trainer.scorer, "shares_prompt_forward", shared)
         saved = []  # kept alive until counted, so no two casts share an address
 
         def pack(tensor):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from tests.conftest import REPO, step_records
 from tests.integration.test_resume import assert_identical, final_weights, run
@@ -155,8 +156,11 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_di
         return (loss * float("nan") if trainer.state.global_step == 2 else loss), stats  # the third step
 
     trainer.compute_loss = poisoned
-    trainer.after_optimizer_step = lambda metrics: snapshots.append(
-        {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()})
+    class Snapshots(TrainerCallback):  # the weights after each step
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots.append({n: v.clone() for n, v in model.state_dict().items()})
+
+    trainer.add_callback(Snapshots())
     trainer.train()
     assert_identical(snapshots[1], snapshots[2])  # step 3 changed nothing
     assert not torch.equal(snapshots[2]["model.norm.weight"], snapshots[3]["model.norm.weight"])  # step 4 trained

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTTrainer
-from trainers.configs import ConfigError
-from trainers.errors import RolloutError
+from trainers.errors import ConfigError, RolloutError
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 2]
 ENV = [ord(c) for c in "obs"]  # the environment's answer, appended after the model's tokens

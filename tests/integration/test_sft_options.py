@@ -5,6 +5,7 @@ learning. Each loss is checked against one computed here by hand from the model'
 from itertools import pairwise
 
 import pytest
+from transformers import TrainerCallback
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,10 +128,13 @@ def test_grpo_pad_to_multiple_of_pads_and_keeps_the_loss(tiny_model_dir, tmp_pat
                           max_completion_length=6, learning_rate=1e-2, max_steps=1, logging_steps=1,
                           save_strategy="no", disable_tqdm=True, seed=0, beta=0.04, pad_to_multiple_of=multiple,
                           gradient_accumulation_steps=2, num_iterations=2, shuffle_dataset=False)
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=args, train_dataset=prompts)
+        built = []  # each round's Rollout (the on_rollout_end event)
+        keep = type("Keep", (TrainerCallback,), {"on_rollout_end": lambda self, *a, rollout=None, **k: built.append(rollout)})
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=args, train_dataset=prompts,
+                              callbacks=[keep()])
         trainer.train()
         records[multiple] = trainer.state.log_history[0]
-        rounds[multiple] = next(iter(trainer._rounds.values()))
+        rounds[multiple] = built[-1]
     padded = rounds[16]
     assert padded.prompt_ids.shape[1] == 16 and padded.completion_ids.shape[1] == 16
     micro = padded.micro_batch(0, 4)

@@ -218,20 +218,18 @@ def test_a_streamed_grpo_run_equals_the_same_prompts_in_memory_in_order(tiny_mod
 def test_grpo_resumed_mid_stream_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
     """A checkpoint in the middle of a round (2 steps per round) and of the second pass over 10 prompts."""
     def run(folder, stop=None, resume=None):
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=stream(PROMPTS),
+        seen = []  # each round's distinct prompts, as the reward functions see them
+
+        def digits_recording(prompts, completions, **kwargs):
+            seen.append(list(dict.fromkeys(prompts)))
+            return digits(completions=completions, **kwargs)
+
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits_recording, train_dataset=stream(PROMPTS),
                               callbacks=[StopAt(stop)] if stop else None,
                               args=grpo_config(tmp_path, output_dir=str(tmp_path / folder), max_steps=12,
                                                save_strategy="steps", save_steps=5))
-        prompts = []
-        original = trainer.build_round
-
-        def build_round(index):
-            prompts.append([p.row["prompt"] for p in trainer.prompt_batches.batch(index)])
-            return original(index)
-
-        trainer.build_round = build_round
         trainer.train(resume_from_checkpoint=resume)
-        return trainer, prompts
+        return trainer, seen
 
     straight, straight_prompts = run("straight")
     _, first = run("split", stop=5)

@@ -1,10 +1,10 @@
 """GRPOTrainer(tools=..., environment_factory=...) end to end on one tiny model, one CPU process: what the tool
-loop (trainers/grpo/tool_loop.py) appends, masks, counts and logs, its errors, its concurrency, and exact resume.
+loop (trainers/agents/tool_loop.py) appends, masks, counts and logs, its errors, its concurrency, and exact resume.
 
 An untrained tiny model writes random bytes, never a tool call, and these tests need exact calls (a good one, a
-failing one, a malformed one, ...). So the model's sampling is scripted: ``Scripted`` replaces ``trainer.sampler``,
-the one seam between the tool loop and generation, and answers with fixed turns (the resume test lets the real
-sampler write every turn after the first). Everything else is the trainer's own: the loop parses the scripted
+failing one, a malformed one, ...). So the model's sampling is scripted: ``Scripted`` is a generation backend,
+registered and chosen with GRPOConfig(generation_backend=...), the one seam between the tool loop and
+generation, and answers with fixed turns (the resume test lets the policy write every turn after the first). Everything else is the trainer's own: the loop parses the scripted
 tokens, runs the tools, appends the tool turns; the reward functions score the messages; the model computes
 log-probs and trains on every token of the rollout.
 """
@@ -22,9 +22,12 @@ import torch
 from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.generation.sampling import Samples
-from trainers.grpo.tool_loop import TRUNCATED_MARKER, ToolCounts
+from transformers import TrainerCallback
+
+from trainers.agents.tool_loop import TRUNCATED_MARKER, ToolCounts
 from trainers.cli.tiny import build_tokenizer, save_tiny_model
+from trainers.generation.backend import PolicyBackend, register_backend
+from trainers.generation.sampling import Samples
 
 END = "<|im_end|>"
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 7?"}]} for i in range(4)]
@@ -58,17 +61,18 @@ def call(name: str, **arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-class Scripted:
+class Scripted(PolicyBackend):
     """Plays the model (module docstring). ``first(index, text)`` (or ``first[index % len(first)]``): what rollout
     ``index`` of the round writes on its first turn, ``text`` being its prompt decoded; ``then``: every later turn
-    (a string, or ``None``: the trainer's real sampler writes it). Each turn ends with the EOS and is cut at the
-    sampling budget, as a real sampler's. A row's turn is read from its ids (one process: every row sampled
-    together is at the same turn). ``calls``: how many times the loop sampled."""
+    (a string, or ``None``: the policy writes it). Each turn ends with the EOS and is cut at the sampling budget, as
+    a real backend's. A row's turn is read from its ids (one process: every row sampled together is at the same
+    turn). ``calls``: how many times the loop sampled; ``round_started``: when the round's first turn was asked."""
 
-    def __init__(self, trainer, first, then: str | None = "done"):
-        self.tokenizer, self.real = trainer.processing_class, trainer.sampler
+    def __init__(self, inputs, first, then: str | None = "done"):
+        super().__init__(inputs)
+        self.tokenizer = inputs.tokenizer
         self.first, self.then = first, then
-        self.calls = 0
+        self.calls, self.round_started = 0, None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -76,8 +80,10 @@ class Scripted:
     def sample(self, prompts, prompt_ids, params):
         self.calls += 1
         turns = [self.tokenizer.decode(ids).count("<|im_start|>assistant") - 1 for ids in prompt_ids]
+        if all(turn == 0 for turn in turns):
+            self.round_started = time.perf_counter()
         if self.then is None and all(turn > 0 for turn in turns):
-            return self.real.sample(prompts, prompt_ids, params)
+            return super().sample(prompts, prompt_ids, params)
         completions = []
         for index, (ids, turn) in enumerate(zip(prompt_ids, turns)):
             if turn == 0:
@@ -89,28 +95,33 @@ class Scripted:
         return Samples(prompt_ids, completions)
 
 
+class Recording(TrainerCallback):
+    """Records each round's Rollout (on_rollout_end: ``rounds``), each tool loop's Episode (on_episode_end:
+    ``episodes``) and the loop's wall time (``loop_seconds``: from the round's first turn to its episode's end)."""
+
+    def __init__(self):
+        self.rounds, self.episodes, self.loop_seconds, self.backend = [], [], [], None
+
+    def on_rollout_end(self, args, state, control, rollout=None, **kwargs):
+        self.rounds.append(rollout)
+
+    def on_episode_end(self, args, state, control, episode=None, **kwargs):
+        self.loop_seconds.append(time.perf_counter() - self.backend.round_started)
+        self.episodes.append(episode)
+
+
 def build(model_dir, tmp_path, first, then="done", reward_funcs=None, dataset=PROMPTS, eval_dataset=None, **options):
-    """A trainer whose sampler is scripted, recording each round's Rollout (``trainer.rounds``), each tool loop's
-    Episode (``trainer.episodes``) and the loop's wall time (``trainer.loop_seconds``)."""
+    """A trainer whose backend is scripted (``trainer.backend``: a Scripted), recording each round's Rollout
+    (``trainer.rounds``), each tool loop's Episode (``trainer.episodes``) and the loop's wall time
+    (``trainer.loop_seconds``)."""
     tools, factory = options.pop("tools", None), options.pop("environment_factory", None)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_funcs or [Recorder()], args=config(tmp_path, **options),
-                          train_dataset=dataset, eval_dataset=eval_dataset, tools=tools, environment_factory=factory)
-    trainer.sampler = Scripted(trainer, first, then)
-    trainer.rounds, trainer.episodes, trainer.loop_seconds = [], [], []
-    build_round, run = trainer.build_round, trainer.tool_loop.run
-
-    def recording_build_round(index):
-        trainer.rounds.append(build_round(index))
-        return trainer.rounds[-1]
-
-    def recording_run(*args, **kwargs):
-        started = time.perf_counter()
-        episode = run(*args, **kwargs)
-        trainer.loop_seconds.append(time.perf_counter() - started)
-        trainer.episodes.append(episode)
-        return episode
-
-    trainer.build_round, trainer.tool_loop.run = recording_build_round, recording_run
+    register_backend("scripted", lambda inputs: Scripted(inputs, first, then))
+    recording = Recording()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_funcs or [Recorder()],
+                          args=config(tmp_path, generation_backend="scripted", **options), train_dataset=dataset,
+                          eval_dataset=eval_dataset, tools=tools, environment_factory=factory, callbacks=[recording])
+    recording.backend = trainer.backend
+    trainer.rounds, trainer.episodes, trainer.loop_seconds = recording.rounds, recording.episodes, recording.loop_seconds
     return trainer
 
 
@@ -175,7 +186,7 @@ def test_sync_and_async_tools_run_and_their_tokens_are_masked(model_dir, tmp_pat
     recorder = Recorder()
     trainer = build(model_dir, tmp_path, first, reward_funcs=[recorder], tools=[multiply, add])
     trainer.train()
-    encode = trainer.sampler.encode
+    encode = trainer.backend.encode
     results = [str(j * 7) if j % 2 == 0 else str(j + 100) for j in range(8)]
     for j, completion in enumerate(recorder.completions):
         name = "multiply" if j % 2 == 0 else "add"
@@ -259,7 +270,7 @@ def test_evaluation_reports_the_tool_metrics(model_dir, tmp_path):
     trainer = build(model_dir, tmp_path, first, tools=[multiply, explode], eval_dataset=PROMPTS,
                     per_device_eval_batch_size=8)
     metrics = trainer.evaluate()
-    assert trainer.sampler.calls == 4  # 2 batches of 8 rollouts, each a turn and, after the calls, one more
+    assert trainer.backend.calls == 4  # 2 batches of 8 rollouts, each a turn and, after the calls, one more
     assert metrics["eval_tools/call_frequency"] == 0.75
     assert metrics["eval_tools/failure_frequency"] == pytest.approx(1 / 3)
     assert metrics["eval_tools/malformed_frequency"] == 0.0 and metrics["eval_tools/truncated_results"] == 0.0
@@ -331,7 +342,7 @@ def test_a_call_cut_off_by_the_budget_reaches_the_reward_functions_as_written(pa
     trainer.train()
     assert written.endswith('{"name": "multiply", "arg')
     assert recorder.completions == [[{"role": "assistant", "content": written}]] * 8
-    assert ran == [] and trainer.sampler.calls == 1
+    assert ran == [] and trainer.backend.calls == 1
     assert trainer.episodes[0].counts == ToolCounts(rollouts=8, malformed=8)
     (record,) = step_records(trainer)
     assert record["tools/call_frequency"] == 0.0 and record["tools/malformed_frequency"] == 1.0
@@ -390,7 +401,7 @@ def test_max_tool_calling_iterations(iterations, model_dir, tmp_path):
     roles = ["assistant"] if iterations == 0 else ["assistant", "tool", "assistant"]
     assert all([m["role"] for m in c] == roles for c in recorder.completions)
     assert all("tool_calls" in c[-1] for c in recorder.completions)  # the last turn's call was left unrun
-    assert trainer.sampler.calls == 1 + iterations
+    assert trainer.backend.calls == 1 + iterations
     assert step_records(trainer)[0]["tools/call_frequency"] == iterations
 
 
@@ -617,7 +628,7 @@ def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
 
     def gradients(unmask_tool_turn: bool):
         trainer = build(model_dir, tmp_path / str(unmask_tool_turn), first, tools=[multiply])
-        forward, seen = trainer._training_forward, {}
+        forward, seen = trainer.scorer.training_forward, {}
 
         def keep_logps(*args, **kwargs):
             out = forward(*args, **kwargs)
@@ -625,7 +636,7 @@ def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
             seen["logps"] = out["logps"]
             return out
 
-        trainer._training_forward = keep_logps
+        trainer.scorer.training_forward = keep_logps
         if unmask_tool_turn:
             build_round = trainer.build_round
 

@@ -124,23 +124,22 @@ def test_given_optimizer_and_scheduler_train_the_model(tiny_model_dir, tmp_path)
     """transformers' optimizers=(optimizer, lr_scheduler): plain SGD at a constant rate moves each weight by
     exactly -lr x its gradient, and the scheduler's rate is the one logged."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)  # 0.05 throughout
     grads = {}
+
+    class KeepGradients(TrainerCallback):  # the gradients the optimizer is about to step with
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
     trainer = SFTTrainer(model=model, train_dataset=SFT_ROWS, optimizers=(optimizer, scheduler),
-                         args=sft_args(tmp_path, max_steps=1, max_grad_norm=None, save_strategy="no"))
+                         args=sft_args(tmp_path, max_steps=1, max_grad_norm=None, save_strategy="no"),
+                         callbacks=[KeepGradients()])
     assert trainer.lr_scheduler is scheduler
-    original = trainer._clip_gradients
-
-    def keep_gradients():
-        grads.update({n: p.grad.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()})
-        return original()
-
-    trainer._clip_gradients = keep_gradients
     trainer.train()
     assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.05)
     for name, param in trainer.unwrapped_model.named_parameters():

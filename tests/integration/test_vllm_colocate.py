@@ -52,7 +52,8 @@ def test_lora_sigterm_resume_and_crash(tmp_path):
     checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too."""
     report = job("lora", tmp_path)
     assert report["lora_b_abs_sum"] > 0  # the adapter changed the weights
-    assert [r["step"] for r in report["rounds"]] == [0, 1, 2, 3] and all(r["equal"] for r in report["rounds"])
+    # the rounds built (on_rollout_end): step 3's fails in its reward function, before it is built
+    assert [r["step"] for r in report["rounds"]] == [0, 1, 2] and all(r["equal"] for r in report["rounds"])
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"]
                if "sampling/sampling_logp_difference/mean" in r)
     assert report["signal_exit_code"] == 143 and "checkpoint-2" in report["checkpoints"]

@@ -22,7 +22,7 @@ import torch
 from tests.conftest import REPO, free_port, launch, rank_reports, run_job
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
-from trainers.grpo.vllm_client import VLLMClient
+from trainers.generation.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.slow
 

@@ -28,22 +28,23 @@ def trainer_for(tiny_model_dir, tmp_path, **overrides):
 def loss_stats_grads(trainer, batch, skip: bool):
     """compute_loss and backward on one micro-batch; also the rows of each forward, with or without gradient."""
     trainer.args.skip_zero_gradient_rows = skip
-    trainer.__dict__.pop("skips_zero_gradient_rows", None)  # a cached property
+    scorer = trainer.scorer  # the log-prob scorer (trainers/grpo/scoring.py)
+    scorer.__dict__.pop("skips_zero_gradient_rows", None)  # a cached property
     forwards = []
-    policy_forward = trainer.policy_logprobs
+    policy_forward = scorer.policy_logprobs
 
     def recording(model, rows, **options):
         forwards.append((rows.completion_ids.shape[0], torch.is_grad_enabled()))
         return policy_forward(model, rows, **options)
 
-    trainer.policy_logprobs = recording
+    scorer.policy_logprobs = recording
     try:
         trainer.model.zero_grad(set_to_none=True)
         counts = trainer._count([batch])[0]
         loss, stats = trainer.compute_loss(trainer.model, batch, counts)
         loss.backward()
     finally:
-        del trainer.policy_logprobs
+        del scorer.policy_logprobs
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     values = {name: float(value.value) if isinstance(value, Extreme) else tuple(float(v) for v in value)
               for name, value in stats.items()}

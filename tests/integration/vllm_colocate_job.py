@@ -22,12 +22,16 @@ import weakref
 
 import torch
 
+from transformers import TrainerCallback
+
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.generation.sampling import SamplingParams
 from trainers.cli.tiny import save_tiny_model
+from trainers.generation.backend import register_backend
+from trainers.generation.sampling import SamplingParams
+from trainers.generation.vllm_colocate import VLLMColocate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
+from vllm_tool_rounds import scripted_first_turn, tool_report, tool_trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
 from tests.conftest import child_processes, digits  # noqa: E402
@@ -37,26 +41,37 @@ PROBES = ["abc", "hello", "12", "the cat"]
 SYNC_OFF = range(4, 7)  # single: these steps sample without syncing the engine first (the test's negative case)
 
 
-class Checks:
-    """Wraps the trainer's sampler: after each round's sampling, the engine's greedy probes against the policy's."""
+class Checks(TrainerCallback):
+    """After each round (on_rollout_end, before any optimizer step on it): the engine's greedy probes against
+    the policy's."""
 
     def __init__(self, trainer):
         self.trainer, self.rounds, self.engines = trainer, [], []  # engines: a weak reference to each started
         self.probe_ids = [trainer.processing_class(p)["input_ids"] for p in PROBES]
-        self.sample = trainer.sampler.sample
-        trainer.sampler.sample = self
+        trainer.add_callback(self)
 
-    def __call__(self, prompts, prompt_ids, params):
-        out = self.sample(prompts, prompt_ids, params)
+    def on_rollout_end(self, args, state, control, samples=None, **kwargs):
         trainer = self.trainer
         if not any(ref() is trainer.vllm_generation.llm for ref in self.engines):
             self.engines.append(weakref.ref(trainer.vllm_generation.llm))
         greedy = SamplingParams(max_new_tokens=8, do_sample=False)
         engine, _ = trainer.vllm_generation.generate(self.probe_ids, greedy)
         policy = trainer.generate(self.probe_ids, greedy)  # the policy itself (the lean engine), float32
-        self.rounds.append({"step": trainer.state.global_step, "equal": engine == policy, "children": child_processes(),
-                            "logprobs_given": not any(math.isnan(v) for row in out.logprobs for v in row)})
-        return out
+        self.rounds.append({"step": state.global_step, "equal": engine == policy, "children": child_processes(),
+                            "logprobs_given": not any(math.isnan(v) for row in samples.logprobs for v in row)})
+
+
+class SyncOff(VLLMColocate):
+    """The colocated engine, except that during SYNC_OFF it keeps the weights of the step before (registered
+    as a backend: the test's negative case, that the weight sync is what keeps the engine right)."""
+
+    def sync_weights(self, step=None):
+        if step not in SYNC_OFF:
+            super().sync_weights(step)
+
+
+register_backend("vllm_sync_off", SyncOff)
+register_backend("scripted_first_turn", scripted_first_turn("vllm_colocate"))
 
 
 def engine_state(trainer, checks, threads_before) -> dict:
@@ -103,20 +118,14 @@ def main():
     if mode == "lora":
         return lora(out, model_dir, threads_before)
     if mode == "tools":
-        trainer = tool_trainer(os.path.join(out, "run"), model_dir)
-        scripted = ScriptedFirstTurn(trainer)
+        trainer = tool_trainer(os.path.join(out, "run"), model_dir, use_vllm=False,
+                               generation_backend="scripted_first_turn")
         trainer.train()
-        return write(out, rank, tool_report(trainer, scripted))
-    trainer = trainer_for(out, mode, model_dir)
+        return write(out, rank, tool_report(trainer, trainer.backend))
+    # single: the engine of SyncOff (the colocated one, which skips the sync during SYNC_OFF)
+    overrides = dict(use_vllm=False, generation_backend="vllm_sync_off") if mode == "single" else {}
+    trainer = trainer_for(out, mode, model_dir, **overrides)
     checks = Checks(trainer)
-    if mode == "single":
-        class SyncOff:  # during SYNC_OFF the engine keeps the weights of the step before
-            def on_step_begin(self, args, state, control, **kwargs):
-                trainer.vllm_generation._sync_after_steps = state.global_step not in SYNC_OFF
-
-        from transformers import TrainerCallback
-
-        trainer.add_callback(type("SyncOffCallback", (SyncOff, TrainerCallback), {}))
     trainer.train()
     report = {"rounds": checks.rounds, "records": [r for r in trainer.state.log_history if "train_runtime" not in r],
               "after_train": engine_state(trainer, checks, threads_before)}

@@ -5,7 +5,7 @@ generation_kwargs), which the pytest process should not. Writes ``OUT/report.jso
     python tests/integration/vllm_server_job.py follow URL MODEL_DIR GROUP_PORT OUT
         24 steps of the digits task (the reward rises); after each round's sampling the server's greedy
         completions of a few probe prompts against the policy's own (the lean engine, float32 both); during
-        SYNC_OFF the weight sync is switched off.
+        SYNC_OFF the weight sync is skipped (a backend registered by this job).
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \\
         tests/integration/vllm_server_job.py distributed URL MODEL_DIR GROUP_PORT OUT
         3 steps, 2 processes: the main process sends every process's prompts and the weights; the same checks on
@@ -29,10 +29,12 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
+from trainers.generation.backend import register_backend
 from trainers.generation.sampling import SamplingParams, generate
+from trainers.generation.vllm_remote import VLLMRemote
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_tool_rounds import ScriptedFirstTurn, tool_report, tool_trainer  # noqa: E402
+from vllm_tool_rounds import scripted_first_turn, tool_report, tool_trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
 from tests.conftest import digits  # noqa: E402
@@ -53,25 +55,36 @@ def trainer_for(url, model_dir, group_port, out, **overrides):
                        train_dataset=[{"prompt": p} for p in PROMPTS * 4])
 
 
-class Checks:
-    """Wraps the trainer's sampler: after each round's sampling, the server's greedy probes against the policy's."""
+class Checks(TrainerCallback):
+    """After each round (on_rollout_end, before any optimizer step on it): the server's greedy probes against
+    the policy's."""
 
     def __init__(self, trainer):
         self.trainer, self.rounds = trainer, []
         self.probe_ids = [trainer.processing_class(p)["input_ids"] for p in PROBES]
-        self.sample = trainer.sampler.sample
-        trainer.sampler.sample = self
+        trainer.add_callback(self)
 
-    def __call__(self, prompts, prompt_ids, params):
-        out = self.sample(prompts, prompt_ids, params)
+    def on_rollout_end(self, args, state, control, **kwargs):
         greedy = SamplingParams(max_new_tokens=8, do_sample=False)
         server, _ = self.trainer.vllm_generation.generate(self.probe_ids, greedy)
         trainer = self.trainer
         # the policy's own greedy completions in float32, outside the launcher's bf16 autocast, as the server runs
         policy = generate(trainer.unwrapped_model, self.probe_ids, greedy, trainer.processing_class.pad_token_id,
                           trainer.eos_ids)
-        self.rounds.append({"step": self.trainer.state.global_step, "equal": server == policy})
-        return out
+        self.rounds.append({"step": state.global_step, "equal": server == policy})
+
+
+class SyncOff(VLLMRemote):
+    """The server backend, except that during SYNC_OFF the server keeps the weights of the step before
+    (registered as a backend: the test's negative case, that the weight sync is what keeps the server right)."""
+
+    def sync_weights(self, step=None):
+        if step not in SYNC_OFF:
+            super().sync_weights(step)
+
+
+register_backend("vllm_sync_off", SyncOff)
+register_backend("scripted_first_turn", scripted_first_turn("vllm_server"))
 
 
 def records(trainer):
@@ -79,14 +92,8 @@ def records(trainer):
 
 
 def follow(url, model_dir, group_port, out):
-    trainer = trainer_for(url, model_dir, group_port, out)
+    trainer = trainer_for(url, model_dir, group_port, out, use_vllm=False, generation_backend="vllm_sync_off")
     checks = Checks(trainer)
-
-    class SyncOff(TrainerCallback):  # during SYNC_OFF the server keeps the weights of the step before
-        def on_step_begin(self, args, state, control, **kwargs):
-            trainer.vllm_generation._sync_after_steps = state.global_step not in SYNC_OFF
-
-    trainer.add_callback(SyncOff)
     started = time.perf_counter()
     trainer.train()
     return {"rounds": checks.rounds, "records": records(trainer), "seconds": time.perf_counter() - started,
@@ -160,10 +167,10 @@ def distributed(url, model_dir, group_port, out):
 
 def tools(url, model_dir, group_port, out):
     trainer = tool_trainer(os.path.join(out, "run"), model_dir, vllm_mode="server", vllm_server_base_url=url,
-                           vllm_group_port=group_port, vllm_server_timeout=10)
-    scripted = ScriptedFirstTurn(trainer)
+                           vllm_group_port=group_port, vllm_server_timeout=10, use_vllm=False,
+                           generation_backend="scripted_first_turn")
     trainer.train()
-    return tool_report(trainer, scripted)
+    return tool_report(trainer, trainer.backend)
 
 
 def main():

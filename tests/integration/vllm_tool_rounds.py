@@ -7,8 +7,9 @@ on the model's own tokens (``sampling/sampling_logp_difference``)."""
 import math
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.generation.sampling import Samples
 from trainers.cli.tiny import build_tokenizer
+from trainers.generation.backend import build_backend
+from trainers.generation.sampling import Samples
 
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
 PROMPTS = [[{"role": "user", "content": f"What is 6 times 7? ({i})"}] for i in range(4)]
@@ -24,27 +25,32 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-class ScriptedFirstTurn:
-    """Wraps the trainer's tool loop and sampler: the first sampling of each round (the prompts alone) answers
-    CALL for every rollout; the turns after the tool results are the engine's own."""
+def scripted_first_turn(engine: str):
+    """A backend (for register_backend) over the vLLM backend ``engine`` ("vllm_colocate" or "vllm_server"):
+    the first turn of each round (prompts without an assistant turn yet) answers CALL for every rollout; the
+    turns after the tool results are the engine's own. ``continuations``: how many times the engine sampled."""
 
-    def __init__(self, trainer):
-        self.inner_run, self.inner_sample = trainer.tool_loop.run, trainer.sampler.sample
-        self.call_ids = trainer.processing_class(CALL + trainer.processing_class.eos_token)["input_ids"]
-        self.first, self.continuations = False, 0
-        trainer.tool_loop.run, trainer.sampler.sample = self.run, self.sample
+    class ScriptedFirstTurn:
+        def __init__(self, inputs):
+            self.inner, self.tokenizer = build_backend(engine, inputs), inputs.tokenizer
+            self.call_ids = self.tokenizer(CALL + self.tokenizer.eos_token)["input_ids"]
+            self.continuations = 0
+            self.llm, self.vllm_client = self.inner.llm, self.inner.vllm_client
 
-    def run(self, *args, **kwargs):
-        self.first = True
-        return self.inner_run(*args, **kwargs)
+        def sample(self, prompts, prompt_ids, params):
+            if all(self.tokenizer.decode(ids).count("<|im_start|>assistant") == 1 for ids in prompt_ids):
+                return Samples(prompt_ids, [list(self.call_ids) for _ in prompt_ids],
+                               [[math.nan] * len(self.call_ids) for _ in prompt_ids])
+            self.continuations += 1
+            return self.inner.sample(prompts, prompt_ids, params)
 
-    def sample(self, prompts, prompt_ids, params):
-        if self.first:
-            self.first = False
-            return Samples(prompt_ids, [list(self.call_ids) for _ in prompt_ids],
-                           [[math.nan] * len(self.call_ids) for _ in prompt_ids])
-        self.continuations += 1
-        return self.inner_sample(prompts, prompt_ids, params)
+        def sync_weights(self, step=None):
+            self.inner.sync_weights(step)
+
+        def close(self):
+            self.inner.close()
+
+    return ScriptedFirstTurn
 
 
 def tool_trainer(output_dir, model_dir, **overrides) -> GRPOTrainer:
@@ -65,7 +71,7 @@ def tool_trainer(output_dir, model_dir, **overrides) -> GRPOTrainer:
     return trainer
 
 
-def tool_report(trainer, scripted: ScriptedFirstTurn) -> dict:
+def tool_report(trainer, scripted) -> dict:
     records = [r for r in trainer.state.log_history if "train_runtime" not in r]
     return {"records": records, "continuations": scripted.continuations,
             "completions": trainer.seen_completions[:4]}

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from trainers.configs import opt
 from trainers.cli.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
+from trainers.options import opt
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 

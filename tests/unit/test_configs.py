@@ -1,4 +1,5 @@
-"""Unit tests for trainers/configs.py: validation, unknown/TRL-only options, TRL-mirroring defaults."""
+"""Unit tests for trainers/configs.py and trainers/options.py: validation, unknown/TRL-only options, TRL-mirroring
+defaults."""
 
 import dataclasses
 import math
@@ -6,8 +7,10 @@ import math
 import pytest
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import ConfigError, TrainingConfig, check_constraints, describe_constraints, opt
+from trainers.configs import TrainingConfig
+from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
+from trainers.options import check_constraints, describe_constraints, opt
 from trainers.sft.config import SFTConfig
 
 ALL_CONFIGS = [TrainingConfig, SFTConfig, GRPOConfig]

@@ -35,16 +35,18 @@ GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()
 
 
 def room(name: str) -> str:
-    """The room a module lives in: 'generation', 'grpo', 'sft', 'cli', or 'core' (the top of the package)."""
+    """The room a module lives in: 'generation', 'agents', 'grpo', 'sft', 'cli', or 'core' (the top of the
+    package)."""
     parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[1] in ("generation", "grpo", "sft", "cli") else "core"
+    return parts[1] if len(parts) >= 2 and parts[1] in ("generation", "agents", "grpo", "sft", "cli") else "core"
 
 
 # the modules whose job is to re-export: the package's public names, and TRL's `trl.rewards` path
 FACADES = {"trainers", "trainers.rewards"}
-# core < generation < the algorithms (grpo, sft) < cli
-ALLOWED = {"core": {"core"}, "generation": {"core", "generation"}, "grpo": {"core", "generation", "grpo"},
-           "sft": {"core", "sft"}, "cli": {"core", "generation", "grpo", "sft", "cli"}}
+# core < generation < agents < the algorithms (grpo, sft) < cli
+ALLOWED = {"core": {"core"}, "generation": {"core", "generation"}, "agents": {"core", "generation", "agents"},
+           "grpo": {"core", "generation", "agents", "grpo"}, "sft": {"core", "sft"},
+           "cli": {"core", "generation", "agents", "grpo", "sft", "cli"}}
 
 
 def test_the_graph_was_read():
@@ -80,3 +82,27 @@ def test_no_import_cycles():
     for name in sorted(edges):
         if name not in state:
             visit(name, [name])
+
+
+def trainer_parameters(path: pathlib.Path) -> list[str]:
+    """The functions of ``path`` with a parameter named ``trainer`` (a trainer object passed in)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+            if "trainer" in names:
+                found.append(node.name)
+    return found
+
+
+# The trainer's own parts: the callback handler fires transformers' events with the trainer's state, model and
+# optimizer (the TrainerCallback contract); the trainer's mixins are the trainer itself (``self``)
+TRAINER_PARTS = {"trainers.callbacks"}
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if room(name) in ("core", "generation", "agents")
+                                        and name not in FACADES | TRAINER_PARTS))
+def test_no_module_below_the_algorithms_takes_a_trainer(name):
+    """Below the algorithms, components are built from explicit arguments, never from a trainer object."""
+    assert not trainer_parameters(MODULES[name]), f"{name}: {trainer_parameters(MODULES[name])} take a trainer"
+

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainers.errors import RolloutError
-from trainers.grpo.user_rollout import check_rollout, logprob_gap, padded_logprobs
+from trainers.generation.user_rollout import check_rollout, logprob_gap, padded_logprobs
 
 
 def output(**overrides):

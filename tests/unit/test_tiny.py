@@ -4,7 +4,7 @@ folder at once), and the task tokenizer of the tool demo."""
 import multiprocessing
 import os
 
-from trainers.grpo.tools import check_tool_template, tool_schemas
+from trainers.agents.rendering import check_tool_template, tool_schemas
 from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, embedded_default, save_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""The tool-calling core of agentic GRPO (trainers.grpo.tools) and the tiny tokenizers' tool template: parsing what
+"""The tool-calling core of agentic GRPO (trainers/agents/) and the tiny tokenizers' tool template: parsing what
 the model wrote, running calls concurrently with errors and timeouts as results, the template checks, and
 environments. No model, no trainer: each test runs in well under a second (the concurrency ones in about 0.5 s)."""
 
@@ -9,18 +9,11 @@ import time
 
 import pytest
 
+from trainers.agents.environments import Environments
+from trainers.agents.parsing import ToolCall, parse_turn
+from trainers.agents.rendering import check_tool_template, tool_schemas, tool_turn_ids, toolbox
+from trainers.agents.runner import ToolResult, ToolRunner
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.grpo.tools import (
-    Environments,
-    ToolCall,
-    ToolResult,
-    ToolRunner,
-    check_tool_template,
-    parse_turn,
-    tool_schemas,
-    tool_turn_ids,
-    toolbox,
-)
 from trainers.cli.tiny import CHATML_TEMPLATE, TOOLS_RESPONSE_TEMPLATE, build_bpe_tokenizer, build_tokenizer
 
 

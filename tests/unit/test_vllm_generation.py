@@ -6,11 +6,11 @@ import torch
 from accelerate import Accelerator
 
 import trainers.base
-import trainers.grpo.trainer
+import trainers.generation.vllm_common
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.configs import ConfigError
+from trainers.errors import ConfigError
 from trainers.generation.sampling import SamplingParams
-from trainers.grpo.vllm_generation import policy_weights, vllm_sampling_kwargs
+from trainers.generation.vllm_common import policy_weights, vllm_sampling_kwargs
 from trainers.cli.tiny import build_model
 
 
@@ -60,7 +60,7 @@ def test_lora_is_sent_merged_without_touching_the_policy():
 
 
 def test_use_vllm_without_vllm_is_a_clear_error_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainers.grpo.trainer, "vllm_missing", lambda: "vLLM is not importable (ImportError: x)")
+    monkeypatch.setattr(trainers.generation.vllm_common, "vllm_missing", lambda: "vLLM is not importable (ImportError: x)")
     monkeypatch.setattr(trainers.base, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=r"`use_vllm=True` with vllm_mode=.colocate. needs vLLM here: vLLM is not importable"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import free_port
 from trainers.errors import VLLMServerError
-from trainers.grpo import vllm_client, vllm_server
+from trainers.generation import vllm_client, vllm_server
 
 WORKER_FILE = os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_worker.py")
 

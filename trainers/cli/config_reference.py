@@ -14,8 +14,9 @@ import dataclasses
 import inspect
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import TrainingConfig, describe_constraints
+from trainers.configs import TrainingConfig
 from trainers.grpo.config import GRPOConfig
+from trainers.options import describe_constraints
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"

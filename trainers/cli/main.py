@@ -184,7 +184,7 @@ def cmd_report(cli: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["vllm-serve"]:  # it parses its own flags: those it does not know go to vLLM as they are
-        from trainers.grpo.vllm_server import main as vllm_serve
+        from trainers.generation.vllm_server import main as vllm_serve
 
         return vllm_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="trainers", description=__doc__,

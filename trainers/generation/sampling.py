@@ -1,16 +1,13 @@
-"""The sampling interface of GRPO's rollout stage, and the samplers that draw from the policy itself.
-
-A sampler takes this process's prompts of a round (the dataset's ``prompt`` values and their token ids) and
-sampling parameters, and returns ``Samples``: one completion per prompt, with the sampler's own log-probs and
-a mask of the tokens the model wrote where it has them. ``PolicySampler`` samples from the policy being
-trained (the lean engine, trainers/generation/engine.py, or HF ``generate``); a user's ``rollout_func`` is another
-sampler (trainers/grpo/user_rollout.py). A new backend is one new class with a ``sample`` method.
+"""Sampling from the policy itself, and what every backend shares: the sampling parameters (``SamplingParams``),
+a backend's answer (``Samples``), padding, cutting at EOS, HF ``generate``, the lean engine's dispatch, and
+``PolicySampler`` (the policy being trained, eval mode, under the training forward's autocast, ZeRO-3 gathered).
+The backend interface with its lifetime and the registry are in trainers/generation/backend.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -43,12 +40,6 @@ class Samples:
     extra: dict[str, list] = field(default_factory=dict)  # per-row values for the reward functions
 
 
-class Sampler(Protocol):
-    """What the rollout stage samples through. Every process calls ``sample`` together (ZeRO-3 gathers)."""
-
-    def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples: ...
-
-
 def left_pad(sequences: list[list[int]], pad_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (ids [N, P], mask [N, P]) with padding on the left, as generation wants; P a multiple of ``multiple``
     (pad_to_multiple_of) when given."""
@@ -73,6 +64,15 @@ def right_pad(sequences: list[list[int]], pad_id: int, width: int | None = None,
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
     return ids, mask
+
+
+def ended(completion: list[int], eos_ids: set[int], anywhere: bool = False) -> bool:
+    """Whether a completion (or a turn) ended with an EOS rather than being cut by its token budget: its last
+    token is one (every backend here cuts after the first, ``cut_at_eos``); ``anywhere``: any token is (TRL's rule
+    for a rollout function's completions, which need not be cut)."""
+    if anywhere:
+        return any(token in eos_ids for token in completion)
+    return bool(completion) and completion[-1] in eos_ids
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int], pad_id: int) -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers.errors import ConfigError
 from trainers.generation.rows import prompt_groups, round_up
 from trainers.modeling import positions_from_mask
 
@@ -105,3 +106,26 @@ def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tens
         first = P - min(P, round_up(P - first, multiple))
         width = min(C, round_up(width, multiple))
     return first, width
+
+
+def round_shape(args, per_device: int, world: int) -> tuple[int, int]:
+    """(steps_per_generation, generation_batch_size): the micro-steps a generation round serves and its
+    completions over every process, from GRPOConfig's generation_batch_size or steps_per_generation (TRL's
+    rules). ``per_device``: completions per process per micro-step."""
+    per_step = per_device * world  # completions per micro-step, all processes
+    if args.generation_batch_size is not None:
+        if args.generation_batch_size % per_step:
+            raise ConfigError(
+                f"generation_batch_size={args.generation_batch_size} must be a multiple of "
+                f"per_device_train_batch_size x processes = {per_device} x {world} = {per_step}.")
+        steps = args.generation_batch_size // per_step
+    else:
+        steps = args.steps_per_generation or args.gradient_accumulation_steps
+    size = per_step * steps
+    if size % args.num_generations:
+        raise ConfigError(
+            f"generation_batch_size = per_device_train_batch_size x processes x steps_per_generation = "
+            f"{per_device} x {world} x {steps} = {size} completions per round is not a multiple of num_generations="
+            f"{args.num_generations}; each prompt needs all its {args.num_generations} completions in one round.")
+    return steps, size
+

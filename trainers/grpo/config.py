@@ -5,7 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options, resolve_pad_to_multiple_of
+from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.options import check_field, opt, reject_unknown_options
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -157,6 +158,11 @@ class GRPOConfig(TrainingConfig):
         "models (static KV cache, shared prompt prefill), not yet measured on a GPU; 'hf' is transformers' "
         "generate. 'auto' picks 'lean' on CPU (where it applies) and 'hf' on CUDA; 'lean' stays available by name.",
         choices=GENERATION_ENGINES
+    )
+    generation_backend: str | None = opt(
+        None, "A generation backend registered by name (trainers.generation.backend.register_backend): a class "
+        "built from BackendInputs with sample, sync_weights and close. None: chosen from rollout_func, use_vllm and "
+        "vllm_mode (a rollout function, vLLM colocated or as a server, else the policy itself)."
     )
     ds3_gather_for_generation: bool = opt(
         True, "Under ZeRO-3, gather the full weights once for generation (fast); False generates layer by layer "

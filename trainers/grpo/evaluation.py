@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from trainers.agents.tool_loop import ToolCounts, tool_metrics
 from trainers.grpo.advantages import combine_rewards, round_advantages
-from trainers.grpo.rollout import Scored, logged_names, loss_mask_of, pad_samples, sample_and_score
-from trainers.grpo.tool_loop import ToolCounts, tool_metrics
+from trainers.grpo.rollout import Scored, logged_names, loss_mask_of
 from trainers.losses import BatchCounts
 from trainers.stats import Extreme, Stats
 
@@ -33,14 +33,15 @@ def evaluation_stats(trainer: Any) -> Stats:
     sums = torch.zeros(len(trainer.rewards) + 1, device=device)
     counts = torch.zeros(len(trainer.rewards) + 1, device=device)
     per_prompt, size = args.num_generations_eval or args.num_generations, trainer.eval_rows_per_batch()
+    trainer.backend.sync_weights(trainer.state.global_step)  # the weight sync: evaluation samples this step's policy
     logged: dict[str, list[float]] = {}  # log_metric calls of every batch
     tool_counts = ToolCounts()  # with tools: what the evaluation's tool calls did on this process
     pooled: dict = {}
     for start in range(0, per_process, size):
         chunk = mine[start:start + size]  # empty: this process only keeps the others company in collectives
         indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]  # a prompt's completions stay together
-        scored = sample_and_score(trainer, [trainer.eval_rows[i] for i in indices],
-                                  [trainer.eval_prompt_ids[i] for i in indices], score=bool(chunk))
+        scored = trainer.stage.sample_and_score([trainer.eval_rows[i] for i in indices],
+                                                [trainer.eval_prompt_ids[i] for i in indices], score=bool(chunk))
         for name, pair in loss_stats(trainer, scored, per_prompt, counted=bool(chunk)).items():
             total, count = pooled.get(name, (0.0, 0.0))
             pooled[name] = (total + pair[0], count + pair[1])
@@ -80,11 +81,11 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     if scored.rewards_per_func is not None:
         advantages = round_advantages(scored.rewards_per_func, trainer.reward_weights, per_prompt,
                                       args.scale_rewards, args.multi_objective_aggregation).advantages
-    padded = pad_samples(trainer, scored.samples)
+    padded = trainer.stage.pad(scored.samples)
     loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
     rollout = padded.rollout(loss_mask, advantages).to(device)
     if args.beta > 0:
-        rollout = dataclasses.replace(rollout, ref_logps=trainer.reference_logprobs(rollout))
+        rollout = dataclasses.replace(rollout, ref_logps=trainer.scorer.reference_logprobs(rollout))
     batch = rollout.micro_batch(0, n)
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),
                          micro_batches=1, max_completion_length=args.max_completion_length)

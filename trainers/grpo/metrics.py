@@ -11,7 +11,7 @@ import torch
 
 from trainers.grpo.advantages import nanstd
 from trainers.grpo.objectives import PolicyLoss
-from trainers.grpo.rewards import completion_text
+from trainers.grpo.reward_functions import completion_text
 from trainers.logs import logger
 from trainers.stats import Extreme, Stats
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainers.errors import ConfigError
 from trainers.losses import BatchCounts
 
 
@@ -219,3 +220,33 @@ OBJECTIVES: dict[str, Callable[[PolicyInputs, Any], PolicyLoss]] = {
     "sapo": sapo_objective,
     "vespo": vespo_objective,
 }
+
+# Objectives whose loss is not a multiple of the sampler weights (vllm_importance_sampling_correction): they fold
+# the weights into their own terms, so a row whose weights are all 0 may still have a gradient.
+FOLDS_SAMPLER_WEIGHTS = frozenset({"vespo"})
+
+
+def check_loss_options(args: Any, other_sampler: str | None, warn: Callable[[str], None]) -> None:
+    """The loss options checked once the sampler is known (``other_sampler``: "a rollout_func", "use_vllm", or
+    None for the policy itself), and TRL's warnings about them (``warn``)."""
+    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+        warn("loss_type='luspo' is GSPO's sequence-level loss scaled by length; with importance_sampling_level="
+             "'token' it is a token sum per sequence. Set importance_sampling_level='sequence' for the paper's "
+             "setting (TRL warns the same).")
+    if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warn(f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums per-token "
+             "contributions, which effectively weights each sequence by its completion length instead of optimizing "
+             "the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`.")
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards != "group":
+        warn(f"scale_rewards={args.scale_rewards!r} is not used with multi_objective_aggregation="
+             "'normalize_then_sum', which normalizes each function per group and the sum over the batch.")
+    if args.loss_type == "vespo" and other_sampler is not None and args.vllm_importance_sampling_correction \
+            and args.vllm_importance_sampling_mode.startswith("sequence"):
+        raise ConfigError(f"loss_type='vespo' with {other_sampler} needs vllm_importance_sampling_mode "
+                          f"'token_truncate' or 'token_mask' (got {args.vllm_importance_sampling_mode!r}): VESPO "
+                          f"folds per-token sampler weights into its own sequence weight, as in TRL. Or set "
+                          f"vllm_importance_sampling_correction=False.")
+    if args.loss_type == "vespo" and args.importance_sampling_level != "token":
+        warn("loss_type='vespo' computes its sequence-level weight itself, from token log-ratios; "
+             "importance_sampling_level is not used (TRL warns the same).")
+

@@ -1,18 +1,20 @@
 """GRPO's rollout stage: one generation round, built forward from the round's dataset rows to a ``Rollout``.
 
-    rows -> sample (a Sampler: the policy, vLLM, or a rollout_func;  sample_and_score
-            with tools, the tool loop over it: trainers/grpo/tool_loop.py)
-         -> decode -> score (the reward functions)               sample_and_score
+    rows -> sample (the generation backend: the policy,       RolloutStage.sample_and_score
+            vLLM, a rollout_func or a registered one; with tools,
+            the tool loop over it: trainers/agents/tool_loop.py)
+         -> decode -> score (the reward functions)               RolloutStage.sample_and_score
          -> gather the rewards of every process -> advantages  (trainers/grpo/advantages.py)
          -> loss masks (model tokens, truncation, dynamic sampling)
-         -> old and reference log-probs (when the loss needs them)
+         -> old and reference log-probs (when the loss needs them: LogProbScorer, trainers/grpo/scoring.py)
          -> the sampler's log-probs against the trainer's (importance weights)
          -> metrics and the completions table
          -> Rollout (trainers/grpo/batch.py), which the micro-batches are cut from
 
-Every process runs the stage together: sampling may gather weights (ZeRO-3), rewards are gathered, and a
-failure in user code on one process stops all (``dist.raise_together``). Evaluation samples and scores through
-the same ``sample_and_score``.
+``RolloutStage`` is built once, from what it uses (never the trainer). Every process runs it together: sampling
+may gather weights (ZeRO-3), rewards are gathered, and a failure in user code on one process stops all
+(``dist.raise_together``). The backend's weights are synced before the stage runs (GRPOTrainer.prepare_step).
+Evaluation samples and scores through the same ``sample_and_score``.
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from trainers import distributed as dist
+from trainers.agents.tool_loop import Episode, ToolCounts, ToolLoop, tool_metrics
 from trainers.data import is_conversational
+from trainers.generation.backend import Backend, PolicyBackend
+from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
+from trainers.generation.user_rollout import logprob_gap, padded_logprobs
 from trainers.grpo.advantages import round_advantages
 from trainers.grpo.batch import Rollout, prompt_groups
 from trainers.grpo.metrics import round_metrics, sample_records
 from trainers.grpo.objectives import sampler_importance_weights
-from trainers.grpo.rewards import RewardLogs, call_rewards
-from trainers.generation.sampling import Samples, SamplingParams, left_pad, right_pad
-from trainers.grpo.tool_loop import ToolCounts, tool_metrics
-from trainers.grpo.user_rollout import logprob_gap, padded_logprobs
+from trainers.grpo.rewards import Reward, RewardLogs, call_rewards
+from trainers.grpo.scoring import LogProbScorer
 from trainers.stats import Extreme, reduce_extremes, reduce_pairs
 
 
@@ -56,32 +61,149 @@ class Round:
     rollout: Rollout
     metrics: dict[str, float]  # TRL's round metrics, over every process
     completions: list[dict] | None  # log_completions: every process's records (main process writes them)
+    samples: Samples  # what the backend (and the tool loop) returned, before padding
 
 
-def sample_and_score(trainer: Any, rows: list[dict], prompt_ids: list[list[int]],
-                     params: SamplingParams | None = None, score: bool = True) -> Scored:
-    """Sample one completion per row through ``trainer.sampler``, decode it, and (with ``score``) call the reward
-    functions. Every process calls this together; ``score=False`` on a process that only keeps the others
-    company in the collectives (evaluation's last batch)."""
-    if trainer.vllm_generation is not None:  # the engine (a rollout function's too) samples from this step's policy
-        trainer.vllm_generation.sync_for_step(trainer.state.global_step)
-    episode = None
-    if trainer.tool_loop is not None:  # several turns, tool calls between them (trainers/grpo/tool_loop.py)
-        episode = trainer.tool_loop.run(trainer.sampler, rows, params or trainer.sampling, eos_ids=trainer.eos_ids,
-                                        accelerator=trainer.accelerator)
-        samples, prompts, completions = episode.samples, episode.prompts, episode.messages
-    else:
-        samples = trainer.sampler.sample([row["prompt"] for row in rows], prompt_ids, params or trainer.sampling)
-        prompts, completions = decode(trainer.processing_class, rows, samples.completion_ids)
-    logs, rewards, error = RewardLogs(), None, None
-    if score:
-        try:  # user code: a failure on one process must stop all of them
-            environments = episode.environments if episode is not None else None
-            rewards = score_completions(trainer, rows, prompts, completions, samples, logs, environments)
-        except Exception as caught:
-            error = caught
-    dist.raise_together(trainer.accelerator, error)
-    return Scored(samples, prompts, completions, rewards, logs, episode.counts if episode is not None else None)
+class RolloutStage:
+    """The rollout stage, built once the policy is prepared, from what it uses: the generation ``backend``, the
+    ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions and their
+    weights, the log-prob ``scorer`` (old and reference log-probs), the config, the processes' ``accelerator``,
+    the tokenizer (decoding), the EOS ids, the default sampling parameters, ``trainer_state`` (a function: the
+    TrainerState the reward functions get) and ``on_episode`` (told of each tool-loop Episode). Every process
+    calls its methods together."""
+
+    def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
+                 reward_weights: torch.Tensor, scorer: LogProbScorer, args: Any, accelerator, tokenizer,
+                 eos_ids: set[int], sampling: SamplingParams, need_old_logps: bool,
+                 trainer_state: Callable[[], Any], on_episode: Callable[[Episode], None] | None = None):
+        self.backend, self.tool_loop, self.rewards, self.reward_weights = backend, tool_loop, rewards, reward_weights
+        self.scorer, self.args, self.accelerator, self.tokenizer = scorer, args, accelerator, tokenizer
+        self.eos_ids, self.sampling, self.need_old_logps = eos_ids, sampling, need_old_logps
+        self.trainer_state, self.on_episode = trainer_state, on_episode  # on_episode: told of each tool-loop Episode
+        # a backend other than the policy itself: its log-probs are compared with the policy's (importance weights)
+        self.other_sampler = not isinstance(backend, PolicyBackend)
+
+    def sample_and_score(self, rows: list[dict], prompt_ids: list[list[int]], params: SamplingParams | None = None,
+                         score: bool = True) -> Scored:
+        """Sample one completion per row through the backend (with tools, the tool loop over it), decode it,
+        and (with ``score``) call the reward functions. ``score=False`` on a process that only keeps the others
+        company in the collectives (evaluation's last batch). The backend holds this step's weights already
+        (``Backend.sync_weights``, called by the trainer before a round)."""
+        params, acc = params or self.sampling, self.accelerator
+        episode = None
+        if self.tool_loop is not None:  # several turns, tool calls between them (trainers/agents/tool_loop.py)
+            episode = self.tool_loop.run(self.backend, rows, prompt_ids, params, eos_ids=self.eos_ids,
+                                         accelerator=acc)
+            samples, prompts, completions = episode.samples, episode.prompts, episode.messages
+            if self.on_episode is not None:
+                self.on_episode(episode)
+        else:
+            samples = self.backend.sample([row["prompt"] for row in rows], prompt_ids, params)
+            prompts, completions = decode(self.tokenizer, rows, samples.completion_ids)
+        logs, rewards, error = RewardLogs(), None, None
+        if score:
+            try:  # user code: a failure on one process must stop all of them
+                environments = episode.environments if episode is not None else None
+                rewards = self.score_completions(rows, prompts, completions, samples, logs, environments)
+            except Exception as caught:
+                error = caught
+        dist.raise_together(acc, error)
+        return Scored(samples, prompts, completions, rewards, logs, episode.counts if episode is not None else None)
+
+    def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,
+                          logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
+        """[n, F] rewards of this process's completions (NaN where a function returned None). The dataset's other
+        columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL);
+        with an environment_factory, ``environments`` (each rollout's instance) too."""
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        columns.update(samples.extra)
+        if environments is not None:
+            columns["environments"] = environments
+        # as in TRL, columns named like the call's own arguments are not passed on
+        columns = {key: values for key, values in columns.items()
+                   if key not in ("prompt", "completion", "completion_ids")}
+        return call_rewards(self.rewards, prompts, completions, samples.completion_ids, columns,
+                            {"trainer_state": self.trainer_state()}, logs)
+
+    def pad(self, samples: Samples) -> PaddedSamples:
+        return pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids,
+                           multi_turn=self.tool_loop is not None)
+
+    @torch.no_grad()
+    def build(self, rows: list[dict], prompt_ids: list[list[int]]) -> Round:
+        """The rollout stage for this process's ``rows`` of one round (module docstring)."""
+        args, acc = self.args, self.accelerator
+        scored = self.sample_and_score(rows, prompt_ids)
+        samples = scored.samples
+        rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
+        adv = round_advantages(rewards_per_func, self.reward_weights, args.num_generations, args.scale_rewards,
+                               args.multi_objective_aggregation)
+        n, start = len(rows), acc.process_index * len(rows)
+        local_advantages = adv.advantages[start:start + n]  # [n]
+
+        padded = self.pad(samples)
+        truncated, model_tokens = padded.truncated, padded.model_tokens
+        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
+        rollout = padded.rollout(loss_mask, local_advantages).to(acc.device)
+        old = self.scorer.old_logprobs(rollout) if self.need_old_logps else None
+        ref = self.scorer.reference_logprobs(rollout) if args.beta > 0 else None
+        rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
+        sampler_metrics = {}
+        if self.other_sampler:
+            width = rollout.completion_ids.shape[1]
+            sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
+            rollout, sampler_metrics = self.with_sampler_logps(rollout, sampler, model_tokens.to(acc.device))
+
+        lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
+        all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
+        names = [r.name for r in self.rewards]
+        metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
+        if args.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+        metrics.update(sampler_metrics)
+        if scored.tool_counts is not None:
+            metrics.update(tool_metrics(acc, scored.tool_counts))
+        metrics.update(logged_metric_means(acc, scored.logs))
+        completions = None
+        if args.log_completions:
+            local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
+                                   adv.rewards[start:start + n], local_advantages, scored.logs.extra)
+            completions = dist.gather_objects(acc, local)
+        return Round(rollout, metrics, completions, scored.samples)
+
+    def with_sampler_logps(self, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
+                           ) -> tuple[Rollout, dict]:
+        """A backend's own log-probs (``sampler``: [n, C], NaN where it gave none) against the trainer's own for
+        the model's tokens (``mask``), computed once per round (the old log-probs when it needs them anyway): TRL's
+        sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy; and, with
+        vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is multiplied by,
+        with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process; processes without
+        sampler log-probs take part in the collectives and count nothing."""
+        acc, args = self.accelerator, self.args
+        given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
+        if given.item() == 0:
+            return rollout, {}
+        current = rollout.old_logps if rollout.old_logps is not None else self.scorer.old_logprobs(rollout)
+        current = current.float()
+        mine = sampler is not None  # this process's rollout gave log-probs
+        sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
+        total, count, peak = logprob_gap(current, sampler, mask)
+        total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
+        metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
+                   "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
+        weights = None
+        if args.vllm_importance_sampling_correction:
+            weights = sampler_importance_weights(current, sampler, mask, args.vllm_importance_sampling_mode,
+                                                 args.vllm_importance_sampling_clip_min,
+                                                 args.vllm_importance_sampling_clip_max)  # [n, C] or [n, 1]
+            # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
+            # log-prob (a process whose rollout gave none) count nothing
+            counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
+            metrics.update(pooled_extremes(acc, "sampling/importance_sampling_ratio",
+                                           weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
+        if not mine:
+            return rollout, metrics
+        return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
 
 
 def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tuple[list, list]:
@@ -92,63 +214,6 @@ def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tupl
                    for p, t in zip(prompts, texts)]
     return prompts, completions
 
-
-def score_completions(trainer: Any, rows: list[dict], prompts: list, completions: list, samples: Samples,
-                      logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
-    """[n, F] rewards of this process's completions (NaN where a function returned None). The dataset's other
-    columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL); with
-    an environment_factory, ``environments`` (each rollout's instance) too."""
-    columns = {key: [row[key] for row in rows] for key in rows[0]}
-    columns.update(samples.extra)
-    if environments is not None:
-        columns["environments"] = environments
-    # as in TRL, columns named like the call's own arguments are not passed on
-    columns = {key: values for key, values in columns.items() if key not in ("prompt", "completion", "completion_ids")}
-    return call_rewards(trainer.rewards, prompts, completions, samples.completion_ids, columns,
-                        {"trainer_state": trainer.state}, logs)
-
-
-@torch.no_grad()
-def build_round(trainer: Any, rows: list[dict], prompt_ids: list[list[int]]) -> Round:
-    """The rollout stage for this process's ``rows`` of one round (module docstring)."""
-    args, acc = trainer.args, trainer.accelerator
-    scored = sample_and_score(trainer, rows, prompt_ids)
-    samples = scored.samples
-    rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
-    adv = round_advantages(rewards_per_func, trainer.reward_weights, args.num_generations, args.scale_rewards,
-                           args.multi_objective_aggregation)
-    n, start = len(rows), acc.process_index * len(rows)
-    local_advantages = adv.advantages[start:start + n]  # [n]
-
-    padded = pad_samples(trainer, samples)
-    truncated, model_tokens = padded.truncated, padded.model_tokens
-    loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
-    rollout = padded.rollout(loss_mask, local_advantages).to(acc.device)
-    old = trainer.round_logprobs(trainer.model_wrapped, rollout) if trainer.need_old_logps else None
-    ref = trainer.reference_logprobs(rollout) if args.beta > 0 else None
-    rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
-    sampler_metrics = {}
-    if trainer.rollout_func is not None or args.use_vllm:  # a sampler other than the policy itself
-        width = rollout.completion_ids.shape[1]
-        sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
-        rollout, sampler_metrics = with_sampler_logps(trainer, rollout, sampler, model_tokens.to(acc.device))
-
-    lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
-    all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
-    names = [r.name for r in trainer.rewards]
-    metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
-    if args.dynamic_sampling:
-        metrics["dynamic_sampling/dropped_groups"] = dropped_groups
-    metrics.update(sampler_metrics)
-    if scored.tool_counts is not None:
-        metrics.update(tool_metrics(acc, scored.tool_counts))
-    metrics.update(logged_metric_means(acc, scored.logs))
-    completions = None
-    if args.log_completions:
-        local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
-                               adv.rewards[start:start + n], local_advantages, scored.logs.extra)
-        completions = dist.gather_objects(acc, local)
-    return Round(rollout, metrics, completions)
 
 
 @dataclass(frozen=True)
@@ -169,18 +234,16 @@ class PaddedSamples:
                        advantages, pad_to_multiple_of=self.pad_to_multiple_of)
 
 
-def pad_samples(trainer: Any, samples: Samples) -> PaddedSamples:
-    """``samples`` padded (P and C multiples of pad_to_multiple_of, TRL's padding; the extra columns are masked),
-    with which completions were cut and which tokens the model wrote."""
-    pad_id, multiple = trainer.processing_class.pad_token_id, trainer.args.pad_to_multiple_of
+
+def pad_samples(samples: Samples, pad_id: int, multiple: int | None, eos_ids: set[int], multi_turn: bool
+                ) -> PaddedSamples:
+    """``samples`` padded (P and C multiples of ``multiple``, pad_to_multiple_of: TRL's padding; the extra columns
+    are masked), with which completions were cut and which tokens the model wrote."""
     prompt_ids, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
     completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
-    # [n]; TRL's rule: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
-    # be); after tool calls, one that does not end with an EOS (its last turn was cut, as TRL's rule there)
-    if trainer.tool_loop is not None:
-        truncated = torch.tensor([not c or c[-1] not in trainer.eos_ids for c in samples.completion_ids])
-    else:
-        truncated = torch.tensor([not any(t in trainer.eos_ids for t in c) for c in samples.completion_ids])
+    # [n]; TRL's rules: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
+    # be); after tool calls (``multi_turn``), one whose last turn was cut did not
+    truncated = torch.tensor([not ended(c, eos_ids, anywhere=not multi_turn) for c in samples.completion_ids])
     model_tokens = attention
     if samples.model_mask is not None:
         model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
@@ -220,41 +283,6 @@ def logged_metric_means(accelerator, logs: RewardLogs) -> dict[str, float]:
         return {}
     totals = dist.all_reduce_sum(accelerator, torch.tensor(list(logged.values()), device=accelerator.device))
     return {name: total / count for name, (total, count) in zip(logged, totals.tolist())}
-
-
-def with_sampler_logps(trainer: Any, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
-                       ) -> tuple[Rollout, dict]:
-    """A rollout function's log-probs (``sampler``: [n, C], NaN where it gave none) against the trainer's own for
-    the model's tokens (``mask``), computed once per round (the old log-probs when it needs them anyway): TRL's
-    sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy; and, with
-    vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is multiplied by,
-    with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process; processes without
-    sampler log-probs take part in the collectives and count nothing."""
-    acc, args = trainer.accelerator, trainer.args
-    given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
-    if given.item() == 0:
-        return rollout, {}
-    current = rollout.old_logps if rollout.old_logps is not None else trainer.round_logprobs(trainer.model_wrapped, rollout)
-    current = current.float()
-    mine = sampler is not None  # this process's rollout gave log-probs
-    sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
-    total, count, peak = logprob_gap(current, sampler, mask)
-    total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
-    metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
-               "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
-    weights = None
-    if args.vllm_importance_sampling_correction:
-        weights = sampler_importance_weights(current, sampler, mask, args.vllm_importance_sampling_mode,
-                                             args.vllm_importance_sampling_clip_min,
-                                             args.vllm_importance_sampling_clip_max)  # [n, C] or [n, 1]
-        # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
-        # log-prob (a process whose rollout gave none) count nothing
-        counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
-        metrics.update(pooled_extremes(acc, "sampling/importance_sampling_ratio",
-                                       weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
-    if not mine:
-        return rollout, metrics
-    return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
 
 
 def pooled_extremes(accelerator, name: str, values: torch.Tensor) -> dict:

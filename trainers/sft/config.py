@@ -5,7 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, check_field, opt, reject_unknown_options, resolve_pad_to_multiple_of
+from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.options import check_field, opt, reject_unknown_options
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's; trainers/sft/packing.py pack_samples

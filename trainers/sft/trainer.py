@@ -7,8 +7,8 @@ from transformers.integrations.neftune import activate_neftune, deactivate_neftu
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from trainers.base import BaseTrainer
-from trainers.configs import ConfigError
 from trainers.data import DatasetFormatError, as_dataset
+from trainers.errors import ConfigError
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, SFT_TOKEN_LOSSES, BatchCounts
 from trainers.modeling import (
@@ -145,20 +145,20 @@ class SFTTrainer(BaseTrainer):
                                  pad_to_multiple_of=args.pad_to_multiple_of)
         global_batch = self.effective_batch_size
         if is_stream(train_dataset):  # read in order during training, prepared a chunk at a time
-            stream_dispatch_batches(self)
+            stream_dispatch_batches(args, self.accelerator)
             self.train_rows, self.sampler = None, None
             # a copy of the tokenizer for each worker thread (dataloader_num_workers): one thread at a time may use
             # a fast tokenizer
             self._tokenizers = PerThread(self.processing_class)
             self.train_batches = stream_batches(
-                self, train_dataset, lambda raw, first: self._prepare_chunk(raw, first, "train_dataset", args.packing),
+                args, self.accelerator, train_dataset, lambda raw, first: self._prepare_chunk(raw, first, "train_dataset", args.packing),
                 global_batch)
         else:
             self.train_rows = self._tokenize(train_dataset, "train_dataset", args.packing)
             self.sampler = self.batch_sampler([len(r["input_ids"]) for r in self.train_rows], global_batch,
                                               "global batch")
             self.train_batches = IndexedBatches(self.train_rows, self.sampler)
-            note_map_style_workers(self)
+            note_map_style_workers(args, self.accelerator)
         self._given_train_dataset, self._train_view = train_dataset, None  # trainer.train_dataset
         self.eval_rows = self._tokenize(eval_dataset, "eval_dataset", self.eval_packing) \
             if eval_dataset is not None else None

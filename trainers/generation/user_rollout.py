@@ -1,5 +1,5 @@
-"""Custom rollouts for GRPO: TRL's ``rollout_func(prompts, trainer) -> dict`` contract, checked, as a sampler of
-the rollout stage (``RolloutFuncSampler``).
+"""Custom rollouts: TRL's ``rollout_func(prompts, trainer) -> dict`` contract, checked, as a generation backend
+(``RolloutFuncBackend``).
 
 A rollout function replaces the trainer's sampling: multi-turn episodes, tool calls, another inference engine.
 It gets this process's prompts of a round (dataset ``prompt`` values, each repeated ``num_generations`` times,
@@ -23,6 +23,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.errors import RolloutError, TrainersError, VLLMServerError
+from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples, SamplingParams
 from trainers.modeling import context_length, vocabulary_size
 
@@ -106,17 +107,17 @@ def check_rollout(output, n: int, max_completion_length: int, vocab_size: int | 
     return Samples(prompts, completions, logprobs, env_mask, extra)
 
 
-def call_rollout_func(func, prompts: list, trainer) -> Samples:
-    """Call ``func`` on (copies of) this process's ``prompts``; its errors become RolloutErrors."""
+def call_rollout_func(call, prompts: list, max_completion_length: int, vocab_size: int | None,
+                      context: int | None) -> Samples:
+    """``call`` (the user's function, bound to its trainer: prompts -> dict) on copies of this process's
+    ``prompts``, its output checked; its errors become RolloutErrors."""
     try:
-        output = func(copy.deepcopy(prompts), trainer)
+        output = call(copy.deepcopy(prompts))
     except TrainersError:
         raise
     except Exception as error:
         raise RolloutError(f"rollout_func raised {type(error).__name__}: {error}") from error
-    model = trainer.unwrapped_model
-    return check_rollout(output, len(prompts), trainer.args.max_completion_length, vocabulary_size(model),
-                         context_length(model))
+    return check_rollout(output, len(prompts), max_completion_length, vocab_size, context)
 
 
 def padded_logprobs(sampler_logps: list[list[float]], width: int) -> torch.Tensor:
@@ -140,19 +141,34 @@ def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: 
     return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())
 
 
-class RolloutFuncSampler:
-    """A user's ``rollout_func`` behind the sampling interface: every process calls it; a failure on one stops
-    all (the others would wait in the next collective). ``params`` are the trainer's own (the function reads
-    ``trainer.args`` or calls ``trainer.generate`` with its own)."""
+class RolloutFuncBackend:
+    """A user's ``rollout_func`` behind the backend interface. ``call``: the function bound to its trainer
+    (TRL's contract is ``rollout_func(prompts, trainer)``; the trainer binds it, this class never sees the
+    trainer). ``engine``: the vLLM backend the function may sample through (``trainer.vllm_generation`` with
+    use_vllm, as in TRL), whose weights and lifetime this backend passes on. Every process calls the function;
+    a failure on one stops all (the others would wait in the next collective)."""
 
-    def __init__(self, func, trainer):
-        self.func, self.trainer = func, trainer
+    def __init__(self, call, inputs: BackendInputs, engine=None):
+        self.call, self.engine = call, engine
+        self.accelerator = inputs.context.accelerator
+        self.limits = (inputs.config.max_completion_length, vocabulary_size(inputs.policy),
+                       context_length(inputs.policy))
 
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
+        """``params`` are the trainer's own: the function reads ``trainer.args`` or calls ``trainer.generate``
+        with its own."""
         try:
-            samples, error = call_rollout_func(self.func, prompts, self.trainer), None
+            samples, error = call_rollout_func(self.call, prompts, *self.limits), None
         except Exception as caught:
             samples, error = None, caught
         # a vLLM server the function called died: every process stops with a checkpoint (GRPOTrainer.train)
-        dist.raise_together(self.trainer.accelerator, error, shared=(VLLMServerError,))
+        dist.raise_together(self.accelerator, error, shared=(VLLMServerError,))
         return samples
+
+    def sync_weights(self, step: int | None = None) -> None:
+        if self.engine is not None:  # the engine the function samples from holds this step's policy
+            self.engine.sync_weights(step)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

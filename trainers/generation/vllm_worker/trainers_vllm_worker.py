@@ -9,11 +9,11 @@ oneDNN, so a plain ``load_weights`` on the running model would not do).
 
 This file imports only torch, vLLM and the standard library, never the ``trainers`` package: the server may run in
 an environment of its own (vLLM pins another transformers) that lacks the trainer's dependencies. The launcher
-(trainers/grpo/vllm_server.py) puts this folder, which holds only this module, on PYTHONPATH and passes
+(trainers/generation/vllm_server.py) puts this folder, which holds only this module, on PYTHONPATH and passes
 ``--worker-extension-cls trainers_vllm_worker.TrainersWorkerExtension``: vLLM's worker imports this module by that
 name, which registers the engine before the worker builds it from ``--weight-transfer-config``.
 
-The client side is trainers/grpo/vllm_client.py (``VLLMClient.update_weights``).
+The client side is trainers/generation/vllm_client.py (``VLLMClient.update_weights``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and is ``trainer.vllm_generation.vllm_client`` as in TRL 1.16. It differs where 
 
 - weights travel over a gloo process group of their own (rank 0 here, the server's workers after it; rendezvous on a
   TCPStore this process hosts at ``group_port``, GRPOConfig.vllm_group_port) into the transfer engine that
-  ``trainers vllm-serve`` registers in the server (trainers/grpo/vllm_worker/trainers_vllm_worker.py), which reloads
+  ``trainers vllm-serve`` registers in the server (trainers/generation/vllm_worker/trainers_vllm_worker.py), which reloads
   them layer-wise in place. TRL's client needs NCCL (a CUDA device) for this;
 - ``update_model_params`` sends the full state dict: a tied output head is not among ``named_parameters()``, and
   without it the engine's head would silently keep the old weights;

@@ -1,4 +1,4 @@
-"""GRPO's tool-calling rollout strategy (TRL's ``tools=`` and ``environment_factory=``), on top of whatever samples
+"""The tool-calling rollout strategy (TRL's ``tools=`` and ``environment_factory=``), on top of whatever samples
 (the policy's lean engine or HF generate, vLLM colocated or as a server):
 
     rows -> an environment instance per rollout, reset (all at once)            ToolLoop.begin
@@ -10,15 +10,16 @@
             token out: nothing the model wrote is re-tokenized)
          -> until a turn has no call, max_tool_calling_iterations rounds of calls, or max_completion_length
             (every turn and tool result together) is used up
-         -> Episode: Samples (model_mask, the sampler's log-probs; NaN on tool tokens), each rollout's messages
+         -> Episode: Samples (model_mask, the backend's log-probs; NaN on tool tokens), each rollout's messages
             (TRL's completion form), its environment, counts for the tools/* metrics
 
 A tool result that does not fit the budget left is cut to fit, ending in TRUNCATED_MARKER, and counted in
 ``tools/truncated_results``; when not even the tool turn's own tokens fit, the rollout ends there (its results
 are counted the same way). TRL drops such a result silently.
 
-The loop knows no trainer: a sampler, the tokenizer, the EOS ids and the processes' collectives (``run``'s
-arguments).
+The loop knows no trainer: a generation backend, the tokenizer, the EOS ids and the processes' collectives
+(``run``'s arguments); the caller hears of each finished Episode through its return value (GRPO fires the
+``on_episode_end`` callback event with it).
 
 Every process runs the loop in step: each turn, every process samples together (ZeRO-3 gathers, a vLLM server's
 request), a process with nothing left to sample keeping the others company with one token of a dummy row.
@@ -34,20 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from trainers import distributed as dist
-from trainers.data import is_conversational
+from trainers.agents.environments import Environments
+from trainers.agents.parsing import Turn, parse_turn
+from trainers.agents.rendering import check_tool_template, tool_schemas, tool_turn_ids, toolbox
+from trainers.agents.runner import ToolResult, ToolRunner
+from trainers.data import chat_ids, is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.generation.sampling import Sampler, Samples, SamplingParams
-from trainers.grpo.tools import (
-    Environments,
-    ToolResult,
-    ToolRunner,
-    Turn,
-    check_tool_template,
-    parse_turn,
-    tool_schemas,
-    tool_turn_ids,
-    toolbox,
-)
+from trainers.generation.backend import Backend
+from trainers.generation.sampling import Samples, SamplingParams, ended
 
 TRUNCATED_MARKER = " ...[truncated]"
 MAX_DEFAULT_WORKERS = 64
@@ -92,11 +87,22 @@ def tool_metrics(accelerator, counts: ToolCounts) -> dict[str, float]:
             "tools/truncated_results": truncated}
 
 
-class ToolLoop:
-    """The trainer's tools and environments, and the loop that runs them (module docstring). Built when the
-    trainer is: the tools' schemas and the chat template are checked then, before any model loads."""
+@dataclass(frozen=True)
+class ToolOptions:
+    """The loop's options (TRL's GRPOConfig fields of the same names)."""
 
-    def __init__(self, tools, environment_factory, args, tokenizer, reward_count: int):
+    chat_template_kwargs: dict | None = None
+    max_tool_calling_iterations: int | None = None  # None: no limit but the token budget
+    tool_workers: int | None = None  # threads running sync tools; None: one per rollout, at most MAX_DEFAULT_WORKERS
+    tool_timeout: float | None = None  # seconds per call; None: no limit
+
+
+class ToolLoop:
+    """The tools and environments, and the loop that runs them (module docstring). Built before any model
+    loads: the tools' schemas and the chat template are checked then. ``reward_count``: the reward functions
+    given besides the environments' (an environment's get_reward may be the only one)."""
+
+    def __init__(self, tools, environment_factory, options: ToolOptions, tokenizer, reward_count: int):
         tools = list(tools or [])
         self.environments = Environments(environment_factory, tools) if environment_factory else None
         names = list(self.environments._factories) if self.environments else [None]
@@ -105,9 +111,10 @@ class ToolLoop:
                         for name in names}
         self.tools = tools
         self._standalone_box = toolbox(tools)  # the standalone tools by name (checks unique names)
-        check_tool_template(tokenizer, args.chat_template_kwargs)
-        self.args, self.tokenizer = args, tokenizer
-        self.max_iterations = math.inf if args.max_tool_calling_iterations is None else args.max_tool_calling_iterations
+        check_tool_template(tokenizer, options.chat_template_kwargs)
+        self.options, self.tokenizer = options, tokenizer
+        self.max_iterations = (math.inf if options.max_tool_calling_iterations is None
+                               else options.max_tool_calling_iterations)
         self.runner: ToolRunner | None = None  # started with the first round (its size needs the rollout count)
         self.reward_functions = self.environments.reward_functions() if self.environments else []
         if reward_count == 0 and not self.reward_functions:
@@ -118,8 +125,8 @@ class ToolLoop:
 
     def _runner(self, rollouts: int) -> ToolRunner:
         if self.runner is None:
-            workers = self.args.tool_workers or max(1, min(rollouts, MAX_DEFAULT_WORKERS))
-            self.runner = ToolRunner(workers, self.args.tool_timeout)
+            workers = self.options.tool_workers or max(1, min(rollouts, MAX_DEFAULT_WORKERS))
+            self.runner = ToolRunner(workers, self.options.tool_timeout)
         return self.runner
 
     def check_rows(self, rows: list[dict], name: str, first: int = 0) -> None:
@@ -139,13 +146,13 @@ class ToolLoop:
     def _environment_name(self, row: dict):
         return row.get("environment") if self.environments is not None and self.environments.multi else None
 
-    def begin(self, rows: list[dict]) -> tuple[list, list[list[dict]], list[list[int]]]:
+    def begin(self, rows: list[dict], given_ids: list[list[int]]) -> tuple[list, list[list[dict]], list[list[int]]]:
         """This process's rollouts of a round: their environments (taken from the pool and reset, all at once),
         their prompts (a string reset returned is appended to the last message, as in TRL) and prompt ids rendered
         with each rollout's tools. Raises the user's error from reset."""
         runner = self._runner(len(rows))
         messages = [list(row["prompt"]) for row in rows]
-        environments = None
+        environments, changed = None, set()
         if self.environments is not None:
             names = [self._environment_name(row) for row in rows]
             environments = self.environments.take(names)
@@ -155,15 +162,17 @@ class ToolLoop:
             observations = runner.map([functools.partial(env.reset, **kw) for env, kw in zip(environments, kwargs)])
             for i, observation in enumerate(observations):
                 if observation is not None:
+                    changed.add(i)
                     last = messages[i][-1]
                     messages[i] = messages[i][:-1] + [{**last, "content": last["content"] + str(observation)}]
-        kwargs = dict(self.args.chat_template_kwargs or {})
-        prompt_ids = []
-        for row, conversation in zip(rows, messages):
-            schemas = self.schemas[self._environment_name(row)]
-            ids = self.tokenizer.apply_chat_template(conversation, tools=schemas or None, tokenize=True,
-                                                     return_dict=False, add_generation_prompt=True, **kwargs)
-            prompt_ids.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        kwargs = dict(self.options.chat_template_kwargs or {})
+        prompt_ids = list(given_ids)
+        for i, (row, conversation) in enumerate(zip(rows, messages)):
+            # the dataset's prompt ids hold every tool's schema: re-rendered where reset changed the prompt or
+            # the row's environment has tools of its own
+            if i in changed or (self.environments is not None and self.environments.multi):
+                schemas = self.schemas[self._environment_name(row)]
+                prompt_ids[i] = chat_ids(self.tokenizer, conversation, True, tools=schemas or None, **kwargs)
         return environments, messages, prompt_ids
 
     def _toolbox(self, environment) -> dict:
@@ -171,14 +180,14 @@ class ToolLoop:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, sampler: Sampler, rows: list[dict], params: SamplingParams, *, eos_ids: set[int],
-            accelerator) -> Episode:
-        """The tool loop for this process's ``rows`` (module docstring), sampling through ``sampler``; a turn
-        ends at one of ``eos_ids``. Every process calls it together (``accelerator``: their collectives)."""
+    def run(self, backend: Backend, rows: list[dict], prompt_ids: list[list[int]], params: SamplingParams, *,
+            eos_ids: set[int], accelerator) -> Episode:
+        """The tool loop for this process's ``rows`` (module docstring; ``prompt_ids``: their prompts' tokens, as
+        the dataset rendered them), sampling through ``backend``; a turn ends at one of ``eos_ids``. Every process calls it together (``accelerator``: their collectives)."""
         acc, budget = accelerator, params.max_new_tokens
-        error, environments, prompts, prompt_ids = None, None, None, None
+        error, environments, prompts, given = None, None, None, prompt_ids
         try:  # user code (reset, the chat template): a failure on one process stops all
-            environments, prompts, prompt_ids = self.begin(rows)
+            environments, prompts, prompt_ids = self.begin(rows, given)
         except Exception as caught:
             error = caught
         dist.raise_together(acc, error)
@@ -187,29 +196,29 @@ class ToolLoop:
         masks: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         messages: list[list[dict]] = [[] for _ in range(n)]
-        given_logprobs = True  # the sampler gave log-probs (vLLM); the policy sampler gives none
+        given_logprobs = True  # the backend gave log-probs (vLLM); the policy itself gives none
         counts = ToolCounts(rollouts=n)
         pending, iteration = list(range(n)), 0
         while True:
             # every process samples together, one dummy token where nothing is left here
             ids = [prompt_ids[i] + completions[i] for i in pending] or [prompt_ids[0]]
             room = max([budget - len(completions[i]) for i in pending], default=1)
-            out = sampler.sample([prompts[i] for i in pending] or [prompts[0]], ids,
-                                         dataclasses.replace(params, max_new_tokens=room))
+            out = backend.sample([prompts[i] for i in pending] or [prompts[0]], ids,
+                                 dataclasses.replace(params, max_new_tokens=room))
             given_logprobs = given_logprobs and out.logprobs is not None
             calling = []
             for j, i in enumerate(pending):
                 turn_ids = out.completion_ids[j][:budget - len(completions[i])]
                 turn = parse_turn(self.tokenizer, turn_ids, prompt_ids[i] + completions[i],
                                   self.schemas[self._environment_name(rows[i])])
-                ended = bool(turn_ids) and turn_ids[-1] in eos_ids  # a whole turn, room left after it
+                whole = ended(turn_ids, eos_ids)  # a whole turn, not one cut by the budget
                 completions[i] += turn_ids
                 masks[i] += [1] * len(turn_ids)
                 if out.logprobs is not None:
                     logprobs[i] += out.logprobs[j][:len(turn_ids)]
                 messages[i].append(turn.message)
                 counts += ToolCounts(malformed=turn.malformed)
-                if turn.calls and ended and iteration < self.max_iterations and len(completions[i]) < budget:
+                if turn.calls and whole and iteration < self.max_iterations and len(completions[i]) < budget:
                     calling.append((i, turn))
             pending, called = self._call_tools(calling, environments, completions, masks, logprobs, messages, budget)
             counts += called
@@ -247,7 +256,7 @@ class ToolLoop:
         """The tool turn's tokens for ``results`` within ``room`` tokens: as they are when they fit; else each
         result cut to the same share of its text, the largest that fits, and marked (TRUNCATED_MARKER); None when
         even empty results do not fit. -> (tokens or None, the results as appended, how many were cut)."""
-        kwargs = self.args.chat_template_kwargs
+        kwargs = self.options.chat_template_kwargs
         suffix = tool_turn_ids(self.tokenizer, results, kwargs)
         if len(suffix) <= room:
             return suffix, results, 0

@@ -2,13 +2,13 @@
 
     trainers vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000             # vLLM in the trainer's environment
     trainers vllm-serve --model M --python vllm-env/bin/python                     # vLLM in an environment of its own
-    vllm-env/bin/python path/to/trainers/grpo/vllm_server.py --model M             # no trainer environment at all
+    vllm-env/bin/python path/to/trainers/generation/vllm_server.py --model M             # no trainer environment at all
 
 TRL's ``trl vllm-serve`` options (underscores or dashes); any other flag goes to vLLM as is. It runs
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` console script fails with the CPU wheel) with
 ``VLLM_SERVER_DEV_MODE=1`` (the weight-update endpoints), TRL's logprob settings, and our weight-transfer engine
-(trainers/grpo/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
-imports through ``--worker-extension-cls``. The trainer connects with ``VLLMClient`` (trainers/grpo/vllm_client.py).
+(trainers/generation/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
+imports through ``--worker-extension-cls``. The trainer connects with ``VLLMClient`` (trainers/generation/vllm_client.py).
 
 This file imports only the standard library: it runs as a script in a vLLM-only environment, and the server it
 starts needs only vLLM plus the worker module's folder on PYTHONPATH, never the ``trainers`` package.

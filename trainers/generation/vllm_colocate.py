@@ -1,0 +1,244 @@
+"""vLLM colocated (``vllm_mode="colocate"``): an engine in each training process, as TRL runs it.
+
+The engine runs in the training process itself (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under several processes
+TRL's ``external_launcher`` executor, each process with its own engine): no engine process can outlive the run.
+It differs from TRL's where TRL's does not work on CPU or would hide a stale engine:
+
+- the engine starts from the policy's config and tokenizer with placeholder weights and receives the policy's
+  full weights before its first round (any model instance works, a PEFT one included);
+- weights are synced through the worker's in-place layer-wise reload (``reload_weights``): vLLM's CPU backend
+  repacks linear weights for oneDNN, where TRL's ``load_weights`` fails;
+- on CPU the KV cache is sized for the round's sequences: ``vllm_gpu_memory_utilization`` would be a fraction
+  of host RAM there;
+- ``close()`` (the end of ``train()``, also on an exception or a signal, and ``trainer.end()``) shuts it down;
+  used again afterwards (evaluate, a rollout function), it starts anew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import torch
+
+from trainers.errors import ConfigError
+from trainers.generation.backend import BackendInputs
+from trainers.generation.vllm_common import (
+    KV_BLOCK_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
+    REASON_CHARS,
+    VLLMBackend,
+    keep_default_process_group,
+    sampled_logprobs,
+)
+from trainers.host import allow_amx_tiles
+from trainers.logs import logger
+from trainers.modeling import context_length
+
+
+class VLLMColocate(VLLMBackend):
+    """This process's vLLM engine (``.llm``, TRL's ``trainer.vllm_generation.llm``), holding the policy's
+    weights. Built on every process, together."""
+
+    def __init__(self, inputs: BackendInputs):
+        super().__init__(inputs)
+        self.llm = None  # the vllm.LLM; None once closed
+        self.vllm_client = None  # TRL's attribute: a server's client, None here
+        self._model_dir: str | None = None  # the config and tokenizer the engine starts from
+        self._dtype = next(inputs.policy.parameters()).dtype
+        self._restore_set_num_threads = None
+        self._owns_process_group = False
+        self._sleeping = False  # sleep mode: the engine's weights are discarded until the next sync
+        acc = self.context.accelerator
+        self.on_cpu = acc.device.type == "cpu"
+        if self.config.vllm_enable_sleep_mode and self.on_cpu:
+            raise ConfigError("GRPOConfig: `vllm_enable_sleep_mode=True` needs a GPU: vLLM has no sleep mode on "
+                              "CPU. Leave it False.")
+        self.start()
+        self._synced_step = 0  # it holds the policy's weights before the first optimizer step
+        acc.wait_for_everyone()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _engine_options(self) -> dict:
+        """vllm.LLM's arguments (the model folder aside)."""
+        args, acc, model = self.config, self.context.accelerator, self.inputs.policy
+        max_model_len = args.vllm_max_model_length or context_length(model)
+        max_num_seqs = self.inputs.completions_per_round  # TRL's: every completion this process samples in a round
+        options = dict(
+            dtype=self._dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len or 0),
+            model_impl=args.vllm_model_impl, seed=args.seed + acc.process_index,
+            logprobs_mode="processed_logprobs",  # after temperature, as the trainer's log-probs are
+            load_format="dummy",  # the policy's weights arrive with the first sync
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+        )
+        if acc.num_processes > 1:  # TRL's executor for an engine in each training process
+            options["distributed_executor_backend"] = "external_launcher"
+        if self.on_cpu:
+            options["enforce_eager"] = True  # compiling takes 20-70 s of start-up for a few % of speed
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the user's own size wins
+                options["kv_cache_memory_bytes"] = self._kv_cache_bytes(max_model_len, max_num_seqs)
+            if args.vllm_gpu_memory_utilization != 0.3 and acc.is_main_process:
+                logger.warning(f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} is not used on "
+                               f"CPU (vLLM would reserve that fraction of host RAM): the KV cache is sized for the "
+                               f"round's sequences (docs/grpo.md, 'Generation with vLLM').")
+        else:
+            options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        return options
+
+    def _kv_cache_bytes(self, max_model_len: int | None, max_num_seqs: int) -> int:
+        """On CPU: a KV cache for every sequence of a round at once (the longest prompt + max_completion_length
+        each, rounded up to KV_BLOCK_TOKENS) plus one sequence of max_model_len, in bytes."""
+        config = self.inputs.policy.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self._dtype.itemsize  # K and V
+        longest = self.inputs.longest_prompt
+        longest = longest + self.config.max_completion_length if longest else max_model_len
+        per_sequence = min(longest, max_model_len) if max_model_len else longest
+        per_sequence = -(-per_sequence // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        # one sequence of max_model_len fits on top (vLLM checks that one does), and a quarter more for vLLM's
+        # own accounting (measured: the exact product falls ~7% short of a max_model_len sequence)
+        tokens = max_num_seqs * per_sequence + -(-(max_model_len or 0) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        return int(tokens * per_token * 1.25)
+
+    def _save_model_folder(self) -> str:
+        """The policy's config, generation config and tokenizer in a temporary folder: what the engine starts
+        from (its weights come from the policy)."""
+        model = self.inputs.policy
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        folder = tempfile.mkdtemp(prefix="trainers-vllm-")
+        base.config.save_pretrained(folder)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(folder)
+        self.inputs.tokenizer.save_pretrained(folder)
+        return folder
+
+    def start(self) -> None:
+        """Start this process's engine and give it the policy's weights. Every process calls it."""
+        if self.llm is not None:
+            return
+        # in-process engine: nothing outlives the run; set before vLLM reads its settings
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        acc = self.context.accelerator
+        options = self._engine_options()
+        if acc.num_processes > 1:  # external_launcher reads the launch from these, as in TRL
+            os.environ.update(RANK=str(acc.process_index), LOCAL_RANK=str(acc.local_process_index),
+                              WORLD_SIZE=str(acc.num_processes))
+        from vllm import LLM
+
+        if acc.device.type == "cpu":
+            allow_amx_tiles()  # vLLM's bf16 CPU attention uses AMX without asking the kernel (trainers/host.py)
+        # each sync's reload warns that the rotary embedding's cache was not loaded: it is computed, not a weight
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self._owns_process_group = not torch.distributed.is_initialized()  # single process: vLLM makes its own
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process: restored on close
+        self._restore_set_num_threads = torch.set_num_threads
+        self._model_dir = self._save_model_folder()
+        try:
+            self.llm = LLM(model=self._model_dir, **options)
+            # some models start but cannot run (on CPU: an attention head_dim vLLM's kernels lack): one token
+            # now, so that this fails when the trainer is built rather than in the first round
+            from vllm import SamplingParams as VLLMSamplingParams
+
+            self.llm.generate([{"prompt_token_ids": [0]}], VLLMSamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception as error:
+            self._shut_down_failed_start()
+            raise ConfigError(self._unloadable_message(error)) from error
+        super().sync_weights(None)
+        if self.config.vllm_enable_sleep_mode:
+            self._sleep()
+
+    def _unloadable_message(self, error: Exception) -> str:
+        """The error for a model vLLM cannot load or run: the model, its architecture and vLLM's reason (cut:
+        vLLM's list of supported architectures alone is thousands of characters)."""
+        config = self.inputs.policy.config
+        reason = " ".join(f"{type(error).__name__}: {error}".split())  # one line (pydantic's are several)
+        if len(reason) > REASON_CHARS:
+            reason = reason[:REASON_CHARS] + " [...]"
+        return (f"use_vllm=True: vLLM cannot load or run the model {self._model_name() or '(given as an instance)'} "
+                f"(architectures {getattr(config, 'architectures', None)}, model_type {config.model_type!r}): "
+                f"{reason}. Use a model vLLM supports, leave use_vllm False (the trainer samples with the policy "
+                f"itself), or serve it from an environment where vLLM can (vllm_mode='server').")
+
+    def _shut_down_failed_start(self) -> None:
+        """After a start that failed: the engine, if it was made, is shut down and the model folder removed."""
+        if self.llm is not None:
+            self.close()  # restores torch.set_num_threads and removes the folder too
+            return
+        if self._restore_set_num_threads is not None:  # vLLM's CPU worker may have replaced it already
+            torch.set_num_threads = self._restore_set_num_threads
+        self._remove_model_folder()
+
+    # ------------------------------------------------------------------ weights and generation
+
+    def sync_weights(self, step: int | None = None) -> None:
+        if self.llm is None:
+            self.start()  # closed at the end of a train() call, used again: started with the policy's weights
+            self._synced_step = step
+        super().sync_weights(step)
+
+    def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        if self._sleeping:
+            self.llm.wake_up(tags=["weights"])
+        weights = ((name, tensor.to(self._dtype)) for batch in batches for name, tensor in batch)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self._sleeping = False
+
+    def _sleep(self) -> None:
+        """Sleep mode (GPU): discard the weights and the KV cache until the next round (TRL's level 2)."""
+        self.llm.sleep(level=2)
+        self._sleeping = True
+
+    def _generate(self, prompt_ids: list[list[int]], kwargs: dict) -> tuple[list, list]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        if self.llm is None:
+            self.start()
+        regex = self.config.vllm_structured_outputs_regex
+        if regex is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(regex=regex)
+        if self._sleeping:  # level 2 discarded the weights: they come back from the policy
+            super().sync_weights(None)
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                                    sampling_params=VLLMSamplingParams(**kwargs), use_tqdm=False)
+        if self.config.vllm_enable_sleep_mode:
+            self._sleep()
+        completions = [list(out.outputs[0].token_ids) for out in outputs]
+        return completions, [sampled_logprobs(out.outputs[0]) for out in outputs]
+
+    # ------------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Shut the engine down: its memory and threads are released; the training run's process group stays.
+        Idempotent."""
+        if self.llm is None:
+            self._remove_model_folder()
+            return
+        llm, self.llm = self.llm, None
+        keep = contextlib.nullcontext() if self._owns_process_group else keep_default_process_group()
+        try:
+            with keep:
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            if self._restore_set_num_threads is not None:
+                torch.set_num_threads = self._restore_set_num_threads
+            self._remove_model_folder()
+            self._sleeping = False
+
+    def _remove_model_folder(self) -> None:
+        if self._model_dir is not None:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+            self._model_dir = None

@@ -1,0 +1,216 @@
+"""The built-in reward functions: what the names 'accuracy', 'format' and 'overlong' resolve to, and TRL's own
+built-ins by TRL's names (``think_format_reward``, ``get_soft_overlong_punishment``; trainers/rewards.py re-exports
+them at TRL's ``trl.rewards`` path).
+
+Each follows the reward-function contract (trainers/grpo/rewards.py, which resolves names to these and calls
+them): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``. Kept apart from that
+machinery because they are ordinary reward functions, written as a user's would be; ``accuracy_reward`` brings
+its answer extraction and the LaTeX comparison (math_verify, imported on first use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import threading
+from typing import Any, Callable
+
+from trainers.errors import RewardFunctionError
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: the string itself, or the content of its (last) assistant message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Built-in rewards
+# ----------------------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def is_latex(reference: Any) -> bool:
+    """A reference written in LaTeX (it has a command such as ``\\frac``): compared with math_verify."""
+    return isinstance(reference, str) and "\\" in reference
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            if depth == 0:
+                return text[begin:index]
+            depth -= 1
+    return None
+
+
+def _answer_spans(text: str) -> list[str]:
+    """Where a completion may state its answer: the whole text, the last ``\\boxed{}``, each ``<answer>`` block."""
+    spans = [text, *_ANSWER_TAG.findall(text)]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        spans.append(boxed)
+    return [span.strip() for span in spans]
+
+
+_MATH_VERIFY_MISSING = "math_verify, which is not installed: pip install math-verify (or 'trainers[math]')."
+
+
+def math_verify_missing() -> bool:
+    return importlib.util.find_spec("math_verify") is None
+
+
+class _LatexChecker:
+    """TRL's math_verify comparison (boxed answer first, no anchorless extraction), imported on first use.
+
+    A reference without ``$`` or ``\\boxed`` is parsed as if it were boxed: parsed bare, as TRL does,
+    ``2\\sqrt{3}`` reads as 2."""
+
+    def __init__(self):
+        if math_verify_missing():
+            raise RewardFunctionError(f"The 'accuracy' reward compares LaTeX answers with {_MATH_VERIFY_MISSING}")
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+
+        self.parse, self.verify = parse, verify
+        self.config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                             boxed_match_priority=0, try_extract_without_anchor=False)]
+
+    def __call__(self, completion: str, reference: str) -> float | None:
+        # math_verify times out with signal.alarm, which only works in the main thread
+        main = threading.current_thread() is threading.main_thread()
+        anchored = "$" in reference or "\\boxed" in reference  # the reference marks its own answer
+        timeout = 10 if main else None
+        gold = (self.parse(reference, parsing_timeout=timeout) if anchored  # math_verify's defaults, as in TRL
+                else self.parse(f"\\boxed{{{reference}}}", extraction_config=self.config, parsing_timeout=timeout))
+        if not gold:
+            return None  # an unparseable reference skips the sample, as in TRL
+        answer = self.parse(completion, extraction_config=self.config, extraction_mode="first_match",
+                            parsing_timeout=timeout)
+        return float(self.verify(gold, answer, timeout_seconds=5 if main else None))
+
+
+_latex_checker: _LatexChecker | None = None
+
+
+def accuracy_reward(completions: list, answer: list | None = None, solution: list | None = None,
+                    **kwargs) -> list[float | None]:
+    """1.0 when the completion's answer equals the reference, else 0.0.
+
+    The reference comes from the ``answer`` (or ``solution``) column, by kind:
+
+    - a number: compared as a number with the last number in the completion ("The sum is 46." matches 46);
+    - LaTeX (it has a backslash command, e.g. ``\\frac{1}{3}``): compared symbolically with math_verify, as
+      TRL's ``accuracy_reward`` does (``\\boxed{\\frac{2}{6}}`` matches); needs the ``math-verify`` package,
+      and a reference math_verify cannot parse gives None;
+    - any other text: must equal the stripped completion, the content of its last ``\\boxed{}``, or of an
+      ``<answer>...</answer>`` block.
+
+    Rows without a reference get None.
+    """
+    global _latex_checker
+    references = answer if answer is not None else solution
+    if references is None:
+        raise RewardFunctionError("The built-in 'accuracy' reward needs an 'answer' (or 'solution') column.")
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, references):
+        if reference is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion).strip()
+        target = _as_number(str(reference))
+        if target is not None:
+            numbers = _NUMBER.findall(text)
+            rewards.append(1.0 if numbers and math.isclose(float(numbers[-1]), target) else 0.0)
+        elif is_latex(reference):
+            _latex_checker = _latex_checker or _LatexChecker()
+            rewards.append(_latex_checker(text, reference))
+        else:
+            rewards.append(1.0 if str(reference).strip() in _answer_spans(text) else 0.0)
+    return rewards
+
+
+def check_accuracy_references(rows: list[dict], dataset: str) -> None:
+    """Before training: the 'accuracy' reward has a reference column, and math_verify if a reference is LaTeX."""
+    column = "answer" if "answer" in rows[0] else "solution" if "solution" in rows[0] else None
+    if column is None:
+        raise RewardFunctionError(f"The built-in 'accuracy' reward compares completions with an 'answer' (or "
+                                  f"'solution') column; {dataset} has {sorted(rows[0])}.")
+    latex = next((i for i, row in enumerate(rows) if is_latex(row.get(column))), None)
+    if latex is not None and math_verify_missing():
+        raise RewardFunctionError(
+            f"{dataset} column '{column}' holds LaTeX answers (row {latex}: {rows[latex][column]!r}); the 'accuracy' "
+            f"reward compares them with {_MATH_VERIFY_MISSING}")
+
+
+FORMAT_PATTERN = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def format_reward(completions: list, **kwargs) -> list[float]:
+    """1.0 when the completion is ``<think>...</think><answer>...</answer>`` (reasoning-model format), else 0.0."""
+    return [1.0 if FORMAT_PATTERN.match(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def soft_overlong_penalty(max_completion_length: int, soft_cache_length: int | None = None) -> Callable:
+    """DAPO's soft over-length punishment (arXiv:2503.14476 eq. 13), as a reward function.
+
+    With L = completion length, L_max = max_completion_length and L_cache the soft window (default L_max/4):
+    0 if L <= L_max - L_cache; (L_max - L_cache - L) / L_cache inside the window; -1 beyond L_max.
+    """
+    cache = soft_cache_length if soft_cache_length is not None else max(1, max_completion_length // 4)
+    if not 0 < cache <= max_completion_length:
+        raise RewardFunctionError(f"soft_cache_length={cache} must be in (0, max_completion_length].")
+
+    def overlong(completion_ids: list, **kwargs) -> list[float]:
+        free = max_completion_length - cache
+        out = []
+        for ids in completion_ids:
+            length = len(ids)
+            if length <= free:
+                out.append(0.0)
+            elif length <= max_completion_length:
+                out.append((free - length) / cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    overlong.__name__ = "overlong"
+    return overlong
+
+
+BUILTIN_REWARDS = {"accuracy", "format", "overlong"}
+
+
+# TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.
+THINK_PATTERN = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: list, **kwargs) -> list[float]:
+    """TRL's ``think_format_reward``: 1.0 when the completion opens with one ``<think>...</think>`` block
+    (whatever follows), else 0.0. Looser than :func:`format_reward`, which also wants ``<answer>...</answer>``."""
+    return [1.0 if THINK_PATTERN.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:
+    """TRL's name for :func:`soft_overlong_penalty`."""
+    return soft_overlong_penalty(max_completion_len, soft_punish_cache)

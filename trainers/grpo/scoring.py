@@ -1,0 +1,126 @@
+"""GRPO's log-prob scorer: the policy's, the old and the reference log-probs of a round's completions, in one
+place (``LogProbScorer``). The rollout stage asks it for old and reference log-probs; the loss for the policy's,
+with the rows that cannot have a gradient left out of the backward (``training_forward``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from trainers import distributed as dist
+from trainers.generation import engine
+from trainers.grpo.batch import MicroBatch, Rollout
+from trainers.grpo.objectives import FOLDS_SAMPLER_WEIGHTS
+from trainers.grpo.shared_prompt import shared_prompt_logprobs
+from trainers.modeling import token_logprobs
+
+
+class LogProbScorer:
+    """Per-token log-probs of completions under the policy (``wrapped``: what trains it; ``policy``: unwrapped)
+    or the reference (``reference``: a prepared copy; None with PEFT, where it is the policy with its adapters
+    off). ``batch_size``: rows per forward (per_device_train_batch_size); ``entropy_bonus``: whether the loss
+    has one (its rows all have a gradient); ``router_aux_loss_coef``: an MoE router loss's weight (0: none)."""
+
+    def __init__(self, accelerator, args: Any, policy: torch.nn.Module, wrapped: torch.nn.Module,
+                 reference: torch.nn.Module | None, batch_size: int, entropy_bonus: bool,
+                 router_aux_loss_coef: float):
+        self.accelerator, self.args = accelerator, args
+        self.policy, self.wrapped, self.reference = policy, wrapped, reference
+        self.batch_size, self.entropy_bonus = batch_size, entropy_bonus
+        self.router_aux_loss_coef = router_aux_loss_coef
+
+    @functools.cached_property
+    def shares_prompt_forward(self) -> bool:
+        """Whether a micro-batch's completions of one prompt share its forward (``shared_prompt_logprobs``):
+        for the model families the lean engine knows, and not where a forward is collective: whether a
+        micro-batch shares a prompt differs between processes. That also leaves out ZeRO-3, where a second
+        forward per micro-batch would cost a second all-gather of every layer's weights (it computes correctly
+        there: checked on CPU, not enabled). Under gradient checkpointing the function itself falls back where
+        the checkpoints would lose the prompt's cache (reentrant ones, an older transformers)."""
+        return (engine.supports(self.policy)
+                and not dist.forwards_are_collective(self.accelerator, self.wrapped)
+                and not self.router_aux_loss_coef)  # the router loss wants every token's routing in one forward
+
+    @functools.cached_property
+    def skips_zero_gradient_rows(self) -> bool:
+        """skip_zero_gradient_rows where it holds: not where forwards are collective (ZeRO-3, FSDP, DDP with
+        ddp_broadcast_buffers=True: the extra forward runs on some processes only), nor with an MoE router loss
+        (every row's routing counts in it)."""
+        return (self.args.skip_zero_gradient_rows and not dist.forwards_are_collective(self.accelerator, self.wrapped)
+                and not self.router_aux_loss_coef)
+
+    def policy_logprobs(self, model, batch: MicroBatch, with_entropy: bool = False, with_router_loss: bool = False,
+                        entropy_grad: bool = False) -> dict:
+        """The one entry point for log-probs of a micro-batch's completions under ``model`` (the policy, or the
+        reference): {"logps": [B, C], "entropy": [B, C] with ``with_entropy``, "aux_loss" with
+        ``with_router_loss``}. Rows of one prompt share its forward where that holds (``shares_prompt_forward``)."""
+        if self.shares_prompt_forward:
+            out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                         batch.completion_attention, batch.prompt_group, self.args.temperature,
+                                         with_entropy, entropy_grad)
+            if out is not None:  # None: no two rows of this micro-batch share a prompt
+                return out
+        input_ids, attention_mask, position_ids = batch.model_inputs()
+        return token_logprobs(model, input_ids, batch.completion_ids, attention_mask, position_ids,
+                              temperature=self.args.temperature, logits_to_keep=batch.completion_ids.shape[1],
+                              with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad)
+
+    def round_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs of every completion of a round, in micro-batches: [N, C]."""
+        out = torch.zeros_like(rollout.loss_mask)
+        size = self.batch_size
+        for start in range(0, rollout.loss_mask.shape[0], size):
+            logps = self.policy_logprobs(model, rollout.micro_batch(start, start + size))["logps"]
+            out[start:start + size, : logps.shape[1]] = logps
+        return out
+
+    def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """The policy's log-probs of a round now, before its optimizer steps: [N, C]."""
+        return self.round_logprobs(self.wrapped, rollout)
+
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """The reference model's log-probs of a round: [N, C]. With PEFT, the base model (adapters off)."""
+        if self.reference is not None:
+            return self.round_logprobs(self.reference, rollout)
+        with self.policy.disable_adapter():
+            return self.round_logprobs(self.wrapped, rollout)
+
+    def training_forward(self, model, batch: MicroBatch, **options) -> dict:
+        """``policy_logprobs`` for the loss, with only the rows whose loss has a gradient in the backward.
+
+        A row without loss tokens adds nothing to the loss; with beta=0 and no entropy bonus neither does a row
+        with advantage 0, since every policy loss is a multiple of the advantage, nor one whose sampler weights
+        (vllm_importance_sampling_*) are 0 on all its loss tokens. Such rows are forwarded without gradients (the
+        logged entropy needs them; on the unwrapped model, as a forward with no backward needs none of DDP's
+        bookkeeping), or, without loss tokens, not at all: their log-probs are set to the old ones (every ratio
+        1, every term finite) and their entropy to 0 (masked). The result covers the whole micro-batch
+        ({"logps", "entropy"}, [B, C]), so the loss and every statistic are computed as without skipping."""
+        if not self.skips_zero_gradient_rows:
+            return self.policy_logprobs(model, batch, **options)
+        mask = batch.loss_mask  # [B, C]
+        silent = mask.sum(-1) == 0  # [B]: no loss tokens
+        idle = silent.clone()  # [B]: rows whose loss gradient is zero
+        if self.args.beta == 0 and not self.entropy_bonus:
+            idle |= batch.advantages == 0
+            if batch.sampler_weights is not None and self.args.loss_type not in FOLDS_SAMPLER_WEIGHTS:
+                idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction
+        if not idle.any():
+            return self.policy_logprobs(model, batch, **options)
+        if idle.all():  # one row keeps a backward, so DDP's and DeepSpeed's gradient hooks fire on every process
+            idle[0] = False
+        trained, frozen = (~idle).nonzero().squeeze(1), (idle & ~silent).nonzero().squeeze(1)
+        parts = [(trained, self.policy_logprobs(model, batch.rows(trained), **options))]
+        if frozen.numel():
+            with torch.no_grad():
+                parts.append((frozen, self.policy_logprobs(dist.unwrap(self.accelerator, model), batch.rows(frozen),
+                                                           with_entropy=True)))
+        width = mask.shape[1]
+        logps = batch.old_logps if batch.old_logps is not None else torch.zeros_like(mask)
+        entropy = torch.zeros_like(mask)
+        for rows, out in parts:  # [b, c] -> their rows of [B, C]; index_copy keeps the trained rows' gradient
+            pad = (0, width - out["logps"].shape[1])
+            logps = logps.index_copy(0, rows, torch.nn.functional.pad(out["logps"], pad))
+            entropy = entropy.index_copy(0, rows, torch.nn.functional.pad(out["entropy"], pad))
+        return {"logps": logps, "entropy": entropy}
