@@ -8,8 +8,8 @@ replaces the shared one. There are no DataLoaders here (batches are built from t
 dataloader arguments are None.
 
 Events of this package's own, beyond transformers' (a callback without the method is skipped for them):
-``on_rollout_end(..., rollout=, samples=, metrics=)``, GRPO's: a generation round was built (its ``Rollout``, the
-backend's ``Samples`` before padding, the round's metrics). ``on_episode_end(..., episode=)``: the tool loop ran a
+``on_rollout_end(..., round_index=, rollout=, samples=, metrics=)``, GRPO's: a generation round was built (its
+index, its ``Rollout``, the backend's ``Samples`` before padding, the round's metrics). ``on_episode_end(..., episode=)``: the tool loop ran a
 round's episodes on this process (trainers/agents/tool_loop.py's ``Episode``).
 """
 

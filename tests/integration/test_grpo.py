@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
@@ -230,19 +230,17 @@ def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path
 
 def test_generation_batch_semantics(tiny_model_dir, tmp_path):
     """per_device counts completions; one round of generation_batch_size serves steps_per_generation micro-steps."""
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+    built = []  # the index of each round built (the on_rollout_end event)
+
+    class Rounds(TrainerCallback):
+        def on_rollout_end(self, args, state, control, round_index=None, **kwargs):
+            built.append(round_index)
+
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS, callbacks=[Rounds()],
                           args=config(tmp_path, per_device_train_batch_size=4, num_generations=4,
                                       gradient_accumulation_steps=2, steps_per_generation=4))
     assert trainer.generation_batch_size == 16 and trainer.prompts_per_round == 4
     assert trainer.need_old_logps  # a round spans 2 optimizer steps
-    built = []
-    build_round = trainer.build_round
-
-    def recording(index):
-        built.append(index)
-        return build_round(index)
-
-    trainer.build_round = recording
     for step in range(2):
         for a in range(2):
             trainer.prepare_step(step)

@@ -119,9 +119,19 @@ def test_the_tool_loop_over_a_scripted_backend(tokenizer, accelerator):
         assert "42" in tokenizer.decode(tool_turn) and len(tool_turn) > 0
         assert mask == [1] * len(first) + [0] * len(tool_turn) + [1] * len(second)  # the tool's tokens: no loss
         assert backend.asked[1][row] == prompt_ids[row] + completion[:len(completion) - len(second)]
-    assert samples.logprobs is None
+    assert samples.logprobs is None and samples.finished == [True, True]
     assert [m["role"] for m in episode.messages[0]] == ["assistant", "tool", "assistant"]
     assert episode.messages[0][1]["content"] == "42"
+
+    # a budget that cuts the first turn: no call is run, and the rollouts did not finish (truncated)
+    loop = ToolLoop([multiply], None, ToolOptions(), tokenizer, reward_count=1)
+    try:
+        cut = loop.run(TwoTurns(inputs_for(tokenizer, accelerator)), rows, prompt_ids,
+                       SamplingParams(max_new_tokens=10), eos_ids={tokenizer.eos_token_id}, accelerator=accelerator)
+    finally:
+        loop.close()
+    assert cut.counts == ToolCounts(rollouts=2) and cut.samples.finished == [False, False]
+    assert [len(c) for c in cut.samples.completion_ids] == [10, 10]
 
 
 def test_the_rollout_stage_over_a_scripted_backend(tokenizer, accelerator):

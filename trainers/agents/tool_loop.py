@@ -225,7 +225,9 @@ class ToolLoop:
             iteration += 1
             if dist.all_reduce_sum(acc, torch.tensor([float(len(pending))], device=acc.device)).item() == 0:
                 break
-        samples = Samples(prompt_ids, completions, logprobs if given_logprobs else None, masks)
+        # a rollout whose last turn was cut by the budget did not finish (TRL's rule after tool calls)
+        samples = Samples(prompt_ids, completions, logprobs if given_logprobs else None, masks,
+                          finished=[ended(c, eos_ids) for c in completions])
         return Episode(samples, prompts, messages, environments, counts)
 
     def _call_tools(self, calling: list[tuple[int, Turn]], environments, completions, masks, logprobs, messages,

@@ -34,7 +34,8 @@ class Backend(Protocol):
 
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         """One completion per prompt (``prompts``: the dataset's values, for a rollout function; ``prompt_ids``:
-        their tokens)."""
+        their tokens): ``Samples`` with the completions' token ids, whether each finished (an EOS, not the
+        budget), and where the backend has them its log-probs and a mask of the tokens the model wrote."""
         ...
 
     def sync_weights(self, step: int) -> None:

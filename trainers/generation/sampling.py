@@ -38,6 +38,9 @@ class Samples:
     logprobs: list[list[float]] | None = None  # the sampler's, per completion token (NaN: a token it did not score)
     model_mask: list[list[int]] | None = None  # per completion token: 1 the model wrote it, 0 an environment did
     extra: dict[str, list] = field(default_factory=dict)  # per-row values for the reward functions
+    # per completion: it ended (an EOS) rather than being cut by the token budget, as the backend knows it; None:
+    # the rollout stage applies TRL's rule (an EOS anywhere)
+    finished: list[bool] | None = None
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,4 +168,6 @@ class PolicySampler:
         return completions
 
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
-        return Samples(prompt_ids, self.generate(prompt_ids, params))
+        completions = self.generate(prompt_ids, params)
+        eos_ids = set(self.context.eos_ids)
+        return Samples(prompt_ids, completions, finished=[ended(c, eos_ids) for c in completions])

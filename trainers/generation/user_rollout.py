@@ -16,6 +16,7 @@ as TRL passes them) and returns one completion per prompt:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -24,7 +25,7 @@ import torch
 from trainers import distributed as dist
 from trainers.errors import RolloutError, TrainersError, VLLMServerError
 from trainers.generation.backend import BackendInputs
-from trainers.generation.sampling import Samples, SamplingParams
+from trainers.generation.sampling import Samples, SamplingParams, ended
 from trainers.modeling import context_length, vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -150,7 +151,7 @@ class RolloutFuncBackend:
 
     def __init__(self, call, inputs: BackendInputs, engine=None):
         self.call, self.engine = call, engine
-        self.accelerator = inputs.context.accelerator
+        self.accelerator, self.eos_ids = inputs.context.accelerator, set(inputs.context.eos_ids)
         self.limits = (inputs.config.max_completion_length, vocabulary_size(inputs.policy),
                        context_length(inputs.policy))
 
@@ -163,7 +164,9 @@ class RolloutFuncBackend:
             samples, error = None, caught
         # a vLLM server the function called died: every process stops with a checkpoint (GRPOTrainer.train)
         dist.raise_together(self.accelerator, error, shared=(VLLMServerError,))
-        return samples
+        # TRL's rule: a completion with an EOS anywhere ended (a rollout's completions need not be cut at it)
+        finished = [ended(c, self.eos_ids, anywhere=True) for c in samples.completion_ids]
+        return dataclasses.replace(samples, finished=finished)
 
     def sync_weights(self, step: int | None = None) -> None:
         if self.engine is not None:  # the engine the function samples from holds this step's policy

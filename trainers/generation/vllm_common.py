@@ -19,7 +19,7 @@ import torch
 from trainers import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
-from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos
+from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos, ended
 
 MAX_NUM_BATCHED_TOKENS = 4096  # TRL's: vLLM's memory profiler is misled by its default of 32768
 KV_BLOCK_TOKENS = 128  # each sequence's KV cache rounded up to this many tokens (vLLM allocates in blocks)
@@ -213,7 +213,9 @@ class VLLMBackend:
         """Completions and the engine's log-probs of them, each cut after its first EOS (as the policy's)."""
         completions, logprobs = self.generate(prompt_ids, params)
         cut = [cut_at_eos(list(ids), set(self.context.eos_ids), self.context.pad_id) for ids in completions]
-        return Samples(prompt_ids, cut, [values[:len(ids)] for values, ids in zip(logprobs, cut)])
+        eos_ids = set(self.context.eos_ids)
+        return Samples(prompt_ids, cut, [values[:len(ids)] for values, ids in zip(logprobs, cut)],
+                       finished=[ended(ids, eos_ids) for ids in cut])
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict) -> tuple[list[list[int]], list[list[float]]]:
         raise NotImplementedError

@@ -126,8 +126,7 @@ class RolloutStage:
                             {"trainer_state": self.trainer_state()}, logs)
 
     def pad(self, samples: Samples) -> PaddedSamples:
-        return pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids,
-                           multi_turn=self.tool_loop is not None)
+        return pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids)
 
     @torch.no_grad()
     def build(self, rows: list[dict], prompt_ids: list[list[int]]) -> Round:
@@ -235,20 +234,19 @@ class PaddedSamples:
 
 
 
-def pad_samples(samples: Samples, pad_id: int, multiple: int | None, eos_ids: set[int], multi_turn: bool
-                ) -> PaddedSamples:
+def pad_samples(samples: Samples, pad_id: int, multiple: int | None, eos_ids: set[int]) -> PaddedSamples:
     """``samples`` padded (P and C multiples of ``multiple``, pad_to_multiple_of: TRL's padding; the extra columns
     are masked), with which completions were cut and which tokens the model wrote."""
     prompt_ids, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
     completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
-    # [n]; TRL's rules: a completion with an EOS anywhere ended (ours are cut at the first; a rollout's need not
-    # be); after tool calls (``multi_turn``), one whose last turn was cut did not
-    truncated = torch.tensor([not ended(c, eos_ids, anywhere=not multi_turn) for c in samples.completion_ids])
+    # [n]: as the backend (or the tool loop) says; else TRL's rule, a completion with an EOS anywhere ended
+    finished = samples.finished or [ended(c, eos_ids, anywhere=True) for c in samples.completion_ids]
+    truncated = ~torch.tensor(finished, dtype=torch.bool)
     model_tokens = attention
     if samples.model_mask is not None:
         model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
     groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)
-    return PaddedSamples(prompt_ids, prompt_mask, completion_ids, attention, truncated.bool(), model_tokens, groups,
+    return PaddedSamples(prompt_ids, prompt_mask, completion_ids, attention, truncated, model_tokens, groups,
                          multiple)
 
 

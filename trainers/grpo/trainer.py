@@ -209,7 +209,8 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         self._round_metrics.append(built.metrics)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
-        self.callback_handler.fire("rollout_end", rollout=built.rollout, samples=built.samples, metrics=built.metrics)
+        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=built.rollout, samples=built.samples,
+                                   metrics=built.metrics)
         return built.rollout
 
     def micro_batch(self, step: int, accumulation_index: int) -> MicroBatch:
