@@ -212,8 +212,8 @@ class VLLMBackend:
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         """Completions and the engine's log-probs of them, each cut after its first EOS (as the policy's)."""
         completions, logprobs = self.generate(prompt_ids, params)
-        cut = [cut_at_eos(list(ids), set(self.context.eos_ids), self.context.pad_id) for ids in completions]
         eos_ids = set(self.context.eos_ids)
+        cut = [cut_at_eos(list(ids), eos_ids, self.context.pad_id) for ids in completions]
         return Samples(prompt_ids, cut, [values[:len(ids)] for values, ids in zip(logprobs, cut)],
                        finished=[ended(ids, eos_ids) for ids in cut])
 
