@@ -218,12 +218,13 @@ class GRPOConfig(TrainingConfig):
         "--tensor-parallel-size).", ge=1)
     log_completions: bool = opt(False, "Print a table of sampled completions at each logging step and append them to completions.jsonl.")
     num_completions_to_print: int | None = opt(None, "Rows of that table (default: all of one round).", ge=1)
-    # Correcting for another sampler (a rollout_func's), TRL's vllm_importance_sampling_* options
+    # Correcting for another sampler (vLLM, a rollout_func, a registered backend), TRL's vllm_importance_sampling_*
     vllm_importance_sampling_correction: bool = opt(
-        True, "When a rollout_func returns its sampler's logprobs, weight the loss by the importance ratio "
-        "pi_old / pi_sampler (the trainer's log-probs against the sampler's, computed once per round), which "
-        "corrects for another engine's numerics or a stale sampler; vllm_importance_sampling_mode says how. TRL "
-        "applies it with use_vllm; here a rollout_func is the only other sampler. False: no correction."
+        True, "When a sampler other than the policy itself (vLLM, a rollout_func, a registered generation backend) "
+        "returns its log-probs, weight the loss by the importance ratio pi_old / pi_sampler (the trainer's "
+        "log-probs against the sampler's, computed once per round), which corrects for another engine's numerics "
+        "or a stale sampler; vllm_importance_sampling_mode says how (TRL applies it with use_vllm). False: no "
+        "correction."
     )
     vllm_importance_sampling_mode: str = opt(
         "sequence_mask", "The ratio per 'token_*' or per completion ('sequence_*', the product over its model "
