@@ -254,6 +254,8 @@ def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, t
     assert all(equal[s] for s in synced), equal
     assert not all(equal[s] for s in SYNC_OFF), equal  # a stale server's greedy completions differ
     assert report["client_closed"]
+    # evaluate() after train() connects again and samples from the trained policy (untrained: reward < 0.1)
+    assert report["eval_reward"] > 0.3 and not report["closed_after_evaluate"]
 
 
 def test_two_processes_share_the_server(server, tmp_path):

@@ -96,8 +96,13 @@ def follow(url, model_dir, group_port, out):
     checks = Checks(trainer)
     started = time.perf_counter()
     trainer.train()
-    return {"rounds": checks.rounds, "records": records(trainer), "seconds": time.perf_counter() - started,
-            "client_closed": trainer.vllm_generation.vllm_client is None}
+    seconds, trained = time.perf_counter() - started, records(trainer)
+    closed = trainer.vllm_generation.vllm_client is None
+    # used again after train() closed the client: evaluation connects, pushes the weights and samples
+    evaluation = trainer.evaluate(eval_dataset=[{"prompt": p} for p in PROMPTS[:4]])
+    return {"rounds": checks.rounds, "records": trained, "seconds": seconds, "client_closed": closed,
+            "eval_reward": evaluation["eval_reward"], "eval_rounds": len(checks.rounds),
+            "closed_after_evaluate": trainer.vllm_generation.vllm_client is None}
 
 
 def group_alive(pgid: int) -> bool:

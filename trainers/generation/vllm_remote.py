@@ -27,6 +27,13 @@ class VLLMRemote(VLLMBackend):
         super().__init__(inputs)
         self.llm = None  # TRL's attribute: a colocated engine, None here
         self.vllm_client = None
+        self._closed = False  # on every process: close() ran, the next sync connects again
+        self._connect()
+        self.sync_weights(0)  # the policy's weights before the first optimizer step
+        self.context.accelerator.wait_for_everyone()
+
+    def _connect(self) -> None:
+        """The client, on the main process, checked against the served model. Every process calls it."""
         args, acc = self.config, self.context.accelerator
         error = None
         if acc.is_main_process:
@@ -40,8 +47,12 @@ class VLLMRemote(VLLMBackend):
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error)
-        self.sync_weights(0)  # the policy's weights before the first optimizer step
-        acc.wait_for_everyone()
+
+    def sync_weights(self, step: int | None = None) -> None:
+        if self._closed:  # closed at the end of a train() call, used again (evaluate, a rollout function)
+            self._connect()
+            self._closed, self._synced_step = False, None
+        super().sync_weights(step)
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         """The main process sends the weights in requests of about WEIGHT_BATCH_BYTES; the others take part in
@@ -94,7 +105,8 @@ class VLLMRemote(VLLMBackend):
         return completions[mine], logprobs[mine]
 
     def close(self) -> None:
-        """Close the client (the server keeps running). Idempotent."""
+        """Close the client (the server keeps running); the next weight sync connects again. Idempotent."""
+        self._closed = True
         if self.vllm_client is not None:
             client, self.vllm_client = self.vllm_client, None
             client.close()
