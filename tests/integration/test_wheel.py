@@ -72,6 +72,8 @@ def installed(tmp_path_factory) -> dict:
         names = set(archive.namelist())
     assert {f"trainers/templates/{name}.yaml" for name in TEMPLATES} <= names, sorted(names)
     assert "trainers/cli/templates.py" in names and "trainers/cli/planner/__init__.py" in names
+    # the one module `trainers vllm-serve` puts on the server's PYTHONPATH travels as package data
+    assert "trainers/generation/vllm_worker/trainers_vllm_worker.py" in names, sorted(names)
 
     venv = root / "venv"
     run([sys.executable, "-m", "venv", venv], cwd=root)
