@@ -35,6 +35,9 @@ MODELS = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024),
     "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
     # Qwen2.5-0.5B's shape (494M parameters, its 151,936-entry vocabulary), random weights: the GPU rows.
+    # the tiny model with Qwen2.5's vocabulary of 151,936 (ids past the 8k tokenizer decode to nothing in both)
+    "tiny152k": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
+                     vocab_size=151936),
     "qwen05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
                    vocab_size=151936, rope_theta=1e6),
 }
@@ -51,6 +54,14 @@ ROWS = {
     "sft-tiny-packed": ("tiny", "sft", {"packing": True}, 12, 2),
     "sft-small-unpacked": ("small", "sft", {"packing": False}, 6, 1),
     "sft-small-packed": ("small", "sft", {"packing": True}, 6, 1),
+    # at a real vocabulary the output head dominates time and memory (issue 44): a few steps suffice
+    # (not in --quick: TRL takes 20-100 s a step here)
+    "grpo-vocab152k-64": ("tiny152k", "grpo", {"completion_length": 64}, 4, 1),
+    "sft-vocab152k-unpacked": ("tiny152k", "sft", {"packing": False}, 3, 1),
+    "sft-vocab152k-packed": ("tiny152k", "sft", {"packing": True}, 3, 1),
+    # Qwen2.5-0.5B's shape on CPU, fp32: smaller batches so a step takes seconds, not minutes
+    "grpo-qwen05cpu-32": ("qwen05", "grpo", {"completion_length": 32, "batch": 8}, 3, 1),
+    "sft-qwen05cpu-unpacked": ("qwen05", "sft", {"packing": False, "batch": 4, "max_length": 256}, 3, 1),
 }
 # On a GPU (--gpu), in bf16: bigger batches and sequences, as a GPU run would use them.
 GPU_ROWS = {
@@ -230,7 +241,7 @@ def main():
     if unknown:
         parser.error(f"--only: unknown rows {unknown}; known: {sorted(catalogue)}")
     if cli.quick:
-        names, cli.repeats = [n for n in names if "tiny" in n], 1
+        names, cli.repeats = [n for n in names if "tiny" in n], 1  # not the real-vocabulary rows
     models = build_models(cli.workdir, sorted({catalogue[n][0] for n in names}))
     rows, methods, extras = [], {}, {}
     for name in names:

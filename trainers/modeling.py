@@ -12,6 +12,7 @@ import torch
 from trainers.errors import ConfigError, ModelLoadError
 from trainers.host import float32_attention_on_cpu
 from trainers.losses import logps_and_entropy, selective_log_softmax
+from trainers.output_head import plan_head, scoring_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -242,6 +243,7 @@ def cast_lm_head_to_fp32(model) -> None:
     embeddings = model.get_input_embeddings()
     original_dtype = head.weight.dtype
     head.float()  # in place: a tied embedding matrix (the same Parameter) becomes float32 too
+    head.float32_head = True  # the chunked head (trainers/output_head.py) computes it in float32 too
 
     # a bound method (not a closure over ``head``), so a deep copy of the model (GRPO's reference) uses its own head
     head.forward = types.MethodType(_linear_in_fp32, head)
@@ -295,8 +297,10 @@ def token_logprobs(
     model's logits themselves as "logits", [B, K, V]).
 
     input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
-    are don't-care (their values are meaningless; mask them). Returns tensors of shape [B, K], and with
-    ``with_router_loss`` the MoE model's router load-balancing loss as "aux_loss" (a scalar, unweighted).
+    are don't-care (their values are meaningless, 0 where the head is chunked; mask them). Returns tensors of
+    shape [B, K], and with ``with_router_loss`` the MoE model's router load-balancing loss as "aux_loss" (a
+    scalar, unweighted). The output head runs chunked (trainers/output_head.py: no [B, K, V] logits) unless the
+    logits are asked for or the head is one it does not take.
     """
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     if with_router_loss:
@@ -304,19 +308,37 @@ def token_logprobs(
     if logits_to_keep is not None:
         # The last position predicts beyond the sequence; keep one more and drop it so K positions remain.
         kwargs["logits_to_keep"] = logits_to_keep + 1
+    virtual = 0 if logits_to_keep is not None else virtual_token_count(model)  # prompt learning's, first
+    plan = None if with_logits else plan_head(model)
     with float32_attention_on_cpu(model, input_ids.device):  # bf16 attention is the slower one on CPU
-        outputs = model(**kwargs)
-    logits = outputs.logits  # [B, K(+1), V]; [B, n + T, V] with n prompt-learning virtual tokens first
-    if logits_to_keep is not None:
-        logits = logits[:, :-1]  # the last K + 1 positions, never virtual ones
+        if plan is None:
+            outputs = model(**kwargs)
+        else:  # the head's targets line up with the positions it gets: [B, K + 1] or [B, n + T]
+            pad = (0, 1) if logits_to_keep is not None else (virtual, 0)
+            with scoring_head(plan, torch.nn.functional.pad(target_ids, pad, value=-1), temperature, with_entropy,
+                              entropy_grad):
+                outputs = model(**kwargs)
+    logits = outputs.logits  # [B, K(+1), V] (or scores, [.., 3]); [B, n + T, V] with n virtual tokens first
+    logits = logits[:, :-1] if logits_to_keep is not None else logits[:, virtual:]
+    if plan is None:
+        scores = token_scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
     else:
-        logits = logits[:, virtual_token_count(model):]  # the real tokens' positions: [B, T, V]
-    scores = token_scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
+        scores = split_scores(logits, with_entropy, with_accuracy)
     if with_router_loss:
         scores["aux_loss"] = outputs.aux_loss
     if with_logits:
         scores["logits"] = logits
     return scores
+
+
+def split_scores(scores: torch.Tensor, with_entropy: bool, with_accuracy: bool = False) -> dict[str, torch.Tensor]:
+    """The chunked head's [B, K, 3] scores as token_scores returns them: {"logps", "entropy"?, "correct"?}."""
+    out = {"logps": scores[..., 0]}
+    if with_entropy:
+        out["entropy"] = scores[..., 1]
+    if with_accuracy:
+        out["correct"] = scores[..., 2].detach() > 0.5
+    return out
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

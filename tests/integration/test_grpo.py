@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
@@ -200,7 +200,9 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
 
     one_per_row = saved_bf16_weights(False)
     assert not shared_prompt_calls
-    assert one_per_row == len(matrices)  # the tied output head is the embedding's weight, cast once
+    # every matrix but the embedding (a lookup, not cast); the tied output head, which is the embedding's weight,
+    # is not kept cast either: the chunked head (trainers/output_head.py) keeps the float32 weight for backward
+    assert one_per_row == len(matrices) - 1
     assert saved_bf16_weights(True) == one_per_row
     assert shared_prompt_calls == [True]  # it did share
 
@@ -386,3 +388,30 @@ def test_use_bias_correction_kl_changes_the_gradient_not_the_value(tiny_model_di
     assert not all(torch.allclose(a, b) for a, b in zip(results[True][1], results[False][1]))
     with pytest.raises(Exception, match="use_bias_correction_kl"):
         GRPOConfig(use_bias_correction_kl="yes")
+
+
+def test_padding_free_trains_the_same_weights(tiny_model_dir, tmp_path):
+    """GRPOConfig.padding_free: every forward (policy, old and reference log-probs) over one packed row gives the
+    padded run's weights and metrics; each micro-batch holds two prompts of different lengths."""
+    finals, logs = [], []
+    for padding_free in (False, True):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                              args=config(tmp_path / str(padding_free), padding_free=padding_free, beta=0.1,
+                                          num_iterations=2, per_device_train_batch_size=8, num_generations=4))
+        trainer.train()
+        finals.append({n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()})
+        logs.append(trainer.state.log_history[0])
+    for key in finals[0]:  # Adam turns float-order noise in a near-zero gradient into up to ~lr: not 1e-5
+        torch.testing.assert_close(finals[0][key], finals[1][key], rtol=1e-4, atol=5e-4)
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert any(not torch.allclose(finals[0][key], initial[key], atol=1e-3) for key in finals[0])  # it trained
+    for key in ("loss", "kl", "entropy"):
+        assert logs[1][key] == pytest.approx(logs[0][key], rel=1e-3, abs=1e-5), key
+
+
+def test_padding_free_refuses_a_head_it_cannot_compute(tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2's: logits soft-capped after the head
+    with pytest.raises(ConfigError, match="padding_free=True"):
+        GRPOTrainer(model=model, reward_funcs=digits, train_dataset=PROMPTS, args=config(tmp_path, padding_free=True),
+                    processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))

@@ -258,3 +258,20 @@ def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
     dora = lora_model(len(tokenizer), use_dora=True)
     assert engine._effective_weight(dora.get_base_model().model.layers[0].mlp.gate_proj) is None
     assert engine.generate(dora, PROMPTS, params, pad, eos) == hf_generate(dora, PROMPTS, params, pad, eos)
+
+
+def test_sampling_never_holds_more_than_one_steps_logits():
+    """At a large vocabulary the engine's biggest tensors are one decode step's [rows, vocab] logits (and their
+    filtered copies within the step) and the head's packed copy [vocab, hidden]: never [rows, steps, vocab]."""
+    from tests.unit.test_output_head import LargestTensor
+
+    vocab, rows, steps = 32768, 16, 32
+    model = make_model("qwen2", vocab)
+    params = SamplingParams(max_new_tokens=steps, do_sample=True, temperature=0.9, top_k=50, top_p=0.95,
+                            extra={"min_new_tokens": steps})
+    with LargestTensor() as probe:
+        out = engine.generate(model, [[5, 6, 7]] * rows, params, 0, {1})
+    assert [len(row) for row in out] == [steps] * rows
+    one_step = rows * vocab
+    head_copy = vocab * model.config.hidden_size
+    assert probe.largest <= max(one_step, head_copy) < rows * steps * vocab / 4

@@ -144,6 +144,11 @@ class GRPOConfig(TrainingConfig):
         "float32 (TRL's option, from the ScaleRL recipe): more precise log-probs for a bf16/fp16 model. A head tied "
         "to the input embeddings makes those float32 too. Not with a PEFT adapter on lm_head."
     )
+    padding_free: bool = opt(
+        False, "Run each training and scoring forward over the micro-batch's sequences laid end to end in one row "
+        "without padding, positions restarting per sequence (as SFTConfig.padding_free): ragged prompts and "
+        "completions stop paying for each other's padding. The same log-probs as the padded forward. Needs a "
+        "model whose output head the chunked head takes (not one that scales or soft-caps its logits).")
     skip_zero_gradient_rows: bool = opt(
         True, "Leave out of the backward the completions whose loss gradient is zero by construction: those "
         "without loss tokens (dynamic_sampling's dropped groups, mask_truncated_completions) are not forwarded "

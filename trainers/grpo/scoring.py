@@ -13,8 +13,10 @@ from trainers import distributed as dist
 from trainers.generation import engine
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.objectives import FOLDS_SAMPLER_WEIGHTS
+from trainers.grpo.packed_forward import packed_logprobs
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.modeling import token_logprobs
+from trainers.output_head import plan_head
 
 
 class LogProbScorer:
@@ -55,7 +57,13 @@ class LogProbScorer:
                         entropy_grad: bool = False) -> dict:
         """The one entry point for log-probs of a micro-batch's completions under ``model`` (the policy, or the
         reference): {"logps": [B, C], "entropy": [B, C] with ``with_entropy``, "aux_loss" with
-        ``with_router_loss``}. Rows of one prompt share its forward where that holds (``shares_prompt_forward``)."""
+        ``with_router_loss``}. With padding_free one packed row without padding is forwarded; else rows of one
+        prompt share its forward where that holds (``shares_prompt_forward``)."""
+        plan = plan_head(model) if self.args.padding_free else None  # None where the trainer could not check it
+        if plan is not None:  # (a LoRA head sharded by ZeRO-3): the padded forward, the same log-probs
+            return packed_logprobs(model, plan, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                   batch.completion_attention, self.args.temperature, with_entropy, entropy_grad,
+                                   with_router_loss)
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                          batch.completion_attention, batch.prompt_group, self.args.temperature,

@@ -23,7 +23,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from trainers.host import float32_attention_on_cpu
-from trainers.modeling import positions_from_mask, token_scores
+from trainers.modeling import positions_from_mask, split_scores, token_scores
+from trainers.output_head import plan_head, scoring_head
 
 
 class _PromptLayer(DynamicLayer):
@@ -138,21 +139,30 @@ def shared_prompt_logprobs(
         return None
     first = torch.tensor([groups.index(g) for g in range(distinct)], device=prompt_ids.device)  # [U]
     ids_u, mask_u = prompt_ids[first], prompt_mask[first]  # [U, P] each
+    plan = plan_head(model)  # None: full logits, scored after the forward
+
+    def scored(targets: torch.Tensor, rows: torch.Tensor | None = None, **inputs) -> dict[str, torch.Tensor]:
+        """The model's forward on ``inputs`` with the scores of ``targets`` [B, K] at the positions it keeps."""
+        if plan is None:
+            logits = model(**inputs).logits
+            return token_scores(logits if rows is None else logits[rows], targets, temperature, with_entropy,
+                                entropy_grad=entropy_grad)
+        with scoring_head(plan, targets, temperature, with_entropy, entropy_grad, rows=rows):
+            return split_scores(model(**inputs).logits, with_entropy)
+
     with float32_attention_on_cpu(model, prompt_ids.device), _cache_kept(replayed):
         # use_cache=False: the layers update the cache they are given either way, and True would make a
         # checkpointed layer warn that it turns caching off.
         prompt_cache = _prompt_cache()
-        prompt_out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=positions_from_mask(mask_u),
-                           past_key_values=prompt_cache, use_cache=False, logits_to_keep=1)  # logits [U, 1, V]
-        parts = [token_scores(prompt_out.logits[row_prompt], completion_ids[:, :1], temperature, with_entropy,
-                              entropy_grad=entropy_grad)]
+        # the prompts' last positions ([U, 1]), each read by its completions' rows, predict the first tokens
+        parts = [scored(completion_ids[:, :1], row_prompt, input_ids=ids_u, attention_mask=mask_u,
+                        position_ids=positions_from_mask(mask_u), past_key_values=prompt_cache, use_cache=False,
+                        logits_to_keep=1)]
         if C > 1:
             attention_mask = torch.cat([prompt_mask, completion_attention], dim=1)  # [B, P + C]
             positions = positions_from_mask(attention_mask)[:, P:]  # [B, C], as in the one-forward path
             # Positions 0 .. C-2 predict completion tokens 1 .. C-1; the last position predicts beyond.
-            logits = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=positions,
-                           past_key_values=_completion_cache(prompt_cache, row_prompt), use_cache=False,
-                           logits_to_keep=torch.arange(C - 1, device=completion_ids.device)).logits  # [B, C-1, V]
-            parts.append(token_scores(logits, completion_ids[:, 1:], temperature, with_entropy,
-                                      entropy_grad=entropy_grad))
+            parts.append(scored(completion_ids[:, 1:], input_ids=completion_ids, attention_mask=attention_mask,
+                                position_ids=positions, past_key_values=_completion_cache(prompt_cache, row_prompt),
+                                use_cache=False, logits_to_keep=torch.arange(C - 1, device=completion_ids.device)))
     return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}

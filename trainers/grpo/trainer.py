@@ -58,6 +58,7 @@ from trainers.grpo.trl_attributes import TRLAttributes, add_config_attributes
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
 from trainers.modeling import cast_lm_head_to_fp32, generation_eos_ids, load_causal_lm, prompt_learning_config
+from trainers.output_head import plan_head
 from trainers.samplers import group_slots
 from trainers.stats import Stats
 from trainers.streaming import is_stream, refuse_dispatch_batches
@@ -252,6 +253,12 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
                     module.p = 0.0
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
+        if args.padding_free and plan_head(model) is None:
+            raise ConfigError(
+                f"GRPOConfig.padding_free=True needs an output head the chunked head computes "
+                f"(trainers/output_head.py); {type(getattr(model, 'module', model)).__name__}'s is not one (its "
+                f"logits are scaled or soft-capped after the head, a hook watches the head, or a PEFT adapter on it "
+                f"is not plain LoRA). Set padding_free=False.")
         self.ref_model = None
         if args.beta > 0 and not self.is_peft:  # with PEFT the reference is the base model, adapters disabled
             source = self._model_source

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs
 from trainers.cli.templates import shipped_templates
+from trainers.output_head import SAVED_BYTES, chunk_positions
 
 # ----------------------------------------------------------------------------------------------------------------
 # Templates and strategies
@@ -158,13 +159,16 @@ def activation_bytes(shape: ModelShape, tokens: int, mode: str, checkpointing: b
 
 
 def logits_bytes(shape: ModelShape, positions: int, logit_bytes: int) -> dict[str, int]:
-    """The logits of ``positions`` (batch x scored positions) tokens.
-
-    trainers/losses.py upcasts them to fp32 a few rows at a time, but log-sum-exp saves each fp32 chunk for
-    backward, so a full fp32 [batch, length, vocab] copy lives until backward ("logits"); next to it the model's
-    own logits in forward, then their gradient in backward, in the logits' dtype ("logits_grad")."""
-    n = positions * shape.vocab_size
-    return {"logits": 4 * n, "logits_grad": logit_bytes * n}
+    """The output head of ``positions`` (batch x scored positions) tokens, computed by the chunked head
+    (trainers/output_head.py), which never holds [positions, vocab] logits: one chunk's logits in the logits'
+    dtype and a float32 scratch of the same size in forward, two float32 chunks in backward ("logits"); the
+    log-probabilities of the first chunks, up to SAVED_BYTES, kept from forward to backward ("logits_kept");
+    and the float32 sum of the head's weight gradient, [vocab, hidden] ("head_gradient_sum")."""
+    vocab = shape.vocab_size
+    chunk = min(positions, chunk_positions(vocab))
+    kept = min(positions, SAVED_BYTES // (4 * vocab) // chunk * chunk)
+    return {"logits": chunk * vocab * max(logit_bytes + 4, 2 * 4), "logits_kept": kept * vocab * 4,
+            "head_gradient_sum": vocab * shape.hidden_size * 4}
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, length: int, element_bytes: int) -> int:
