@@ -4,8 +4,9 @@ from the body's hidden states and the head's weight a chunk of positions at a ti
 A causal LM's head turns [B, T, H] hidden states into [B, T, V] logits. At a real vocabulary (Qwen2.5: V =
 151,936) those logits, their float32 copy and, in backward, their gradient dominate a step's memory, while
 training needs only a few numbers per position. ``ChunkedHead`` computes those numbers from [c, V] logits of c
-positions at a time and keeps none of them: backward recomputes each chunk's logits and turns them into the
-gradient in place. So no [tokens, V] tensor larger than one chunk exists, forward or backward.
+positions at a time and keeps at most SAVED_BYTES of their log-probabilities: backward recomputes the other
+chunks' logits and turns each into its gradient in place. So no [tokens, V] tensor larger than one chunk (or
+than the kept block) exists, forward or backward.
 
 The model's own forward still runs (through DDP or DeepSpeed, with its MoE router loss and PEFT's virtual
 tokens): ``scoring_head`` swaps the head module's ``forward`` for one call, so the "logits" the model returns are
