@@ -59,8 +59,10 @@ class LogProbScorer:
         reference): {"logps": [B, C], "entropy": [B, C] with ``with_entropy``, "aux_loss" with
         ``with_router_loss``}. With padding_free one packed row without padding is forwarded; else rows of one
         prompt share its forward where that holds (``shares_prompt_forward``)."""
-        plan = plan_head(model) if self.args.padding_free else None  # None where the trainer could not check it
-        if plan is not None:  # (a LoRA head sharded by ZeRO-3): the padded forward, the same log-probs
+        # padding_free packs every forward. plan_head is None only where the trainer could not check the head
+        # before training (a LoRA head sharded by ZeRO-3); the padded forward below gives the same log-probs.
+        plan = plan_head(model) if self.args.padding_free else None
+        if plan is not None:
             return packed_logprobs(model, plan, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_attention, self.args.temperature, with_entropy, entropy_grad,
                                    with_router_loss)
