@@ -134,6 +134,10 @@ def test_lora_on_the_head_and_modules_to_save():
     for config in (peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0),
                    peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])):
         model = peft.get_peft_model(make_model(tied=False), config)
+        with torch.no_grad():  # LoRA's B starts at zero: give it a value so lora_A's gradient is not zero
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
         plan = plan_head(model)
         assert plan is not None and (plan.lora is not None) == ("lm_head" in config.target_modules)
         input_ids, targets, mask = batch()

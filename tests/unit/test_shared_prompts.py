@@ -109,22 +109,32 @@ def test_pad_ids_under_the_mask_do_not_split_a_group():
     assert_same(expected, got, 1e-4, 1e-5, batch.completion_attention)
 
 
-def test_bf16_autocast_within_bf16_tolerance():
+def assert_same_under_bf16_autocast(forward):
+    """``forward`` against one forward per row under bf16 autocast, within bf16's tolerance."""
     model, batch = make_model(), make_batch()
     expected = run(one_forward, model, batch, bf16=True)
-    got = run(shared, model, batch, bf16=True)
+    got = run(forward, model, batch, bf16=True)
     assert_same(expected, got, rtol=3e-2, atol=3e-2, mask=batch.completion_attention)
 
 
-def test_lora_gradients_match():
+def assert_same_with_lora(forward, target_modules):
+    """``forward`` against one forward per row with LoRA adapters on ``target_modules``: the same gradients."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+    model = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, target_modules=target_modules))
     with torch.no_grad():  # LoRA's B starts at zero: give the adapters a value so their inputs' gradients matter
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     batch = make_batch()
-    assert_same(run(one_forward, model, batch), run(shared, model, batch), 1e-4, 1e-5, batch.completion_attention)
+    assert_same(run(one_forward, model, batch), run(forward, model, batch), 1e-4, 1e-5, batch.completion_attention)
+
+
+def test_bf16_autocast_within_bf16_tolerance():
+    assert_same_under_bf16_autocast(shared)
+
+
+def test_lora_gradients_match():
+    assert_same_with_lora(shared, ["q_proj", "v_proj", "up_proj"])
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
