@@ -31,13 +31,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(REPO, "benchmarks", "run_one.py")
 
+TINY = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024)
 MODELS = {
-    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024),
+    "tiny": TINY,
     "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
-    # Qwen2.5-0.5B's shape (494M parameters, its 151,936-entry vocabulary), random weights: the GPU rows.
     # the tiny model with Qwen2.5's vocabulary of 151,936 (ids past the 8k tokenizer decode to nothing in both)
-    "tiny152k": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-                     vocab_size=151936),
+    "tiny152k": {**TINY, "vocab_size": 151936},
+    # Qwen2.5-0.5B's shape (494M parameters, its 151,936-entry vocabulary), random weights: the GPU rows, and the
+    # qwen05cpu rows with smaller batches.
     "qwen05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
                    vocab_size=151936, rope_theta=1e6),
 }

@@ -47,6 +47,12 @@ def chunk_positions(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(MAX_CHUNK_POSITIONS, chunk_bytes // (4 * vocab)))
 
 
+def kept_positions(positions: int, vocab: int, chunk: int, saved_bytes: int = SAVED_BYTES) -> int:
+    """How many of ``positions`` have their log-probabilities kept for backward: whole chunks, from the first,
+    up to ``saved_bytes`` of float32 [kept, vocab]."""
+    return min(positions, saved_bytes // (4 * vocab) // chunk * chunk)
+
+
 class ChunkedHead(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, low_in [N, r] | None, low_weight [V, r] | None, targets [N])
     -> (log p(target) [N], entropy [N]) float32, where the logits are (hidden @ weight.T + bias + low_in @
@@ -68,7 +74,7 @@ class ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(logps)
         head = _Head(weight, bias, low_weight, dtype, temperature, min(chunk, N))
         # the first chunks' log-probabilities, up to saved_bytes, kept for backward: [kept, V], whole chunks
-        kept_rows = min(N, saved_bytes // (4 * weight.shape[0]) // chunk * chunk) if any(ctx.needs_input_grad[:5]) else 0
+        kept_rows = kept_positions(N, weight.shape[0], chunk, saved_bytes) if any(ctx.needs_input_grad[:5]) else 0
         kept = torch.empty((kept_rows, weight.shape[0]), device=hidden.device, dtype=torch.float32)
         scratch = torch.empty((min(chunk, N), weight.shape[0]), device=hidden.device) \
             if with_entropy or kept_rows else None  # exp(z - max) where z - max is kept
@@ -147,14 +153,14 @@ class ChunkedHead(torch.autograd.Function):
 
 class _Head:
     """The head's weights in the product's dtype (cast once per pass, not per chunk), and one buffer that each
-    chunk's logits are written to."""
+    chunk's logits are written to (made on first use: a pass whose chunks are all kept needs none)."""
 
     def __init__(self, weight, bias, low_weight, dtype: torch.dtype, temperature: float, rows: int):
-        self.dtype, self.temperature = dtype, temperature
+        self.dtype, self.temperature, self.rows = dtype, temperature, rows
         self.weight = weight.to(dtype)
         self.bias = None if bias is None else bias.to(dtype)
         self.low_weight = None if low_weight is None else low_weight.to(dtype)
-        self.buffer = torch.empty((rows, weight.shape[0]), device=weight.device, dtype=dtype)
+        self.buffer: torch.Tensor | None = None
 
     def logits(self, hidden: torch.Tensor, low_in: torch.Tensor | None, out: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -163,6 +169,8 @@ class _Head:
         ``out`` (float32, [c, V]) or, in float32 without it, the shared buffer the next chunk overwrites."""
         if out is not None and self.dtype != torch.float32:
             return out.copy_(self.logits(hidden, low_in))
+        if out is None and self.buffer is None:
+            self.buffer = torch.empty((self.rows, self.weight.shape[0]), device=self.weight.device, dtype=self.dtype)
         z = self.buffer[: hidden.shape[0]] if out is None else out
         if self.bias is None:
             torch.mm(hidden.to(self.dtype), self.weight.t(), out=z)

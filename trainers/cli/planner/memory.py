@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs
 from trainers.cli.templates import shipped_templates
-from trainers.output_head import SAVED_BYTES, chunk_positions
+from trainers.output_head import chunk_positions, kept_positions
 
 # ----------------------------------------------------------------------------------------------------------------
 # Templates and strategies
@@ -165,9 +165,9 @@ def logits_bytes(shape: ModelShape, positions: int, logit_bytes: int) -> dict[st
     log-probabilities of the first chunks, up to SAVED_BYTES, kept from forward to backward ("logits_kept");
     and the float32 sum of the head's weight gradient, [vocab, hidden] ("head_gradient_sum")."""
     vocab = shape.vocab_size
-    chunk = min(positions, chunk_positions(vocab))
-    kept = min(positions, SAVED_BYTES // (4 * vocab) // chunk * chunk)
-    return {"logits": chunk * vocab * max(logit_bytes + 4, 2 * 4), "logits_kept": kept * vocab * 4,
+    chunk = chunk_positions(vocab)
+    return {"logits": min(positions, chunk) * vocab * max(logit_bytes + 4, 2 * 4),
+            "logits_kept": kept_positions(positions, vocab, chunk) * vocab * 4,
             "head_gradient_sum": vocab * shape.hidden_size * 4}
 
 
