@@ -15,6 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from transformers import TrainerCallback  # noqa: E402  after the offline switches, which it reads on import
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "accelerate_configs")  # a symlink to trainers/templates/ (the package data)
 
@@ -116,3 +118,17 @@ def step_records(trainer) -> list[dict]:
     """``trainer.state.log_history`` without train()'s closing summary record (train_runtime, train_loss, ...):
     the records of steps and evaluations."""
     return [record for record in trainer.state.log_history if "train_runtime" not in record]
+
+
+class MicroBatches(TrainerCallback):
+    """Micro-batches per optimizer step (``per_step``): on_substep_end fires after each but the last."""
+
+    def __init__(self):
+        self.per_step, self.current = [], 1
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.current += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step.append(self.current)
+        self.current = 1

@@ -1,10 +1,11 @@
 """BaseTrainer: the loop shared by SFT and GRPO.
 
-Read ``train`` top to bottom: for each optimizer step, ``prepare_step``, then ``gradient_accumulation_steps``
-micro-batches, counted over every process (``_count``), then forward, loss, backward on each and the optimizer
-step (``_optimizer_step``), ``after_optimizer_step``, the step's bookkeeping, then log, evaluate, save, and the
-checks that stop a run. A subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``)
-and how its loss is computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
+Read ``train`` top to bottom: for each optimizer step, ``prepare_step``, then its micro-batches (``step_batches``:
+``gradient_accumulation_steps`` of them, unless a subclass regroups them), counted over every process
+(``_count``), then forward, loss, backward on each and the optimizer step (``_optimizer_step``),
+``after_optimizer_step``, the step's bookkeeping, then log, evaluate, save, and the checks that stop a run. A
+subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``) and how its loss is
+computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
 rest of the trainer is in mixins: ``evaluate()`` and the eval datasets (``trainers.evaluation``), what a run
 records and when it logs, evaluates and saves (``trainers.run_logging``), checkpoints, resuming, the best
 model and ``save_model`` (``trainers.saving``), and transformers' Trainer attributes and methods for scripts and
@@ -227,6 +228,11 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         """This process's micro-batch ``accumulation_index`` of optimizer step ``step`` (see ``MicroBatch``)."""
         raise NotImplementedError
 
+    def step_batches(self, step: int) -> list[MicroBatch]:
+        """This process's micro-batches of optimizer step ``step``: ``micro_batch`` for each of the
+        gradient_accumulation_steps. A subclass may regroup them (GRPO's token_budget), as many on every process."""
+        return [self.micro_batch(step, a) for a in range(self.args.gradient_accumulation_steps)]
+
     def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         """The micro-batch's share of the step's loss (normalized by ``counts``), and statistics to log."""
         raise NotImplementedError
@@ -305,7 +311,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
                 step = self.state.global_step
                 started = self._begin_step(step, first_step)
                 self.prepare_step(step)
-                batches = [self.micro_batch(step, a) for a in range(args.gradient_accumulation_steps)]
+                batches = self.step_batches(step)
                 metrics = self._optimizer_step(batches, stop_requested=bool(stop.received))
                 self.after_optimizer_step(metrics)
                 self._account_step(metrics, time.perf_counter() - started)
@@ -394,20 +400,20 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         signal flag; the returned ``stop_requested`` is the sum over processes, so all stop together."""
         acc = self.accelerator
         counts, local_input_tokens, local_padded_tokens = self._count(batches)
-        # accelerator.backward divides by the accumulation steps and DDP/DeepSpeed average over processes;
-        # our losses are already normalized by global counts, so undo both.
+        # accelerator.backward divides by the configured accumulation steps (whatever len(batches) is) and
+        # DDP/DeepSpeed average over processes; our losses are already normalized by global counts, so undo both.
         scale = acc.num_processes * self.args.gradient_accumulation_steps
         loss_sum = torch.zeros((), device=acc.device)
         step_stats = StepStats(acc.device)
         grad_norm = None
         for index, batch in enumerate(batches):
-            with acc.accumulate(self.model_wrapped), dist.explained_ddp_errors():
+            last = index == len(batches) - 1  # gradients are synced across processes in its backward
+            with dist.accumulating(acc, self.model_wrapped, sync=last), dist.explained_ddp_errors():
                 loss, stats = self.compute_loss(self.model_wrapped, batch, counts)
                 acc.backward(loss * scale)
                 loss_sum += loss.detach().float()
                 step_stats.add(stats)
-                if acc.sync_gradients:
-                    assert index == len(batches) - 1, "gradient sync must happen on the last micro-batch"
+                if last:
                     norm = self._clip_gradients()
                     grad_norm = None if norm is None else float(norm)
                     self.callback_handler.fire("pre_optimizer_step")

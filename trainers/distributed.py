@@ -454,6 +454,18 @@ def explained_ddp_errors():
             "those parameters (requires_grad=False).") from error
 
 
+@contextlib.contextmanager
+def accumulating(accelerator: Accelerator, model: torch.nn.Module, sync: bool):
+    """One micro-batch's forward and backward within an optimizer step; gradients are synced across processes
+    only with ``sync`` (the step's last micro-batch): DDP's and FSDP's no_sync before it, and DeepSpeed's
+    accumulation boundary, which ``accelerator.backward`` sets from ``sync_gradients``. Unlike Accelerate's
+    ``accumulate``, which counts micro-batches against gradient_accumulation_steps, the caller says which is the
+    last, so a step may have any number of them (GRPO's token_budget)."""
+    accelerator.sync_gradients = sync
+    with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+        yield
+
+
 def all_reduce_max(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     """The elementwise max of a tensor over processes (returns a new tensor on every process)."""
     values = values.clone()

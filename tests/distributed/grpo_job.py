@@ -7,6 +7,7 @@ prompt whose group of 4 is split 2 + 2 across the processes.
 
 import json
 import os
+import random
 import sys
 
 import torch
@@ -23,6 +24,7 @@ from trainers.generation.sampling import Samples
 from trainers.samplers import group_slots
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
+from tests.conftest import MicroBatches  # noqa: E402
 from tests.conftest import digits_varied as digits  # noqa: E402
 
 
@@ -42,6 +44,17 @@ def idle_on_rank_0(prompts, completions, **kwargs):
     if prompts[0] == "abc" or os.environ.get("RANK", "0") == "0":
         return [0.5] * len(completions)
     return [float(i % 2) for i in range(len(completions))]
+
+
+def ragged_by_rank(prompts, trainer):
+    """GRPO_JOB_TOKEN_BUDGET's rollout function: on rank 0 each completion is the EOS alone, on rank 1 six random
+    digits or letters, so rank 1's rows need more micro-batches of a token budget than rank 0's."""
+    tokenizer, rank = trainer.processing_class, trainer.accelerator.process_index
+    draw = random.Random(rank * 100 + trainer.state.global_step)
+    completions = [[tokenizer.eos_token_id] if rank == 0 else
+                   tokenizer("".join(draw.choice("0123456789abcdef") for _ in range(6)))["input_ids"] for _ in prompts]
+    return {"prompt_ids": [tokenizer(p)["input_ids"] for p in prompts], "completion_ids": completions,
+            "logprobs": None}
 
 
 def main():
@@ -98,8 +111,22 @@ def main():
         logprobs = [[0.0] * len(c) for c in completions] if trainer.accelerator.process_index == 1 else None
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
 
+    rollout_func = rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None
+    micro_batches = MicroBatches()
+    if "GRPO_JOB_TOKEN_BUDGET" in os.environ:  # "none" or a budget; padding-free, 4 rows per step and process
+        budget = os.environ["GRPO_JOB_TOKEN_BUDGET"]
+        args.padding_free, args.gradient_accumulation_steps = True, 2
+        args.token_budget = None if budget == "none" else int(budget)
+        rollout_func = ragged_by_rank
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
-                          rollout_func=rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None)
+                          rollout_func=rollout_func, callbacks=[micro_batches])
+    forward_tokens = []  # GRPO_JOB_TOKEN_BUDGET: the tokens of each forward with gradients (one packed row)
+
+    def record(module, call_args, kwargs):
+        if torch.is_grad_enabled():
+            forward_tokens.append(kwargs["input_ids"].numel())
+
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
     acc = trainer.accelerator
     reference = getattr(trainer.ref_model, "module", trainer.ref_model)
 
@@ -111,18 +138,21 @@ def main():
     with gathered_parameters(acc, trainer.model):
         initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
 
-    # One round by hand, to record what each process holds.
-    slots = group_slots(trainer.prompt_sampler.batch(0), args.num_generations, acc.num_processes, acc.process_index)
-    trainer.prepare_step(0)
-    batch = trainer.micro_batch(0, 0)
-    rows_of_round = [trainer.train_rows[i] for i in slots]
-    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_attention)]
-    prompts, completions = decode(trainer.processing_class, rows_of_round, completion_ids)
-    local_rewards = trainer.stage.score_completions(rows_of_round, prompts, completions,
-                                                    Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
-    round_report = {"slots": slots, "completions": batch.completion_ids.tolist(), "rewards": local_rewards[:, 0].tolist(),
-                    "advantages": batch.advantages.tolist()}
-    trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself
+    round_report = None
+    if "GRPO_JOB_TOKEN_BUDGET" not in os.environ:  # one round by hand, to record what each process holds
+        slots = group_slots(trainer.prompt_sampler.batch(0), args.num_generations, acc.num_processes,
+                            acc.process_index)
+        trainer.prepare_step(0)
+        batch = trainer.micro_batch(0, 0)
+        rows_of_round = [trainer.train_rows[i] for i in slots]
+        completion_ids = [ids[m.bool()].tolist()
+                          for ids, m in zip(batch.completion_ids, batch.completion_attention)]
+        prompts, completions = decode(trainer.processing_class, rows_of_round, completion_ids)
+        local_rewards = trainer.stage.score_completions(
+            rows_of_round, prompts, completions, Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
+        round_report = {"slots": slots, "completions": batch.completion_ids.tolist(),
+                        "rewards": local_rewards[:, 0].tolist(), "advantages": batch.advantages.tolist()}
+        trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself
 
     trainer.train()
     with gathered_parameters(acc, trainer.model):
@@ -135,7 +165,8 @@ def main():
               "history": [r for r in trainer.state.log_history if "train_runtime" not in r],  # not train()'s summary
               "reference_before": reference_before,
               "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
-              "rollout_prompts": rollout_prompts, "forwards": forwards, "shared_forwards": shared_forwards}
+              "rollout_prompts": rollout_prompts, "forwards": forwards, "shared_forwards": shared_forwards,
+              "micro_batches": micro_batches.per_step, "forward_tokens": forward_tokens}
     with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
 

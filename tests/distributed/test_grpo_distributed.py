@@ -140,3 +140,25 @@ def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(tiny_model_dir, 
         expected = [0.5 * a + 0.5 * b for a, b in zip(report["reference_before"], report["checksum"])]
         assert report["reference_after"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
         assert report["reference_after"] != pytest.approx(report["reference_before"], rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_token_budget_under_zero3_makes_as_many_micro_batches_on_both_processes(tiny_model_dir, tmp_path):
+    """token_budget=11 with padding_free: rank 1's rows (6-token completions, 8-11 tokens with their prompts) are
+    one micro-batch each, 4 per step; rank 0's (the EOS alone, 3-6 tokens) would fit in two, but it makes 4 too,
+    as ZeRO-3's collective forwards need. The same weights and losses as micro-batches of 2 rows (the dapo loss is
+    normalized by the step's tokens)."""
+    budget = run_job("zero3", tiny_model_dir, tmp_path / "budget", GRPO_JOB_TOKEN_BUDGET="11")
+    rows = run_job("zero3", tiny_model_dir, tmp_path / "rows", GRPO_JOB_TOKEN_BUDGET="none")
+    assert [r["micro_batches"] for r in rows] == [[2, 2, 2]] * 2
+    assert [r["micro_batches"] for r in budget] == [[4, 4, 4]] * 2
+    assert max(budget[1]["forward_tokens"]) <= 11 and min(budget[1]["forward_tokens"]) >= 8
+    rank0 = sorted(budget[0]["forward_tokens"][:4])  # step 1: four single rows, two of which fit together
+    assert rank0[0] + rank0[1] <= 11
+    assert budget[0]["checksum"] == pytest.approx(budget[1]["checksum"], rel=1e-9)
+    moved = [abs(a - b) for a, b in zip(rows[0]["checksum"], rows[0]["initial"])]
+    assert budget[0]["checksum"] == pytest.approx(rows[0]["checksum"], rel=1e-5, abs=1e-4 * max(moved))
+    for record, reference in zip(budget[0]["history"], rows[0]["history"]):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert record[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
+    assert rows[0]["history"][-1]["grad_norm"] > 0

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainers.data import DatasetFormatError, check_messages, is_conversational
-from trainers.sft.packing import pack_bfd, pack_samples
+from trainers.packing import pack_bfd
+from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import (
     IGNORE,
     Collator,
@@ -434,52 +435,6 @@ def test_shift_after_tokenize_prompt_completion(tokenizer):
     shifted = shift_targets(sample)
     # position 1 ("b", the last prompt token) predicts "c"; position 2 ("c") predicts EOS; EOS predicts nothing
     assert shifted["target_ids"] == [IGNORE] + enc(tokenizer, "c") + [EOS_ID, IGNORE]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# pack_bfd
-# ------------------------------------------------------------------------------------------------------------
-
-
-def test_pack_bfd_hand_example():
-    # sorted: 5(#0) 4(#1) 3(#2) 3(#3) 1(#4). 5 -> A (3 left); 4 -> B (4 left); 3 -> A, the fuller fit (0 left);
-    # 3 -> B (1 left); 1 -> B (0 left).
-    assert pack_bfd([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
-
-
-def test_pack_bfd_best_fit_not_first_fit():
-    # sorted: 5(#1) 3(#0) 3(#2) 1(#3). 5 -> A (2 left); 3 -> B (4 left); 3 -> B (1 left).
-    # The 1 fits both A (2 left) and B (1 left): best fit picks the fuller B; first fit would pick A.
-    assert pack_bfd([3, 5, 3, 1], 7) == [[1], [0, 2, 3]]
-
-
-def test_pack_bfd_ties_keep_index_order():
-    assert pack_bfd([2, 2, 2, 2], 4) == [[0, 1], [2, 3]]
-    assert pack_bfd([4, 4, 4], 4) == [[0], [1], [2]]
-    assert pack_bfd([1, 3, 1], 3) == [[1], [0, 2]]
-
-
-def test_pack_bfd_empty():
-    assert pack_bfd([], 8) == []
-
-
-@settings(max_examples=150, deadline=None, database=None)
-@given(data=st.data(), capacity=st.integers(1, 40))
-def test_pack_bfd_properties(data, capacity):
-    lengths = data.draw(st.lists(st.integers(1, capacity), max_size=40))
-    bins = pack_bfd(lengths, capacity)
-    flat = [i for b in bins for i in b]
-    assert sorted(flat) == list(range(len(lengths)))  # every item in exactly one bin
-    loads = [sum(lengths[i] for i in b) for b in bins]
-    assert all(0 < load <= capacity for load in loads)
-    # items are placed longest first, so each bin lists non-increasing lengths
-    assert all(lengths[a] >= lengths[b] for bin_ in bins for a, b in zip(bin_, bin_[1:]))
-    # a new bin is opened only when the item fits in no earlier bin (space only shrinks, so the final loads
-    # of earlier bins must still be too full for it); hence also at most one bin is at most half full
-    for j, bin_ in enumerate(bins):
-        assert all(lengths[bin_[0]] > capacity - loads[i] for i in range(j))
-    assert sum(2 * load <= capacity for load in loads) <= 1
-    assert len(bins) >= -(-sum(lengths) // capacity)  # lower bound on the number of bins
 
 
 # ------------------------------------------------------------------------------------------------------------

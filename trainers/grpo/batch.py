@@ -2,7 +2,8 @@
 the rollout stage, trainers/grpo/rollout.py) and ``MicroBatch`` (the slice of it one forward/backward trains on).
 
 A round is sampled and scored once and then serves ``steps_per_generation`` micro-steps, ``num_iterations``
-times over; each micro-batch is a contiguous slice with its all-padding columns trimmed. Rows that share a
+times over; each micro-batch is a contiguous slice with its all-padding columns trimmed, or, with
+token_budget, a group of a step's rows of at most that many tokens (``budget_groups``). Rows that share a
 prompt are known from the start (``prompt_groups``) and carried on both records, so the shared prompt forward
 (trainers/grpo/shared_prompt.py) needs no search for them.
 """
@@ -10,13 +11,17 @@ prompt are known from the start (``prompt_groups``) and carried on both records,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from trainers import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.rows import prompt_groups, round_up
+from trainers.logs import logger
 from trainers.modeling import positions_from_mask
+from trainers.packing import pack_bfd, split_to_count
 
 
 def renumbered(groups: torch.Tensor) -> torch.Tensor:
@@ -67,10 +72,18 @@ class Rollout:
     def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> "MicroBatch":
         """Rows [start, end), all-padding columns trimmed. ``count_tokens=False``: a round trained on again
         (num_iterations > 1), whose tokens were counted the first time."""
-        rows = self.rows(torch.arange(start, end, device=self.advantages.device))
+        return self.micro_batch_of(range(start, end), count_tokens)
+
+    def micro_batch_of(self, index: Sequence[int], count_tokens: bool = True) -> "MicroBatch":
+        """The rows ``index`` (ascending) as a micro-batch, as ``micro_batch``."""
+        rows = self.rows(torch.tensor(list(index), dtype=torch.long, device=self.advantages.device))
         tokens = rows.prompt_mask.sum() + rows.completion_attention.sum()
         tokens = tokens if count_tokens else tokens * 0
         return MicroBatch(**rows.__dict__, num_input_tokens=tokens, num_padded_tokens=tokens)
+
+    def row_lengths(self) -> list[int]:
+        """Each row's real tokens, prompt and completion: what it costs a padding-free forward. [N] ints."""
+        return (self.prompt_mask.sum(1) + self.completion_attention.sum(1)).tolist()
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """prompt + completion -> (input_ids, attention_mask, position_ids), each [N, P + C]; positions count
@@ -91,6 +104,42 @@ class MicroBatch(Rollout):
 
     num_input_tokens: torch.Tensor | float = 0.0  # 0-d
     num_padded_tokens: torch.Tensor | float = 0.0  # 0-d: the same (GRPO's forward has no padding it counts)
+
+
+@dataclass(frozen=True)
+class RoundPart:
+    """Rows of one round that one optimizer step trains on (or that one scoring pass reads): rows ``rows`` of
+    ``rollout``; ``count_tokens`` as in ``Rollout.micro_batch``."""
+
+    rollout: Rollout
+    rows: range
+    count_tokens: bool = True
+
+
+def budget_groups(accelerator, parts: list[RoundPart], budget: int) -> list[tuple[RoundPart, list[int]]]:
+    """GRPOConfig.token_budget: the rows of ``parts`` regrouped into groups of at most ``budget`` real tokens
+    each (best-fit decreasing, never across parts; a row longer than the budget alone, with a warning), then cut
+    (``split_to_count``) until every process has as many as the process with the most: a forward is a
+    collective under ZeRO-3 and FSDP, and each process makes the same number of backward calls. Returns each
+    group's part and its rows of the part's round (ascending)."""
+    items = [(part, row) for part in parts for row in part.rows]  # item i: (its part, its row of the round)
+    lengths = [length for part in parts for length in part.rollout.row_lengths()[part.rows.start:part.rows.stop]]
+    bins, first = [], 0
+    for part in parts:
+        n = len(part.rows)
+        bins += [[first + i for i in sorted(b)] for b in pack_bfd(lengths[first:first + n], budget)]
+        first += n
+    if any(length > budget for length in lengths):
+        logger.warning(f"token_budget={budget}: a completion with its prompt has {max(lengths)} tokens, more than "
+                       f"the budget; it is forwarded alone. Raise token_budget to keep every forward within it.")
+    count = int(dist.all_reduce_max(accelerator, torch.tensor(len(bins), device=accelerator.device)))
+    return [(items[b[0]][0], [items[i][1] for i in b]) for b in split_to_count(bins, lengths, count)]
+
+
+def budget_micro_batches(accelerator, parts: list[RoundPart], budget: int) -> list[MicroBatch]:
+    """``budget_groups`` as micro-batches."""
+    groups = budget_groups(accelerator, parts, budget)
+    return [part.rollout.micro_batch_of(rows, part.count_tokens) for part, rows in groups]
 
 
 def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor,

@@ -149,6 +149,14 @@ class GRPOConfig(TrainingConfig):
         "without padding, positions restarting per sequence (as SFTConfig.padding_free): ragged prompts and "
         "completions stop paying for each other's padding. The same log-probs as the padded forward. Needs a "
         "model whose output head the chunked head takes (not one that scales or soft-caps its logits).")
+    token_budget: int | None = opt(
+        None, "With padding_free: the most tokens (prompt + completion) one training forward on a process packs. "
+        "Each optimizer step's completions on a process are regrouped into micro-batches of at most this many "
+        "tokens (best-fit decreasing), as many on every process, instead of per_device_train_batch_size rows "
+        "each: short completions share a forward, long ones get their own, and memory is bounded by tokens. The "
+        "step trains on the same completions (every loss but bnpo, whose mean is per micro-batch, is unchanged); "
+        "the old and reference log-probs are computed in such micro-batches too. Every prompt plus "
+        "max_completion_length must fit in it. None: micro-batches of rows.", gt=0)
     skip_zero_gradient_rows: bool = opt(
         True, "Leave out of the backward the completions whose loss gradient is zero by construction: those "
         "without loss tokens (dynamic_sampling's dropped groups, mask_truncated_completions) are not forwarded "
@@ -275,6 +283,8 @@ class GRPOConfig(TrainingConfig):
                     self.vllm_tensor_parallel_size, "the colocated engine runs on one device here; for tensor "
                     "parallelism start a server (`trainers vllm-serve --tensor-parallel-size N`) and use "
                     "vllm_mode='server'")
+        check_field(self.token_budget is None or self.padding_free, name, "token_budget", self.token_budget,
+                    "a token budget packs the micro-batch's completions into one row: set padding_free=True too")
         # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
 
     @property

@@ -102,6 +102,20 @@ class GRPOPrompts:
         not known)."""
         return [len(ids) for ids in (self.train_prompt_ids or []) + (self.eval_prompt_ids or [])]
 
+    def _check_budget(self, name: str, prompt_ids: list[list[int]], first: int = 0) -> None:
+        """With token_budget, every training prompt plus max_completion_length fits in it (rows counted from
+        ``first`` in errors: a chunk of a stream)."""
+        budget = self.args.token_budget
+        longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]), default=None)
+        if budget is None or longest is None:
+            return
+        need = len(prompt_ids[longest]) + self.args.max_completion_length
+        if need > budget:
+            raise ConfigError(
+                f"GRPOConfig: token_budget={budget} cannot hold {name} row {first + longest} (its prompt has "
+                f"{len(prompt_ids[longest])} tokens) with max_completion_length={self.args.max_completion_length} "
+                f"tokens of completion: set token_budget >= {need}.")
+
     def _check_context(self, model, name: str, prompt_ids: list[list[int]], first: int = 0) -> None:
         """Every prompt leaves room for max_completion_length tokens in the model's context (rows counted from
         ``first`` in errors: a chunk of a stream)."""

@@ -11,7 +11,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.generation import engine
-from trainers.grpo.batch import MicroBatch, Rollout
+from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_groups
 from trainers.grpo.objectives import FOLDS_SAMPLER_WEIGHTS
 from trainers.grpo.packed_forward import packed_logprobs
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
@@ -78,12 +78,18 @@ class LogProbScorer:
                               with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad)
 
     def round_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
-        """Per-token log-probs of every completion of a round, in micro-batches: [N, C]."""
+        """Per-token log-probs of every completion of a round, in micro-batches of ``batch_size`` rows (with
+        token_budget, of at most that many tokens: ``budget_groups``): [N, C]."""
         out = torch.zeros_like(rollout.loss_mask)
-        size = self.batch_size
-        for start in range(0, rollout.loss_mask.shape[0], size):
-            logps = self.policy_logprobs(model, rollout.micro_batch(start, start + size))["logps"]
-            out[start:start + size, : logps.shape[1]] = logps
+        rows = range(rollout.loss_mask.shape[0])
+        if self.args.token_budget is None:
+            groups = [list(rows[start:start + self.batch_size]) for start in range(0, len(rows), self.batch_size)]
+        else:
+            groups = [group for _, group in budget_groups(self.accelerator, [RoundPart(rollout, rows)],
+                                                          self.args.token_budget)]
+        for group in groups:
+            logps = self.policy_logprobs(model, rollout.micro_batch_of(group))["logps"]  # [b, c]
+            out[group, : logps.shape[1]] = logps
         return out
 
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:

@@ -8,7 +8,7 @@ One optimizer step, as the base loop runs it (trainers/base.py):
    process), each repeated ``num_generations`` times, this process's contiguous share sampled, scored, its
    advantages computed from every process's rewards, kept as a typed ``Rollout`` (trainers/grpo/batch.py).
 2. ``micro_batch``: a slice of the round (a ``MicroBatch``). A round serves ``steps_per_generation`` micro-steps,
-   ``num_iterations`` times over.
+   ``num_iterations`` times over. With token_budget, ``step_batches`` regroups a step's slices by tokens.
 3. ``compute_loss``: the policy's log-probs (``LogProbScorer``, trainers/grpo/scoring.py), the objective of ``loss_type``
    (``OBJECTIVES``, trainers/grpo/objectives.py), its masks, the KL term, averaged as ``AGGREGATIONS`` says.
 4. ``after_optimizer_step``: the round metrics, the adaptive entropy coefficient, the reference model's sync.
@@ -35,7 +35,7 @@ from trainers.generation.user_rollout import RolloutFuncBackend
 from trainers.generation.vllm_common import VLLMBackend, check_vllm_here
 from trainers.grpo import evaluation
 from trainers.grpo import health as grpo_health
-from trainers.grpo.batch import MicroBatch, Rollout, round_shape
+from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_micro_batches, round_shape
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.entropy_control import EntropyControl
 from trainers.grpo.metrics import policy_loss_stats, write_completions
@@ -155,6 +155,8 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         if is_stream(train_dataset) or any(is_stream(data) for data in evals):
             refuse_dispatch_batches(args)
         self.read_train_prompts(train_dataset)
+        if self.train_prompt_ids is not None:  # a stream's chunks: when each is first used (after_load)
+            self._check_budget("train_dataset", self.train_prompt_ids)
         self.eval_rows = self.eval_prompt_ids = self.eval_given = None
         if eval_dataset is not None:
             self.tokenize_eval(eval_dataset, "eval_dataset")  # its context check waits for the model (after_load)
@@ -222,6 +224,20 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         # a round trained on again (num_iterations > 1): its tokens were counted once, as in TRL
         return self._rounds[round_index].micro_batch(part * size, (part + 1) * size, count_tokens=iteration == 0)
 
+    def step_batches(self, step: int) -> list[MicroBatch]:
+        """The step's micro-batches: ``micro_batch`` for each accumulation index, or with token_budget, the same
+        rows regrouped by tokens (``budget_micro_batches``), as many on every process."""
+        if self.args.token_budget is None:
+            return super().step_batches(step)
+        spans: dict[tuple[int, int], list[int]] = {}  # (round, iteration over it) -> its slices this step trains on
+        for a in range(self.args.gradient_accumulation_steps):
+            round_index, iteration, part = self._place(step, a)
+            spans.setdefault((round_index, iteration), []).append(part)
+        size = self.per_process_train_batch_size  # a slice's rows; a span's slices are consecutive
+        parts = [RoundPart(self._rounds[r], range(min(p) * size, (max(p) + 1) * size), count_tokens=iteration == 0)
+                 for (r, iteration), p in spans.items()]
+        return budget_micro_batches(self.accelerator, parts, self.args.token_budget)
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Completions from the policy (eval mode, no gradients), for a rollout function. Every process must call
         this together."""
@@ -245,8 +261,11 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         if self.train_prompt_ids is not None:  # the eval datasets: check_eval_fit
             self._check_context(model, "train_dataset", self.train_prompt_ids)
         else:  # a stream: each chunk when it is first used (the one read already: now)
-            self.prompt_batches.validate = lambda prompts, first: self._check_context(
-                model, "train_dataset", [p.ids for p in prompts], first)
+            def validate(prompts, first):
+                self._check_context(model, "train_dataset", [p.ids for p in prompts], first)
+                self._check_budget("train_dataset", [p.ids for p in prompts], first)
+
+            self.prompt_batches.validate = validate
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):

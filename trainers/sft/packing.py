@@ -1,12 +1,14 @@
 """SFT packing: shifted samples -> rows of up to max_length tokens. 'bfd' and 'bfd_split' fill rows best-fit
-decreasing (``pack_bfd``), 'wrapped' concatenates and cuts; each sample keeps its own positions (``position_ids``
-restart per sample), so the Collator keeps them apart. A sample is ``{"input_ids", "target_ids"}`` (and
-``first_labels``, ``training_sample``'s), as trainers/sft/tokenize.py makes it."""
+decreasing (``pack_bfd``, trainers/packing.py), 'wrapped' concatenates and cuts; each sample keeps its own
+positions (``position_ids`` restart per sample), so the Collator keeps them apart. A sample is
+``{"input_ids", "target_ids"}`` (and ``first_labels``, ``training_sample``'s), as trainers/sft/tokenize.py makes
+it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from trainers.packing import pack_bfd
 from trainers.sft.tokenize import IGNORE
 
 
@@ -15,27 +17,6 @@ def _moved_first_labels(sample: dict, offset: int, start: int = 0, end: int | No
     end = len(sample["input_ids"]) if end is None else end
     return {p + offset: label for p, label in sample.get("first_labels", {}).items() if start <= p < end}
 
-
-
-def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: assign items (by index) to bins of ``capacity`` tokens, each item to the fullest bin
-    it still fits in. Returns the bins, each a list of item indices. Every length must be <= capacity."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    free: list[int] = []  # free[b]: tokens left in bin b
-    for i in order:
-        n = lengths[i]
-        best = None
-        for b, space in enumerate(free):
-            if n <= space and (best is None or space < free[best]):
-                best = b
-        if best is None:
-            bins.append([i])
-            free.append(capacity - n)
-        else:
-            bins[best].append(i)
-            free[best] -= n
-    return bins
 
 
 def split_overflow(samples: Sequence[dict], max_length: int) -> list[dict]:
