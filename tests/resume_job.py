@@ -1,4 +1,4 @@
-"""A short SFT or GRPO run for the exact-resume and kill tests; run as a script (1 process or launched).
+"""A short SFT, GRPO or DPO run for the exact-resume and kill tests; run as a script (1 process or launched).
 
     python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
 
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trainers import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
@@ -22,12 +22,17 @@ from tests.conftest import digits  # noqa: E402
 
 
 def build(method, model, out, total, save_steps, extra):
-    common = dict(output_dir=out, max_steps=total, learning_rate=3e-3 if method == "sft" else 1e-2,
+    common = dict(output_dir=out, max_steps=total, learning_rate=1e-2 if method == "grpo" else 3e-3,
                   lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=save_steps,
                   disable_tqdm=True, seed=0, bf16=False, **extra)
     if method == "sft":
         return SFTTrainer(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
                           args=SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
+    if method == "dpo":
+        pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+                 for a in range(6) for b in range(4)]
+        return DPOTrainer(model=model, train_dataset=pairs,
+                          args=DPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
     return GRPOTrainer(model=model, reward_funcs=digits, train_dataset=rows,
                        args=GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
@@ -36,7 +41,7 @@ def build(method, model, out, total, save_steps, extra):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("method", choices=["sft", "grpo"])
+    parser.add_argument("method", choices=["sft", "grpo", "dpo"])
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("total", type=int)

@@ -1,9 +1,10 @@
 """trainers: lean RL and supervised fine-tuning for language models, with TRL's names and contracts."""
 
 from trainers.configs import TrainingConfig
+from trainers.dpo import DPOConfig, DPOTrainer
 from trainers.errors import ConfigError
 from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.sft import SFTConfig, SFTTrainer
 
-__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
+__all__ = ["ConfigError", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
 __version__ = "0.1.0"

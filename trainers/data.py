@@ -1,10 +1,11 @@
 """Datasets in general, for every trainer: data files, conversations (checked), the one chat renderer
-(``render_chat`` to text, ``chat_ids`` to tokens), and any dataset form as a ``datasets.Dataset``. What a
-trainer makes of its rows is its own (SFT: trainers/sft/tokenize.py; prompts for sampling:
-trainers/generation/prompts.py)."""
+(``render_chat`` to text, ``chat_ids`` to tokens, a row's own template arguments ``row_chat_kwargs``), and any
+dataset form as a ``datasets.Dataset``. What a trainer makes of its rows is its own (SFT:
+trainers/sft/tokenize.py; DPO: trainers/dpo/data.py; prompts for sampling: trainers/generation/prompts.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from trainers.errors import DatasetFormatError, DatasetTypeError
@@ -99,6 +100,26 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Fals
     writes its own, as ``apply_chat_template(tokenize=True)`` does."""
     text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def row_chat_kwargs(row: dict) -> dict:
+    """A row's own ``apply_chat_template`` arguments, as in TRL: a 'tools' column (a list, or JSON text) and a
+    'chat_template_kwargs' column (a dict)."""
+    kwargs = {}
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise DatasetFormatError(f"Column 'tools' holds text that is not JSON: {error} ({tools!r:.80}).") from error
+    if tools is not None:
+        kwargs["tools"] = tools
+    extra = row.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise DatasetFormatError(f"Column 'chat_template_kwargs' must hold dicts, got {type(extra).__name__}.")
+        kwargs.update(extra)
+    return kwargs
 
 
 def read_stream(stream, name: str) -> list[dict]:

@@ -108,3 +108,40 @@ def test_a_trl_sft_script_runs_with_only_the_import_changed(tiny_model_dir, tmp_
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     assert trainer.state.global_step == 1 and os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
+def test_a_trl_dpo_script_runs_with_only_the_import_changed(tiny_model_dir, tmp_path):
+    """trl/scripts/dpo.py's main(), with its arguments' defaults and a local dataset dict for the Hub's."""
+    from datasets import Dataset, DatasetDict
+
+    # --- TRL's script, verbatim except for the import ---
+    from trainers import DPOConfig, DPOTrainer
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}],
+             "chosen": [{"role": "assistant", "content": str(2 * a)}],
+             "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(8)]
+    dataset = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])})
+    training_args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                              report_to="none", bf16=False, eval_strategy="steps", eval_steps=2, save_strategy="no")
+    model_init_kwargs = dict(revision="main", trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=None, dtype="float32")
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+    trainer = DPOTrainer(
+        model=tiny_model_dir,
+        args=training_args,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["test"] if training_args.eval_strategy != "no" else None,
+        quantization_config=None,
+        peft_config=None,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("✅ Training completed.")
+    trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name="local")
+    trainer.end()
+    # ---
+    assert trainer.state.global_step == 2 and os.path.isfile(tmp_path / "model.safetensors")
+    assert "eval_rewards/accuracies" in trainer.state.log_history[-2]

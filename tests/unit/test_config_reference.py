@@ -56,7 +56,11 @@ def test_subclass_sections_list_only_added_or_overridden_fields():
 
 def test_constraints_are_shown_from_the_declarations():
     """Each field's Valid values cell comes from its opt() declaration, the one the config checks."""
-    rows = {line.split(" | ")[0][3:-1]: line for line in render().splitlines() if line.startswith("| `")}
+    rows: dict[str, str] = {}  # field -> its rows (a field several configs declare has one per config)
+    for line in render().splitlines():
+        if line.startswith("| `"):
+            name = line.split(" | ")[0][3:-1]
+            rows[name] = rows.get(name, "") + line
     assert "| one of: 'grpo', 'bnpo', 'dr_grpo', 'dapo'," in rows["loss_type"]
     assert "| ≥ 1 |" in rows["per_device_train_batch_size"]
     assert "| in [0, 1) |" in rows["adam_beta1"]

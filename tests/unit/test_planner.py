@@ -126,6 +126,19 @@ def test_activations_grow_with_the_batch_and_the_chunked_head_does_not():
     assert large["logits"] + large["logits_kept"] < full_logits / 8
 
 
+def test_a_token_budget_bounds_grpo_activations_whatever_the_batch():
+    """GRPOConfig.token_budget: a micro-batch holds at most that many tokens, so 16 rows of 512 + 512 tokens
+    plan a quarter of the activations with a budget of 4,096, and 32 rows the same; the launch flags carry it."""
+    rows = plan_for(model_size="1.5B", per_device_batch=16)
+    budget = plan_for(model_size="1.5B", per_device_batch=16, token_budget=4096)
+    doubled = plan_for(model_size="1.5B", per_device_batch=32, token_budget=4096)
+    activations = [p.estimate_for("single_gpu").breakdown["activations"] for p in (rows, budget, doubled)]
+    assert activations[1] == pytest.approx(activations[0] / 4, rel=0.01) and activations[2] == activations[1]
+    assert "--padding_free true --token_budget 4096" in " ".join(planner.trainer_flags(budget.inputs))
+    with pytest.raises(ConfigError, match="--token-budget 1000 is invalid; it must be at least"):
+        plan_for(model_size="1.5B", token_budget=1000)
+
+
 def test_the_grpo_reference_model_is_a_copy_sharded_under_zero3_and_absent_with_lora():
     with_kl = plan_for(model_size="7B", num_gpus=8, beta=0.04, gradient_checkpointing=True)
     params = MODEL_SIZES["7B"].num_parameters()

@@ -15,12 +15,13 @@ import inspect
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.configs import TrainingConfig
+from trainers.dpo.config import DPOConfig
 from trainers.grpo.config import GRPOConfig
 from trainers.options import describe_constraints
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig)
 _BASE = TrainingConfig
 
 

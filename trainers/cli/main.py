@@ -1,4 +1,4 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
+"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
@@ -8,7 +8,7 @@
     trainers report outputs/grpo-tiny
     trainers env
 
-A run's YAML holds config fields (every SFTConfig / GRPOConfig field) and the run keys below; a flag
+A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig field) and the run keys below; a flag
 ``--field value`` overrides the same key of the YAML. See docs/cli.md.
 """
 
@@ -44,11 +44,15 @@ LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
 
 
+METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "dpo": "DPO (preference pairs)"}
+
+
 def config_class(method: str):
+    from trainers.dpo.config import DPOConfig
     from trainers.grpo.config import GRPOConfig
     from trainers.sft.config import SFTConfig
 
-    return GRPOConfig if method == "grpo" else SFTConfig
+    return {"grpo": GRPOConfig, "dpo": DPOConfig}.get(method, SFTConfig)
 
 
 def run_keys(method: str) -> dict[str, str]:
@@ -80,7 +84,7 @@ def load_run_yaml(path: str, method: str) -> dict:
 
 def build_run_parser(method: str, subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        method, help=f"{'GRPO' if method == 'grpo' else 'Supervised'} fine-tuning from a YAML file and flags.",
+        method, help=f"{METHODS[method]} training from a YAML file and flags.",
         description=f"Train with {config_class(method).__name__}: --config YAML, then --field value flags override "
                     "its keys. Run keys and every config field, with docstrings and defaults, are listed below.")
     parser.add_argument("--config", help="A YAML file of config fields and run keys (examples/*.yaml).")
@@ -152,6 +156,11 @@ def run_training(method: str, options: dict) -> None:
         rewards = [rewards] if isinstance(rewards, str) else rewards
         trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train,
                               eval_dataset=evaluation, peft_config=peft_config)
+    elif method == "dpo":
+        from trainers import DPOTrainer
+
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             peft_config=peft_config)
     else:
         from trainers import SFTTrainer
 
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for method in ("sft", "grpo"):
+    for method in METHODS:
         build_run_parser(method, subparsers)
     subparsers.add_parser("vllm-serve", add_help=False,
                           help="A vLLM server for GRPO's vllm_mode='server' (trainers vllm-serve --help).")
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                              help="Also show what this shipped template (name) or config file (path) sets.")
     cli = parser.parse_args(argv)
     try:
-        if cli.command in ("sft", "grpo"):
+        if cli.command in METHODS:
             return cmd_train(cli.command, cli, argv[1:])
         if cli.command == "plan":
             return planner.run(cli)

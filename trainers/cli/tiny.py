@@ -169,6 +169,11 @@ def as_sft_rows(rows: list[dict]) -> list[dict]:
     return [{"prompt": r["prompt"], "completion": r["answer"]} for r in rows]
 
 
+def as_preference_rows(rows: list[dict]) -> list[dict]:
+    """Prompt/answer rows -> DPO preference rows: the answer chosen, the digits copied unreversed rejected."""
+    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["prompt"].rstrip("=")} for r in rows]
+
+
 def build_bpe_tokenizer(vocab_size: int = 8192, seed: int = 0, tools: bool = False):
     """A byte-level BPE of ``vocab_size`` tokens trained offline on synthetic words (benchmarks: logits then cost
     what they would with a real vocabulary), with ChatML's specials and chat template (``tools=True``: the
@@ -237,8 +242,11 @@ EMBEDDED_DEFAULTS = {
     "grpo": {"output_dir": "outputs/grpo-tiny", "per_device_train_batch_size": 16, "num_generations": 8,
              "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
              "save_strategy": "no"},
+    "dpo": {"output_dir": "outputs/dpo-tiny", "per_device_train_batch_size": 16, "learning_rate": 3e-3,
+            "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
 }
-EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2}}
+EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2},
+                   "dpo": {"hidden_size": 64, "num_layers": 2}}
 
 
 def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
@@ -250,5 +258,8 @@ def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
 
 
 def embedded_rows(method: str) -> list[dict]:
-    """The embedded default's training rows: digit reversal (SFT pairs or GRPO prompts with answers)."""
+    """The embedded default's training rows: digit reversal (SFT pairs, GRPO prompts with answers, or DPO
+    preferences of the reversal over a copy)."""
+    if method == "dpo":
+        return as_preference_rows(reverse_digits_rows(512, seed=1))
     return as_sft_rows(reverse_digits_rows(2000, seed=1)) if method == "sft" else reverse_digits_rows(256, seed=1)

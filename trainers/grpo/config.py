@@ -153,10 +153,10 @@ class GRPOConfig(TrainingConfig):
         None, "With padding_free: the most tokens (prompt + completion) one training forward on a process packs. "
         "Each optimizer step's completions on a process are regrouped into micro-batches of at most this many "
         "tokens (best-fit decreasing), as many on every process, instead of per_device_train_batch_size rows "
-        "each: short completions share a forward, long ones get their own, and memory is bounded by tokens. The "
-        "step trains on the same completions (every loss but bnpo, whose mean is per micro-batch, is unchanged); "
-        "the old and reference log-probs are computed in such micro-batches too. Every prompt plus "
-        "max_completion_length must fit in it. None: micro-batches of rows.", gt=0)
+        "each: short completions share a forward, long ones get their own, and a forward's activations are "
+        "bounded by tokens. The step trains on the same completions (every loss but bnpo, whose mean is per "
+        "micro-batch, is unchanged); the old and reference log-probs are computed in such micro-batches too. "
+        "Every prompt plus max_completion_length must fit in it. None: micro-batches of rows.", gt=0)
     skip_zero_gradient_rows: bool = opt(
         True, "Leave out of the backward the completions whose loss gradient is zero by construction: those "
         "without loss tokens (dynamic_sampling's dropped groups, mask_truncated_completions) are not forwarded "

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from trainers.data import check_messages, is_conversational, render_chat
+from trainers.data import check_messages, is_conversational, render_chat, row_chat_kwargs
 from trainers.errors import DatasetFormatError
 from trainers.logs import logger
 
@@ -64,26 +63,6 @@ def from_sharegpt(messages: Any) -> Any:
                 message["content"] = message.pop("value")
         converted.append(message)
     return converted
-
-
-def row_chat_kwargs(row: dict) -> dict:
-    """A row's own ``apply_chat_template`` arguments, as in TRL: a 'tools' column (a list, or JSON text) and a
-    'chat_template_kwargs' column (a dict)."""
-    kwargs = {}
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise DatasetFormatError(f"Column 'tools' holds text that is not JSON: {error} ({tools!r:.80}).") from error
-    if tools is not None:
-        kwargs["tools"] = tools
-    extra = row.get("chat_template_kwargs")
-    if extra is not None:
-        if not isinstance(extra, dict):
-            raise DatasetFormatError(f"Column 'chat_template_kwargs' must hold dicts, got {type(extra).__name__}.")
-        kwargs.update(extra)
-    return kwargs
 
 
 def check_token_ids(ids: Any, where: str, allow_ignore: bool = False) -> list[int]:

@@ -297,12 +297,14 @@ def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strateg
     p = precision_of(strategy, inputs.uses_bf16)
     batch = inputs.per_device_batch
     if inputs.method == "grpo":
-        length = inputs.max_prompt_length + inputs.max_completion_length
-        scored = inputs.max_completion_length  # logits_to_keep: only completion positions are scored
+        tokens = batch * (inputs.max_prompt_length + inputs.max_completion_length)
+        scored = batch * inputs.max_completion_length  # logits_to_keep: only completion positions are scored
+        if inputs.token_budget is not None:  # a micro-batch holds at most that many tokens, however many rows
+            tokens = scored = inputs.token_budget
     else:
-        length = scored = inputs.max_length
-    parts = {"activations": activation_bytes(shape, batch * length, p.activations, inputs.gradient_checkpointing)}
-    parts.update(logits_bytes(shape, batch * scored, p.logits))
+        tokens = scored = batch * inputs.max_length
+    parts = {"activations": activation_bytes(shape, tokens, p.activations, inputs.gradient_checkpointing)}
+    parts.update(logits_bytes(shape, scored, p.logits))
     if p.autocast_copies:
         # autocast casts every weight to bf16 for its matmul and autograd keeps the copy for backward.
         parts["autocast_weight_copies"] = 2 * (shape.num_parameters() + (shape.lora_parameters(inputs.lora_r)

@@ -128,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-completion-length", type=int, default=512, help=_help("max_completion_length"))
     parser.add_argument("--max-prompt-length", type=int, default=512, help=_help("max_prompt_length"))
     parser.add_argument("--max-length", type=int, default=1024, help=_help("max_length"))
+    parser.add_argument("--token-budget", type=int, default=None, help=_help("token_budget"))
     parser.add_argument("--gradient-checkpointing", action="store_true", help=_help("gradient_checkpointing"))
     parser.add_argument("--beta", type=float, default=0.0, help=_help("beta"))
     precision = parser.add_mutually_exclusive_group()

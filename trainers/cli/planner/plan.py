@@ -104,6 +104,8 @@ def trainer_flags(inputs: PlanInputs) -> list[str]:
             flags += ["--beta", str(inputs.beta)]
         if not inputs.ds3_gather_for_generation:
             flags += ["--ds3_gather_for_generation", "false"]
+        if inputs.token_budget is not None:
+            flags += ["--padding_free", "true", "--token_budget", str(inputs.token_budget)]
     else:
         flags += ["--max_length", str(inputs.max_length)]
     if inputs.gradient_checkpointing:

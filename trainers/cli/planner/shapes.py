@@ -153,6 +153,9 @@ class PlanInputs:
     device: str = _opt("gpu", "gpu: memory per GPU; cpu: peak RSS per process of a CPU run (calibration).")
     steps_per_generation: int = _opt(1, "GRPO micro-steps per generation round: a process generates "
                                         "per_device_batch x this many completions at once.")
+    token_budget: int | None = _opt(None, "GRPO: GRPOConfig.token_budget (with padding_free): a training "
+                                          "forward's tokens at most, whatever per_device_batch is. None: "
+                                          "per_device_batch rows of the longest prompt and completion.")
     ds3_gather_for_generation: bool = _opt(True, "GRPO under ZeRO-3: gather the full weights for generation "
                                                  "(fast); False generates layer by layer (slow, small).")
 
@@ -183,6 +186,9 @@ def validate(inputs: PlanInputs) -> None:
         ("--max-length", inputs.max_length, inputs.max_length > 0, "positive"),
         ("--beta", inputs.beta, inputs.beta >= 0, ">= 0"),
         ("steps_per_generation", inputs.steps_per_generation, inputs.steps_per_generation > 0, "positive"),
+        ("--token-budget", inputs.token_budget, inputs.token_budget is None
+         or inputs.token_budget >= inputs.max_prompt_length + inputs.max_completion_length,
+         "at least --max-prompt-length + --max-completion-length (the trainer refuses a smaller one)"),
     ]
     for flag, value, ok, valid in checks:
         if not ok:

@@ -1,0 +1,55 @@
+"""A short DPO job launched by tests/distributed (or run alone); writes a JSON report per rank.
+
+argv: model_dir output_dir per_device accumulation
+"""
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+from trainers import DPOConfig, DPOTrainer
+from trainers.distributed import gathered_parameters, unwrap, zero_stage
+
+
+def digits_over_letters(n: int, seed: int) -> list[dict]:
+    """Three digits preferred to three letters after a random prompt (tests/integration/test_dpo.py's)."""
+    draw = random.Random(seed)
+    pick = lambda chars, k: "".join(draw.choice(chars) for _ in range(k))  # noqa: E731
+    return [{"prompt": pick("xyzw", draw.randint(2, 6)) + ":", "chosen": pick("0123456789", draw.randint(1, 4)),
+             "rejected": pick("abcdefgh", draw.randint(1, 4))} for _ in range(n)]
+
+
+def main():
+    model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
+                     gradient_accumulation_steps=accumulation, learning_rate=3e-3, max_steps=3, logging_steps=1,
+                     save_strategy="no", disable_tqdm=True, seed=0, bf16=False, report_to="none",
+                     loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1])
+    trainer = DPOTrainer(model=model_dir, args=args, train_dataset=digits_over_letters(48, 0))
+    trainer.train()
+    reference = unwrap(trainer.accelerator, trainer.ref_model)
+    model = trainer.model
+    with gathered_parameters(trainer.accelerator, model):
+        checksum = [float(p.detach().double().sum()) for p in model.parameters()]
+    trainer.save_model(os.path.join(output_dir, "final"))
+    records = [r for r in trainer.state.log_history if "loss" in r]
+    report = {
+        "rank": trainer.accelerator.process_index,
+        "zero_stage": zero_stage(trainer.accelerator),
+        "history": [{k: r[k] for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen")}
+                    for r in records],
+        "reference_local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+                                     for p in reference.parameters()),
+        "total_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in reference.parameters()),
+        "checksum": checksum,
+    }
+    with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

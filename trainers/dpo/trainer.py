@@ -1,0 +1,329 @@
+"""DPOTrainer: direct preference optimization (arXiv:2305.18290) and TRL 1.16's variants, on the shared base.
+
+One optimizer step, as the base loop runs it (trainers/base.py): ``micro_batch`` collates this process's pairs
+(chosen and rejected sequences in one [2B, T] batch, trainers/dpo/data.py), ``compute_loss`` runs the policy
+once over both (the chunked output head: no full-vocabulary logits), takes the reference's log-probs
+(precomputed, a frozen copy, or with PEFT the policy with its adapters off), and sums the loss types of
+``loss_type`` (trainers/dpo/losses.py), averaged over the step's pairs; ``after_optimizer_step`` moves the
+reference toward the policy with ``sync_ref_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from trainers import distributed as dist
+from trainers.base import BaseTrainer
+from trainers.data import as_dataset
+from trainers.dpo.config import DPOConfig
+from trainers.dpo.data import PairBatch, collate_pairs, pair_length, tokenize_pair
+from trainers.dpo.losses import LossOptions, PairScores, combined_loss
+from trainers.errors import ConfigError, DatasetFormatError
+from trainers.logs import logger
+from trainers.losses import BatchCounts
+from trainers.modeling import context_length, load_causal_lm, token_logprobs, vocabulary_size
+from trainers.samplers import local_slice
+from trainers.stats import Stats
+from trainers.streaming import IndexedBatches, is_stream, load_data_position, save_data_position
+
+
+def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
+    """Each sequence's completion log-prob: the sum over its completion tokens, or with ld_alpha (LD-DPO) the
+    tokens past the shorter completion of its pair weighted by it. token_logps, mask: [2B, T] -> [2B]."""
+    if ld_alpha is None:
+        return (token_logps * mask).sum(-1)
+    position = mask.cumsum(-1)  # [2B, T]: 1, 2, ... along each completion
+    lengths = mask.sum(-1)
+    chosen, rejected = lengths.chunk(2)
+    shared = torch.minimum(chosen, rejected).repeat(2).unsqueeze(-1)  # [2B, 1]
+    inside = mask * (position <= shared)
+    return (token_logps * inside).sum(-1) + ld_alpha * (token_logps * (mask - inside)).sum(-1)
+
+
+class DPOTrainer(BaseTrainer):
+    """Trains a policy on preference pairs. ``ref_model``: the reference (None: a frozen copy of the model, or
+    with ``peft_config`` the model with its adapters off, or none with precompute_ref_log_probs). Arguments in
+    TRL's order."""
+
+    config_class = DPOConfig
+    _tag_names = ("trainers", "dpo")
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        if data_collator is not None:
+            raise ConfigError("DPOTrainer(data_collator=...) is not supported: the trainer collates its tokenized "
+                              "pairs itself (max_length, truncation_mode and pad_to_multiple_of choose how).")
+        if compute_metrics is not None:
+            raise ConfigError("DPOTrainer(compute_metrics=...) is not supported (deprecated in TRL's DPO): the "
+                              "evaluation logs the loss and the rewards/* and logps/* metrics.")
+        if ref_model is not None and ref_model is model:  # TRL's rule
+            raise ConfigError("`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the "
+                              "same as `model`, you must pass a copy of it, or `None` if you use peft.")
+        if ref_model is not None and peft_config is not None:
+            raise ConfigError("DPOTrainer: with peft_config the reference is the model with its adapters off; pass "
+                              "ref_model=None.")
+        self._ref_source, self._model_source = ref_model, model
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
+                         callbacks, optimizers)
+
+    # ------------------------------------------------------------------ data
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        args = self.args
+        if is_stream(train_dataset) or is_stream(eval_dataset):
+            raise ConfigError("DPOTrainer does not read streaming datasets yet: pass a datasets.Dataset or a list "
+                              "of rows (an IterableDataset can be read whole with Dataset.from_generator).")
+        if args.padding_free and self.accelerator.is_main_process:
+            logger.warning("DPOConfig.padding_free=True is turned off, as TRL 1.16 does: the pairs train padded.")
+        pad = args.pad_token or self.processing_class.pad_token or self.processing_class.eos_token
+        if pad not in self.processing_class.get_vocab():
+            raise ConfigError(f"DPOConfig: the pad token {pad!r} is not in the tokenizer's vocabulary.")
+        self.pad_id = self.processing_class.convert_tokens_to_ids(pad)
+        self.train_rows = self._tokenize(train_dataset, "train_dataset")
+        self.sampler = self.batch_sampler([pair_length(p) for p in self.train_rows], self.effective_batch_size,
+                                          "global batch")
+        self.train_batches = IndexedBatches(self.train_rows, self.sampler)
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+
+    def _tokenize(self, dataset, name: str) -> list[dict]:
+        """Every row as token ids (``tokenize_pair``); with keep_start, a row whose prompt alone reaches
+        max_length is dropped, as TRL drops it, with a warning that counts them."""
+        rows = as_dataset(dataset, name).to_list()
+        pairs = [tokenize_pair(row, self.processing_class, f"{name} row {index}") for index, row in enumerate(rows)]
+        limit = self.args.max_length
+        if limit is not None and self.args.truncation_mode == "keep_start":
+            kept = [pair for pair in pairs if len(pair["prompt_ids"]) < limit]
+            if len(kept) < len(pairs) and self.accelerator.is_main_process:
+                logger.warning(f"{len(pairs) - len(kept)} rows of {name} have a prompt of max_length={limit} tokens "
+                               f"or more, so no completion token would remain: they are dropped, as TRL drops them.")
+            pairs = kept
+        if not pairs:
+            raise DatasetFormatError(f"No row of {name} is left to train on (check max_length).")
+        return pairs
+
+    def tokenize_eval(self, dataset, name: str) -> None:
+        self.eval_rows = self._tokenize(dataset, name)
+
+    def check_eval_fit(self, model, name: str) -> None:
+        self._check_fit(model, name, self.eval_rows)
+
+    def _check_fit(self, model, name: str, pairs: list[dict]) -> None:
+        """Every token id is in the model's vocabulary and every sequence fits its context."""
+        vocab, context = vocabulary_size(model), context_length(model)
+        top = max(max(p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]) for p in pairs)
+        if top >= vocab:
+            raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
+        longest = max(min(pair_length(p), self.args.max_length or pair_length(p)) for p in pairs)
+        if context and longest > context:
+            raise ConfigError(f"{name}: a sequence has {longest} tokens, more than the model's context of {context}. "
+                              f"Set max_length <= {context} (now {self.args.max_length}).")
+
+    def optimizer_steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def _collate(self, pairs: list[dict]) -> PairBatch:
+        args = self.args
+        return collate_pairs(pairs, self.pad_id, args.max_length, args.truncation_mode, args.pad_to_multiple_of,
+                             self.accelerator.device)
+
+    def micro_batch(self, step: int, accumulation_index: int) -> PairBatch:
+        acc = self.accelerator
+        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
+                           self.per_process_train_batch_size, acc.num_processes)
+        return self._collate(rows)
+
+    # ------------------------------------------------------------------ models
+
+    def after_load(self, model) -> None:
+        args = self.args
+        model.config.get_text_config().pad_token_id = self.pad_id
+        self._check_fit(model, "train_dataset", self.train_rows)
+        if args.sync_ref_model and self.is_peft:
+            raise ConfigError("DPOConfig: `sync_ref_model=True` does not work with a PEFT model (as in TRL): its "
+                              "reference is the base model with the adapters off, not a copy to move.")
+        if args.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        source, self.ref_model = self._ref_source, None
+        if source is not None:
+            kwargs = args.model_init_kwargs if isinstance(source, str) else None
+            self.ref_model = load_causal_lm(source, kwargs, args.trust_remote_code)
+        elif not self.is_peft and not args.precompute_ref_log_probs:
+            model_source = self._model_source
+            self.ref_model = (load_causal_lm(model_source, args.model_init_kwargs, args.trust_remote_code)
+                              if isinstance(model_source, str) else copy.deepcopy(model))
+        if self.ref_model is not None and args.disable_dropout:
+            for module in self.ref_model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+
+    def after_prepare(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model = dist.prepare_frozen(self.accelerator, self.ref_model)
+        self.loss_options = LossOptions.from_config(self.args)
+        if self.args.precompute_ref_log_probs:
+            self._precompute_reference(self.train_rows, self.per_process_train_batch_size)
+            if self.eval_rows is not None:
+                self._precompute_reference(self.eval_rows, self.per_process_eval_batch_size)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference model to run (no gradients): the frozen copy, or the policy with its adapters off
+        (PEFT), or, with precompute_ref_log_probs, the policy before training."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.is_peft:
+            with self.unwrapped_model.disable_adapter():
+                yield self.model_wrapped
+        else:
+            yield self.model_wrapped
+
+    def _precompute_reference(self, pairs: list[dict], batch_size: int) -> None:
+        """precompute_ref_log_probs: every pair's reference log-probs, kept in its row (``ref_chosen_logps``,
+        ``ref_rejected_logps``). Every process computes all of them (the same forwards on each: ZeRO-3 gathers
+        weights collectively), so each has what its own batches need."""
+        size = self.args.precompute_ref_batch_size or batch_size
+        self.model_wrapped.eval()
+        with torch.no_grad(), self.accelerator.autocast():
+            for start in range(0, len(pairs), size):
+                chunk = pairs[start:start + size]
+                batch = self._collate([{k: v for k, v in p.items() if not k.startswith("ref_")} for p in chunk])
+                with self._reference() as reference:
+                    logps = self._logps(reference, batch)["sums"].float().tolist()
+                for index, pair in enumerate(chunk):
+                    pair["ref_chosen_logps"], pair["ref_rejected_logps"] = logps[index], logps[len(chunk) + index]
+        self.model_wrapped.train()
+
+    # ------------------------------------------------------------------ loss
+
+    def _logps(self, model, batch: PairBatch, with_stats: bool = False, with_logits: bool = False) -> dict:
+        """One forward over both sides: per-token log-probs [2B, T], their sums [2B] (``sequence_logps``), and
+        with ``with_stats`` the entropy and argmax hits."""
+        out = token_logprobs(model, batch.input_ids, batch.target_ids, attention_mask=batch.attention_mask,
+                             with_entropy=with_stats, with_accuracy=with_stats,
+                             with_router_loss=with_stats and bool(self.router_aux_loss_coef), with_logits=with_logits)
+        out["logps"] = out["logps"] * batch.completion_mask  # [2B, T]: 0 off the completions (don't-care values)
+        out["sums"] = sequence_logps(out["logps"], batch.completion_mask, self.args.ld_alpha)
+        return out
+
+    def _scores(self, model, batch: PairBatch, with_stats: bool, sft_scale: float | None = None
+                ) -> tuple[PairScores, dict]:
+        """The micro-batch's PairScores under ``model`` and its reference, and the policy forward's outputs."""
+        out = self._logps(model, batch, with_stats=with_stats, with_logits=self.args.use_weighting)
+        if batch.ref_logps is not None:
+            reference = batch.ref_logps
+        else:
+            with torch.no_grad(), self._reference() as ref_model:
+                reference = self._logps(ref_model, batch)["sums"].detach()
+        chosen, rejected = out["sums"].chunk(2)
+        ref_chosen, ref_rejected = reference.float().chunk(2)
+        lengths = batch.completion_mask.sum(-1)
+        token_logps, mask = out["logps"].chunk(2)[0], batch.completion_mask.chunk(2)[0]
+        scores = PairScores(chosen, rejected, ref_chosen, ref_rejected, *lengths.chunk(2), token_logps, mask,
+                            sft_scale)
+        return scores, out
+
+    def _wpo_weights(self, out: dict, batch: PairBatch) -> torch.Tensor:
+        """use_weighting (WPO): each pair's weight, the product of its two completions' length-normalized
+        exp(log p - log Σ_v p_v²), detached, as TRL: [B]."""
+        with torch.no_grad():
+            log_sum_sq = torch.stack([torch.logsumexp(2 * row.float().log_softmax(-1), -1) for row in out["logits"]])
+            mask = batch.completion_mask
+            mean = ((out["logps"] - log_sum_sq) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            chosen, rejected = torch.exp(mean).chunk(2)
+            return chosen * rejected
+
+    def _pair_loss(self, model, batch: PairBatch, with_stats: bool = True, sft_scale: float | None = None
+                   ) -> tuple[torch.Tensor, Stats, dict]:
+        """Per-pair losses [B] and the micro-batch's statistics (sums and counts, reduced over processes later).
+        ``sft_scale``: pairs per chosen token of the set sft's token mean is over (None: this micro-batch)."""
+        args = self.args
+        scores, out = self._scores(model, batch, with_stats, sft_scale)
+        weights = self._wpo_weights(out, batch) if args.use_weighting else None
+        per_pair = combined_loss(scores, self.loss_options, args.loss_type, args.weights, weights)
+        pairs = float(batch.pairs)
+        chosen_rewards = args.beta * scores.chosen_logratios.detach()
+        rejected_rewards = args.beta * scores.rejected_logratios.detach()
+        stats: Stats = {
+            "rewards/chosen": (chosen_rewards.sum(), pairs),
+            "rewards/rejected": (rejected_rewards.sum(), pairs),
+            "rewards/accuracies": ((chosen_rewards > rejected_rewards).float().sum(), pairs),
+            "rewards/margins": ((chosen_rewards - rejected_rewards).sum(), pairs),
+            "logps/chosen": (scores.chosen.detach().sum(), pairs),
+            "logps/rejected": (scores.rejected.detach().sum(), pairs),
+        }
+        if with_stats:
+            mask = batch.completion_mask
+            stats["entropy"] = ((out["entropy"].detach() * mask).sum(), mask.sum())
+            chosen_mask = mask.chunk(2)[0]
+            stats["mean_token_accuracy"] = ((out["correct"].chunk(2)[0] * chosen_mask).sum(), chosen_mask.sum())
+        return per_pair, stats, out
+
+    def compute_loss(self, model, batch: PairBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        # counts: the step's pairs (sequences) and chosen tokens, over every micro-batch and process; sft's token
+        # mean is over all of them (TRL's is per micro-batch), so the split of the step does not change the loss
+        with self.accelerator.autocast():
+            per_pair, stats, out = self._pair_loss(model, batch, sft_scale=counts.sequences / max(counts.tokens, 1.0))
+        loss = per_pair.sum() / max(counts.sequences, 1.0)  # the mean over the step's pairs (every process)
+        return self.add_router_loss(loss, out, counts, stats), stats
+
+    def after_optimizer_step(self, metrics: dict) -> None:
+        """TR-DPO (sync_ref_model): every ref_model_sync_steps steps the reference moves toward the policy."""
+        args = self.args
+        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
+            dist.mix_parameters(self.accelerator, self.unwrapped_model, self.ref_model, args.ref_model_mixup_alpha)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval_rows_per_batch(self) -> int:
+        return self.per_process_eval_batch_size
+
+    def evaluation_stats(self) -> Stats:
+        """eval_loss (the mean over pairs of the combined loss) and the rewards and logps metrics over the eval
+        pairs. Every process runs as many forwards (ZeRO-3 gathers weights collectively): one with no pairs left
+        repeats pair 0 at zero weight."""
+        acc = self.accelerator
+        n, size = len(self.eval_rows), self.eval_rows_per_batch()
+        mine = list(range(acc.process_index, n, acc.num_processes))
+        per_process = -(-n // acc.num_processes)
+        totals: dict[str, list] = {}
+        for start in range(0, per_process, size):
+            chunk = mine[start:start + size]
+            batch = self._collate([self.eval_rows[i] for i in chunk or [0]])
+            with acc.autocast():
+                per_pair, stats, _ = self._pair_loss(self.model_wrapped, batch)
+            weight = 1.0 if chunk else 0.0
+            stats["loss"] = (per_pair.detach().sum(), float(batch.pairs))
+            for name, (value, count) in stats.items():
+                total = totals.setdefault(name, [0.0, 0.0])
+                total[0] = total[0] + value * weight
+                total[1] = total[1] + count * weight
+            self.callback_handler.fire("prediction_step")
+        return {name: (value, count) for name, (value, count) in totals.items()}
+
+    @property
+    def train_dataset(self):
+        """The training pairs as TRL keeps them: a ``datasets.Dataset`` of ``prompt_ids``, ``chosen_ids``,
+        ``rejected_ids`` (and ``ref_chosen_logps``, ``ref_rejected_logps`` once precomputed)."""
+        from datasets import Dataset
+
+        return Dataset.from_list(self.train_rows)
+
+    @property
+    def eval_dataset(self):
+        from datasets import Dataset
+
+        return None if self.eval_rows is None else Dataset.from_list(self.eval_rows)
+
+    # ------------------------------------------------------------------ resume
+
+    def save_extra_state(self, folder: str) -> None:
+        save_data_position(self.train_batches, folder, self.accelerator.process_index)
+
+    def load_extra_state(self, folder: str) -> None:
+        load_data_position(self.train_batches, folder, self.accelerator.process_index)
