@@ -55,11 +55,13 @@ ROWS = {
     "sft-tiny-packed": ("tiny", "sft", {"packing": True}, 12, 2),
     "sft-small-unpacked": ("small", "sft", {"packing": False}, 6, 1),
     "sft-small-packed": ("small", "sft", {"packing": True}, 6, 1),
+    "dpo-tiny": ("tiny", "dpo", {"max_length": 256}, 10, 2),
     # at a real vocabulary the output head dominates time and memory (issue 44): a few steps suffice
     # (not in --quick: TRL takes 20-100 s a step here)
     "grpo-vocab152k-64": ("tiny152k", "grpo", {"completion_length": 64}, 4, 1),
     "sft-vocab152k-unpacked": ("tiny152k", "sft", {"packing": False}, 3, 1),
     "sft-vocab152k-packed": ("tiny152k", "sft", {"packing": True}, 3, 1),
+    "dpo-vocab152k": ("tiny152k", "dpo", {"max_length": 256}, 3, 1),
     # Qwen2.5-0.5B's shape on CPU, fp32: smaller batches so a step takes seconds, not minutes
     "grpo-qwen05cpu-32": ("qwen05", "grpo", {"completion_length": 32, "batch": 8}, 3, 1),
     "sft-qwen05cpu-unpacked": ("qwen05", "sft", {"packing": False, "batch": 4, "max_length": 256}, 3, 1),

@@ -1,4 +1,4 @@
-"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT or GRPO.
+"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT, GRPO or DPO.
 
 Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
 non-padding tokens, the final loss, the seconds the trainer took to build (model loading; with vLLM colocate, the
@@ -30,6 +30,14 @@ def sft_rows(max_length: int, n: int = 512) -> list[dict]:
 
 def grpo_rows(n: int = 64) -> list[dict]:
     return [{"prompt": t} for t in sentences(n, 4, 10, seed=2)]
+
+
+def dpo_rows(max_length: int, n: int = 256) -> list[dict]:
+    """Preference pairs: a prompt of 4-12 words, two completions of varied length (up to ~max_length/6 words)."""
+    prompts = sentences(n, 4, 12, seed=3)
+    chosen = sentences(n, 2, max(4, max_length // 6), seed=4)
+    rejected = sentences(n, 2, max(4, max_length // 6), seed=5)
+    return [{"prompt": p, "chosen": " " + c, "rejected": " " + r} for p, c, r in zip(prompts, chosen, rejected)]
 
 
 def reward_len(completions, **kwargs):
@@ -77,6 +85,11 @@ def grpo_args(cli) -> dict:
             "generation_kwargs": {"min_new_tokens": cli.completion_length}, **cli.extra}
 
 
+def dpo_args(cli) -> dict:
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
+            "learning_rate": 1e-5, "beta": 0.1, **cli.extra}
+
+
 def lora_config(cli):
     """``--lora R``: the same LoRA adapters for both (rank R on every linear layer, alpha 2R), else None."""
     if not cli.lora:
@@ -96,11 +109,14 @@ def ours_grpo_args(cli) -> dict:
 
 
 def run_ours(cli, rows):
-    from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trainers import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
                              args=SFTConfig(**sft_args(cli)))
+    elif cli.method == "dpo":
+        trainer = DPOTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
+                             args=DPOConfig(**dpo_args(cli)))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
                               peft_config=lora_config(cli), args=GRPOConfig(**ours_grpo_args(cli)))
@@ -118,7 +134,7 @@ def run_ours(cli, rows):
 def run_trl(cli, rows):
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
     clock = StepClock()
 
@@ -133,6 +149,9 @@ def run_trl(cli, rows):
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                              peft_config=lora_config(cli), args=SFTConfig(**sft_args(cli), **cpu))
+    elif cli.method == "dpo":
+        trainer = DPOTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                             peft_config=lora_config(cli), args=DPOConfig(**dpo_args(cli), **cpu))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
                               callbacks=[Clock()], peft_config=lora_config(cli),
@@ -152,7 +171,7 @@ def zero_std_share(logs: list[dict]) -> float | None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=["ours", "trl"])
-    parser.add_argument("method", choices=["sft", "grpo"])
+    parser.add_argument("method", choices=["sft", "grpo", "dpo"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
@@ -170,7 +189,8 @@ def main():
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
-    rows = sft_rows(cli.max_length) if cli.method == "sft" else grpo_rows()
+    rows = {"sft": lambda: sft_rows(cli.max_length), "dpo": lambda: dpo_rows(cli.max_length)}.get(
+        cli.method, grpo_rows)()
     SETUP["started"] = time.perf_counter()
     times, tokens, loss, zero_std = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
     from memory_probe import peak_rss_bytes
