@@ -159,7 +159,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         self.max_steps = args.max_steps if args.max_steps > 0 else max(
             1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
 
-        model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code)
+        model = self.load_model(model)
         if cloned is not None:
             match_vocabulary(model, self.processing_class)
             if cloned and peft_config is not None:
@@ -244,6 +244,11 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
     def eval_rows_per_batch(self) -> int:
         """How many eval rows one evaluation batch holds on each process (eval_steps_per_second)."""
         raise NotImplementedError
+
+    def load_model(self, model):
+        """The model to train from ``model`` (a path, a Hub id or an instance): a causal LM here; the reward
+        trainer loads a sequence classifier."""
+        return load_causal_lm(model, self.args.model_init_kwargs, self.args.trust_remote_code)
 
     def after_load(self, model) -> None:
         """Called with the loaded (and PEFT-wrapped) model before it is prepared."""

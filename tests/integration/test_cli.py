@@ -14,6 +14,7 @@ from tests.conftest import REPO, free_port
 from trainers.dpo.config import DPOConfig
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
+from trainers.reward.config import RewardConfig
 from trainers.sft.config import SFTConfig
 from trainers.cli import main as cli
 
@@ -22,12 +23,12 @@ SHIPPED_YAMLS = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
 
 def method_of(path: str) -> str:
     name = os.path.basename(path)
-    return "grpo" if name.startswith("grpo") else "dpo" if name.startswith("dpo") else "sft"
+    return next((m for m in ("grpo", "dpo", "reward") if name.startswith(m)), "sft")
 
 
 def test_there_is_a_yaml_for_each_example():
     names = {os.path.basename(p) for p in SHIPPED_YAMLS}
-    assert {"sft.yaml", "grpo.yaml", "dpo.yaml"} <= names and len(names) >= 5
+    assert {"sft.yaml", "grpo.yaml", "dpo.yaml", "reward.yaml"} <= names and len(names) >= 6
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAMLS, ids=os.path.basename)
@@ -97,7 +98,8 @@ def test_missing_yaml_and_unknown_template_are_clear_errors(tmp_path):
     assert cli.resolve_template("zero3.yaml") == cli.resolve_template("zero3")
 
 
-@pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("dpo", DPOConfig)])
+@pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("dpo", DPOConfig),
+                                                 ("reward", RewardConfig)])
 def test_help_lists_every_field_with_its_docstring_and_default(method, config_class, capsys):
     with pytest.raises(SystemExit):
         cli.main([method, "--help"])

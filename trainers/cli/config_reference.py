@@ -18,10 +18,11 @@ from trainers.configs import TrainingConfig
 from trainers.dpo.config import DPOConfig
 from trainers.grpo.config import GRPOConfig
 from trainers.options import describe_constraints
+from trainers.reward.config import RewardConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig, RewardConfig)
 _BASE = TrainingConfig
 
 

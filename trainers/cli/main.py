@@ -1,4 +1,4 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
+"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``reward``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
@@ -8,7 +8,7 @@
     trainers report outputs/grpo-tiny
     trainers env
 
-A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig field) and the run keys below; a flag
+A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig / RewardConfig field) and the run keys below; a flag
 ``--field value`` overrides the same key of the YAML. See docs/cli.md.
 """
 
@@ -44,15 +44,17 @@ LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
 
 
-METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "dpo": "DPO (preference pairs)"}
+METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "dpo": "DPO (preference pairs)",
+           "reward": "Reward-model (preference pairs)"}
 
 
 def config_class(method: str):
     from trainers.dpo.config import DPOConfig
     from trainers.grpo.config import GRPOConfig
+    from trainers.reward.config import RewardConfig
     from trainers.sft.config import SFTConfig
 
-    return {"grpo": GRPOConfig, "dpo": DPOConfig}.get(method, SFTConfig)
+    return {"grpo": GRPOConfig, "dpo": DPOConfig, "reward": RewardConfig}.get(method, SFTConfig)
 
 
 def run_keys(method: str) -> dict[str, str]:
@@ -161,6 +163,11 @@ def run_training(method: str, options: dict) -> None:
 
         trainer = DPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              peft_config=peft_config)
+    elif method == "reward":
+        from trainers import RewardTrainer
+
+        trainer = RewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                                peft_config=peft_config)
     else:
         from trainers import SFTTrainer
 

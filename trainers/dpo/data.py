@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers.data import chat_ids, check_messages, is_conversational, row_chat_kwargs
-from trainers.errors import DatasetFormatError
+from trainers.data import chat_ids, row_chat_kwargs
+from trainers.preferences import check_columns
 
 IGNORE = -100  # a target no loss is taken on
 
@@ -44,18 +44,8 @@ def tokenize_pair(row: dict, tokenizer, where: str) -> dict:
     """A preference row -> ``{"prompt_ids", "chosen_ids", "rejected_ids"}``, as TRL 1.16: the prompt and each
     prompt + completion tokenized whole, the prompt's ids cut where it stops being a prefix of both (a merge
     across the boundary, a template that renders the prompt differently). ``where`` names the row in errors."""
-    for column in ("chosen", "rejected"):
-        if row.get(column) is None:
-            raise DatasetFormatError(f"{where}: column '{column}' is missing or empty; a preference row needs "
-                                     f"'chosen' and 'rejected' (and optionally 'prompt').")
+    conversational = check_columns(row, where, ("chosen", "rejected"))
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
-    conversational = is_conversational(chosen)
-    for column, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if prompt else ()):
-        if conversational:
-            check_messages(value, f"{where} column '{column}'")
-        elif not isinstance(value, str):
-            raise DatasetFormatError(f"{where} column '{column}' must be text (or, in every column, a list of "
-                                     f"messages), got {type(value).__name__}: {value!r:.80}.")
     if prompt is None:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     if conversational:

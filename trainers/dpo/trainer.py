@@ -21,10 +21,11 @@ from trainers.data import as_dataset
 from trainers.dpo.config import DPOConfig
 from trainers.dpo.data import PairBatch, collate_pairs, pair_length, tokenize_pair
 from trainers.dpo.losses import LossOptions, PairScores, combined_loss
-from trainers.errors import ConfigError, DatasetFormatError
+from trainers.errors import ConfigError
 from trainers.logs import logger
 from trainers.losses import BatchCounts
-from trainers.modeling import context_length, load_causal_lm, token_logprobs, vocabulary_size
+from trainers.modeling import load_causal_lm, token_logprobs
+from trainers.preferences import check_fit, evaluation_totals, kept_rows
 from trainers.samplers import local_slice
 from trainers.stats import Stats
 from trainers.streaming import IndexedBatches, is_stream, load_data_position, save_data_position
@@ -96,13 +97,9 @@ class DPOTrainer(BaseTrainer):
         pairs = [tokenize_pair(row, self.processing_class, f"{name} row {index}") for index, row in enumerate(rows)]
         limit = self.args.max_length
         if limit is not None and self.args.truncation_mode == "keep_start":
-            kept = [pair for pair in pairs if len(pair["prompt_ids"]) < limit]
-            if len(kept) < len(pairs) and self.accelerator.is_main_process:
-                logger.warning(f"{len(pairs) - len(kept)} rows of {name} have a prompt of max_length={limit} tokens "
-                               f"or more, so no completion token would remain: they are dropped, as TRL drops them.")
-            pairs = kept
-        if not pairs:
-            raise DatasetFormatError(f"No row of {name} is left to train on (check max_length).")
+            pairs = kept_rows(pairs, lambda pair: len(pair["prompt_ids"]) < limit, name,
+                              f"have a prompt of max_length={limit} tokens or more, so no completion token would "
+                              f"remain", self.accelerator.is_main_process)
         return pairs
 
     def tokenize_eval(self, dataset, name: str) -> None:
@@ -113,14 +110,9 @@ class DPOTrainer(BaseTrainer):
 
     def _check_fit(self, model, name: str, pairs: list[dict]) -> None:
         """Every token id is in the model's vocabulary and every sequence fits its context."""
-        vocab, context = vocabulary_size(model), context_length(model)
         top = max(max(p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]) for p in pairs)
-        if top >= vocab:
-            raise DatasetFormatError(f"{name} holds token id {top}, but the model's vocabulary has {vocab} tokens.")
         longest = max(min(pair_length(p), self.args.max_length or pair_length(p)) for p in pairs)
-        if context and longest > context:
-            raise ConfigError(f"{name}: a sequence has {longest} tokens, more than the model's context of {context}. "
-                              f"Set max_length <= {context} (now {self.args.max_length}).")
+        check_fit(model, name, top, longest, self.args.max_length)
 
     def optimizer_steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch
@@ -285,26 +277,15 @@ class DPOTrainer(BaseTrainer):
 
     def evaluation_stats(self) -> Stats:
         """eval_loss (the mean over pairs of the combined loss) and the rewards and logps metrics over the eval
-        pairs. Every process runs as many forwards (ZeRO-3 gathers weights collectively): one with no pairs left
-        repeats pair 0 at zero weight."""
-        acc = self.accelerator
-        n, size = len(self.eval_rows), self.eval_rows_per_batch()
-        mine = list(range(acc.process_index, n, acc.num_processes))
-        per_process = -(-n // acc.num_processes)
-        totals: dict[str, list] = {}
-        for start in range(0, per_process, size):
-            chunk = mine[start:start + size]
-            batch = self._collate([self.eval_rows[i] for i in chunk or [0]])
-            with acc.autocast():
+        pairs (``evaluation_totals``)."""
+        def measure(pairs: list[dict]) -> Stats:
+            batch = self._collate(pairs)
+            with self.accelerator.autocast():
                 per_pair, stats, _ = self._pair_loss(self.model_wrapped, batch)
-            weight = 1.0 if chunk else 0.0
-            stats["loss"] = (per_pair.detach().sum(), float(batch.pairs))
-            for name, (value, count) in stats.items():
-                total = totals.setdefault(name, [0.0, 0.0])
-                total[0] = total[0] + value * weight
-                total[1] = total[1] + count * weight
-            self.callback_handler.fire("prediction_step")
-        return {name: (value, count) for name, (value, count) in totals.items()}
+            return stats | {"loss": (per_pair.detach().sum(), float(batch.pairs))}
+
+        return evaluation_totals(self.accelerator, self.eval_rows, self.eval_rows_per_batch(), measure,
+                                 lambda: self.callback_handler.fire("prediction_step"))
 
     @property
     def train_dataset(self):

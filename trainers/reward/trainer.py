@@ -1,0 +1,238 @@
+"""RewardTrainer: a reward model (a sequence classifier with one score) trained on preference pairs with the
+Bradley-Terry loss, as TRL 1.16's: -log sigmoid(score(chosen) - score(rejected) - margin), plus, with
+center_rewards_coefficient, that coefficient times (score(chosen) + score(rejected))^2. The saved model is a
+reward model ``GRPOTrainer(reward_funcs=<its folder>)`` loads as it is.
+
+Rows hold ``chosen`` and ``rejected`` (each the whole sequence, or the completion after a ``prompt`` column), as
+text or messages, and optionally a ``margin``. A micro-batch's B pairs are one forward of 2B rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainers.base import BaseTrainer
+from trainers.data import as_dataset, chat_ids, row_chat_kwargs
+from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError
+from trainers.losses import BatchCounts
+from trainers.preferences import check_columns, check_fit, evaluation_totals, kept_rows
+from trainers.reward.config import RewardConfig
+from trainers.samplers import local_slice
+from trainers.stats import Extreme, Stats
+from trainers.streaming import IndexedBatches, is_stream, load_data_position, save_data_position
+
+
+def tokenize_preference(row: dict, tokenizer, eos: str, where: str) -> dict:
+    """A row -> ``{"chosen_ids", "rejected_ids"}`` (and ``margin``), as TRL: text completions end with EOS, a
+    prompt goes before each completion, and the whole is tokenized (messages through the chat template)."""
+    conversational = check_columns(row, where, ("chosen", "rejected"), ("prompt",))
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if conversational:
+        kwargs = row_chat_kwargs(row)
+        prompt = prompt or []
+        out = {"chosen_ids": chat_ids(tokenizer, prompt + chosen, **kwargs),
+               "rejected_ids": chat_ids(tokenizer, prompt + rejected, **kwargs)}
+    else:
+        prompt = prompt or ""
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        out = {"chosen_ids": tokenizer(prompt + chosen)["input_ids"],
+               "rejected_ids": tokenizer(prompt + rejected)["input_ids"]}
+    if row.get("margin") is not None:
+        if not isinstance(row["margin"], (int, float)):
+            raise DatasetFormatError(f"{where} column 'margin' must be a number, got {row['margin']!r:.40}.")
+        out["margin"] = float(row["margin"])
+    return out
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """B pairs as one forward: the chosen sequences (rows 0..B-1), then the rejected ones, right-padded."""
+
+    input_ids: torch.Tensor  # [2B, T]
+    attention_mask: torch.Tensor  # [2B, T]
+    margin: torch.Tensor | None  # [B] float, or None
+    loss_mask: torch.Tensor  # [B, 1]: each pair counts once in the step's means
+    num_input_tokens: torch.Tensor  # 0-d
+    num_padded_tokens: int  # 2B x T
+
+
+class RewardTrainer(BaseTrainer):
+    """Trains a reward model on preference pairs. ``model``: a path (loaded as a sequence classifier with
+    ``num_labels=1``, as TRL loads it, a causal LM's folder included) or such a model. Arguments in TRL's
+    order."""
+
+    config_class = RewardConfig
+    _tag_names = ("trainers", "reward-trainer")
+
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None):
+        for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics),
+                            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics)):
+            if value is not None:
+                raise ConfigError(f"RewardTrainer({name}=...) is not supported: the trainer collates its tokenized "
+                                  f"pairs and logs accuracy, margin and the rewards' min / mean / max itself.")
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
+                         callbacks, optimizers, optimizer_cls_and_kwargs)
+
+    # ------------------------------------------------------------------ the model
+
+    def load_model(self, model):
+        """A sequence classifier with one score (TRL's ``AutoModelForSequenceClassification``, ``num_labels=1``)."""
+        from transformers import AutoModelForSequenceClassification
+
+        if not isinstance(model, str):
+            if getattr(model.config, "num_labels", None) != 1:  # TRL's rule
+                raise ConfigError(f"The model has `num_labels={model.config.num_labels}`, but reward models require "
+                                  f"`num_labels=1` to output a single scalar reward per sequence. Please instantiate "
+                                  f"your model with `num_labels=1` or pass a model name as a string.")
+            return model
+        kwargs = {"dtype": torch.float32, **dict(self.args.model_init_kwargs or {}), "num_labels": 1}
+        kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
+        try:
+            return AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"Could not load {model!r} as a sequence classifier (num_labels=1): {error}"
+                                 ) from error
+
+    def after_load(self, model) -> None:
+        # the score is read at the last non-pad token, found through the config's pad id: the tokenizer's
+        model.config.get_text_config().pad_token_id = self.pad_id
+        model.config.pad_token_id = self.pad_id
+        if self.args.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self._check_fit(model, "train_dataset", self.train_rows)
+
+    # ------------------------------------------------------------------ data
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        args, tokenizer = self.args, self.processing_class
+        if is_stream(train_dataset) or is_stream(eval_dataset):
+            raise ConfigError("RewardTrainer does not read streaming datasets yet: pass a datasets.Dataset or a "
+                              "list of rows.")
+        if args.eos_token is not None:
+            if args.eos_token not in tokenizer.get_vocab():
+                raise ConfigError(f"RewardConfig: `eos_token={args.eos_token!r}` is not in the tokenizer's vocabulary.")
+            tokenizer.eos_token = args.eos_token
+        pad = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
+        if pad not in tokenizer.get_vocab():
+            raise ConfigError(f"RewardConfig: the pad token {pad!r} is not in the tokenizer's vocabulary.")
+        self.pad_id = tokenizer.convert_tokens_to_ids(pad)
+        self.train_rows = self._tokenize(train_dataset, "train_dataset")
+        lengths = [max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in self.train_rows]
+        self.sampler = self.batch_sampler(lengths, self.effective_batch_size, "global batch")
+        self.train_batches = IndexedBatches(self.train_rows, self.sampler)
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+
+    def _tokenize(self, dataset, name: str) -> list[dict]:
+        rows = as_dataset(dataset, name).to_list()
+        eos = self.processing_class.eos_token or ""
+        pairs = [tokenize_preference(row, self.processing_class, eos, f"{name} row {i}") for i, row in enumerate(rows)]
+        if len({"margin" in p for p in pairs}) > 1:
+            raise DatasetFormatError(f"{name}: some rows have a 'margin' and some do not; give every row one.")
+        limit = self.args.max_length
+        if limit is not None:
+            pairs = kept_rows(pairs, lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"])) <= limit, name,
+                              f"have a sequence longer than max_length={limit}", self.accelerator.is_main_process)
+        return pairs
+
+    def tokenize_eval(self, dataset, name: str) -> None:
+        self.eval_rows = self._tokenize(dataset, name)
+
+    def check_eval_fit(self, model, name: str) -> None:
+        self._check_fit(model, name, self.eval_rows)
+
+    def _check_fit(self, model, name: str, pairs: list[dict]) -> None:
+        top = max(max(p["chosen_ids"] + p["rejected_ids"]) for p in pairs)
+        longest = max(max(len(p["chosen_ids"]), len(p["rejected_ids"])) for p in pairs)
+        check_fit(model, name, top, longest, self.args.max_length)
+
+    def optimizer_steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def _collate(self, pairs: list[dict]) -> ScoreBatch:
+        sequences = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
+        width = max(len(ids) for ids in sequences)
+        if self.args.pad_to_multiple_of:
+            width = -(-width // self.args.pad_to_multiple_of) * self.args.pad_to_multiple_of
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, ids in enumerate(sequences):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+        device = self.accelerator.device
+        margin = torch.tensor([p["margin"] for p in pairs], device=device) if "margin" in pairs[0] else None
+        return ScoreBatch(input_ids.to(device), attention.to(device), margin,
+                          torch.ones((len(pairs), 1), device=device), attention.sum().to(device), input_ids.numel())
+
+    def micro_batch(self, step: int, accumulation_index: int) -> ScoreBatch:
+        acc = self.accelerator
+        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
+                           self.per_process_train_batch_size, acc.num_processes)
+        return self._collate(rows)
+
+    # ------------------------------------------------------------------ loss
+
+    def _pair_loss(self, model, batch: ScoreBatch) -> tuple[torch.Tensor, Stats, dict]:
+        """Per-pair losses [B] and the micro-batch's statistics."""
+        kwargs = {"output_router_logits": True} if self.router_aux_loss_coef else {}
+        outputs = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
+        scores = outputs.logits.squeeze(-1).float()  # [2B]
+        chosen, rejected = scores.chunk(2)  # [B], [B]
+        difference = chosen - rejected if batch.margin is None else chosen - rejected - batch.margin
+        per_pair = -F.logsigmoid(difference)
+        if self.args.center_rewards_coefficient is not None:
+            per_pair = per_pair + self.args.center_rewards_coefficient * (chosen + rejected) ** 2
+        pairs, detached = float(chosen.shape[0]), scores.detach()
+        stats: Stats = {
+            "accuracy": ((chosen > rejected).float().sum().detach(), pairs),
+            "margin": ((chosen - rejected).detach().sum(), pairs),
+            "mean_reward": (detached.sum(), 2 * pairs),
+            "min_reward": Extreme(detached.min(), "min"),
+            "max_reward": Extreme(detached.max(), "max"),
+        }
+        return per_pair, stats, {"aux_loss": getattr(outputs, "aux_loss", None)}
+
+    def compute_loss(self, model, batch: ScoreBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        with self.accelerator.autocast():
+            per_pair, stats, out = self._pair_loss(model, batch)
+        loss = per_pair.sum() / max(counts.sequences, 1.0)  # the mean over the step's pairs (every process)
+        return self.add_router_loss(loss, out, counts, stats), stats
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval_rows_per_batch(self) -> int:
+        return self.per_process_eval_batch_size
+
+    def evaluation_stats(self) -> Stats:
+        """eval_loss, accuracy, margin and mean_reward over the eval pairs (``evaluation_totals``)."""
+        def measure(pairs: list[dict]) -> Stats:
+            with self.accelerator.autocast():
+                per_pair, stats, _ = self._pair_loss(self.model_wrapped, self._collate(pairs))
+            stats = {name: value for name, value in stats.items() if not isinstance(value, Extreme)}
+            return stats | {"loss": (per_pair.detach().sum(), float(per_pair.shape[0]))}
+
+        return evaluation_totals(self.accelerator, self.eval_rows, self.eval_rows_per_batch(), measure,
+                                 lambda: self.callback_handler.fire("prediction_step"))
+
+    @property
+    def train_dataset(self):
+        """The training pairs as TRL keeps them: ``chosen_ids``, ``rejected_ids`` (and ``margin``)."""
+        from datasets import Dataset
+
+        return Dataset.from_list(self.train_rows)
+
+    # ------------------------------------------------------------------ resume
+
+    def save_extra_state(self, folder: str) -> None:
+        save_data_position(self.train_batches, folder, self.accelerator.process_index)
+
+    def load_extra_state(self, folder: str) -> None:
+        load_data_position(self.train_batches, folder, self.accelerator.process_index)
