@@ -1,4 +1,4 @@
-"""A short SFT, GRPO, DPO or reward-model run for the exact-resume and kill tests; run as a script (1 process or
+"""A short SFT, GRPO, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a script (1 process or
 launched).
 
     python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig,
-                      SFTTrainer)
+from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
+                      RewardTrainer, SFTConfig, SFTTrainer)
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
@@ -30,10 +30,11 @@ def build(method, model, out, total, save_steps, extra):
     if method == "sft":
         return SFTTrainer(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
                           args=SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
-    if method in ("dpo", "reward"):
+    if method in ("dpo", "reward", "kto"):  # KTO unpairs them
         pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
                  for a in range(6) for b in range(4)]
-        trainer, config = (DPOTrainer, DPOConfig) if method == "dpo" else (RewardTrainer, RewardConfig)
+        trainer, config = {"dpo": (DPOTrainer, DPOConfig), "reward": (RewardTrainer, RewardConfig),
+                           "kto": (KTOTrainer, KTOConfig)}[method]
         return trainer(model=model, train_dataset=pairs,
                        args=config(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
@@ -44,7 +45,7 @@ def build(method, model, out, total, save_steps, extra):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("method", choices=["sft", "grpo", "dpo", "reward"])
+    parser.add_argument("method", choices=["sft", "grpo", "dpo", "reward", "kto"])
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("total", type=int)

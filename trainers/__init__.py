@@ -4,9 +4,10 @@ from trainers.configs import TrainingConfig
 from trainers.dpo import DPOConfig, DPOTrainer
 from trainers.errors import ConfigError
 from trainers.grpo import GRPOConfig, GRPOTrainer
+from trainers.kto import KTOConfig, KTOTrainer
 from trainers.reward import RewardConfig, RewardTrainer
 from trainers.sft import SFTConfig, SFTTrainer
 
-__all__ = ["ConfigError", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardConfig", "RewardTrainer",
-           "SFTConfig", "SFTTrainer", "TrainingConfig"]
+__all__ = ["ConfigError", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOConfig", "KTOTrainer",
+           "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
 __version__ = "0.1.0"

@@ -1,17 +1,25 @@
 """What the preference trainers (DPO, reward models, KTO) share about their rows: the columns a row must have
-(``check_columns``), dropping the rows that do not fit, with a warning that counts them (``kept_rows``), the
-model's vocabulary and context (``check_fit``), and evaluation in equal batches on every process
-(``evaluation_totals``)."""
+(``check_columns``), TRL's implicit prompt and tokenization of a prompt and its completions
+(``extract_prompt``, ``tokenize_completions``), dropping the rows that do not fit, with a warning that counts
+them (``kept_rows``), the model's vocabulary and context (``check_fit``), prompt + completion rows padded for one
+forward (``padded_completions``), evaluation in equal batches on every process (``evaluation_totals``), and the
+trainers' data hooks on their rows in memory (``PreferenceData``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from trainers.data import check_messages, is_conversational
+import torch
+
+from trainers.data import chat_ids, check_messages, is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.logs import logger
 from trainers.modeling import context_length, vocabulary_size
+from trainers.reference import disable_dropout
+from trainers.samplers import local_slice
 from trainers.stats import Stats
+from trainers.streaming import load_data_position, save_data_position
 
 
 def check_columns(row: dict, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ("prompt",)) -> bool:
@@ -31,6 +39,45 @@ def check_columns(row: dict, where: str, required: tuple[str, ...], optional: tu
             raise DatasetFormatError(f"{where} column '{column}' must be text (or, in every column, a list of "
                                      f"messages), got {type(row[column]).__name__}: {row[column]!r:.80}.")
     return conversational
+
+
+def extract_prompt(chosen, rejected) -> tuple:
+    """TRL's implicit prompt: the common start of ``chosen`` and ``rejected`` (texts or message lists), a space
+    before the first difference given to the completions. Returns (prompt, chosen, rejected)."""
+    index = 0
+    for index in range(min(len(chosen), len(rejected))):
+        if chosen[index] != rejected[index]:
+            if chosen[index - 1] == " ":
+                index -= 1
+            break
+    return chosen[:index], chosen[index:], rejected[index:]
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_completions(tokenizer, prompt, completions: list, conversational: bool, chat_kwargs: dict
+                         ) -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids and each completion's, as TRL 1.16 tokenizes them: text completions end with the EOS
+    (appended unless there), the prompt and each prompt + completion are tokenized whole (messages through the
+    chat template, the prompt with the generation prompt), and the prompt's ids are cut where they stop being a
+    prefix of every full sequence (a token merge across the boundary, a template that renders the prompt
+    differently), so each completion token is scored once."""
+    if conversational:
+        prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True, **chat_kwargs)
+        full = [chat_ids(tokenizer, prompt + completion, **chat_kwargs) for completion in completions]
+    else:
+        eos = tokenizer.eos_token or ""
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        full = [tokenizer(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions]
+    cut = min(common_prefix_length(prompt_ids, ids) for ids in full)
+    return list(prompt_ids[:cut]), [list(ids[cut:]) for ids in full]
 
 
 def kept_rows(rows: list[dict], keep: Callable[[dict], bool], name: str, why: str, log: bool) -> list[dict]:
@@ -72,3 +119,103 @@ def evaluation_totals(accelerator, rows: list[dict], batch_size: int, measure: C
             total[0], total[1] = total[0] + value * weight, total[1] + count * weight
         after_batch()
     return {name: (value, count) for name, (value, count) in totals.items()}
+
+
+IGNORE = -100  # a target no loss is taken on
+
+
+@dataclass(frozen=True)
+class PaddedCompletions:
+    """Prompt + completion sequences, right-padded: R rows of T positions."""
+
+    input_ids: torch.Tensor  # [R, T] long
+    attention_mask: torch.Tensor  # [R, T] long
+    target_ids: torch.Tensor  # [R, T] long: the next token where it is a completion token, IGNORE elsewhere
+    completion_mask: torch.Tensor  # [R, T] float: 1 where target_ids is a completion token
+
+    def to(self, device) -> PaddedCompletions:
+        return PaddedCompletions(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_ids,
+                                                          self.completion_mask)))
+
+
+def padded_completions(prompts: list[list[int]], completions: list[list[int]], pad_id: int, max_length: int | None,
+                       truncation_mode: str = "keep_start", pad_to_multiple_of: int | None = None
+                       ) -> PaddedCompletions:
+    """Each prompt + completion truncated to ``max_length`` as TRL's collators do (``keep_start`` keeps the first
+    tokens, ``keep_end`` the last), then right-padded (to a multiple of ``pad_to_multiple_of``); each position's
+    target is the next token where that token belongs to the completion."""
+    sequences, masks = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ids, mask = prompt + completion, [0] * len(prompt) + [1] * len(completion)
+        if max_length is not None and len(ids) > max_length:
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[cut], mask[cut]
+        sequences.append(ids)
+        masks.append(mask)
+    width = max(len(ids) for ids in sequences)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    completion = torch.zeros_like(input_ids)
+    for row, (ids, mask) in enumerate(zip(sequences, masks)):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        completion[row, : len(mask)] = torch.tensor(mask)
+    targets = torch.full_like(input_ids, IGNORE)  # position t predicts token t + 1
+    targets[:, :-1] = torch.where(completion[:, 1:].bool(), input_ids[:, 1:], IGNORE)
+    return PaddedCompletions(input_ids, attention, targets, (targets != IGNORE).float())
+
+
+class PreferenceData:
+    """Mixin of the preference trainers (DPO, KTO, reward models) for their tokenized rows in memory: the subclass
+    sets ``train_rows``, ``eval_rows``, ``sampler``, ``train_batches`` (``IndexedBatches``) and ``pad_id`` in
+    prepare_data and provides ``_tokenize(dataset, name)``, ``_check_fit(model, name, rows)`` and
+    ``_collate(rows)``; this gives the base trainer's data hooks, TRL's ``train_dataset`` / ``eval_dataset`` views
+    and the checkpointed data position."""
+
+    def optimizer_steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def micro_batch(self, step: int, accumulation_index: int):
+        acc = self.accelerator
+        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
+                           self.per_process_train_batch_size, acc.num_processes)
+        return self._collate(rows)
+
+    def tokenize_eval(self, dataset, name: str) -> None:
+        self.eval_rows = self._tokenize(dataset, name)
+
+    def check_eval_fit(self, model, name: str) -> None:
+        self._check_fit(model, name, self.eval_rows)
+
+    def eval_rows_per_batch(self) -> int:
+        return self.per_process_eval_batch_size
+
+    def after_load(self, model) -> None:
+        """The model's pad id is the tokenizer's (a sequence classifier reads its score at the last non-pad token),
+        the training rows fit it, and its dropout is off with disable_dropout."""
+        model.config.get_text_config().pad_token_id = self.pad_id
+        model.config.pad_token_id = self.pad_id
+        self._check_fit(model, "train_dataset", self.train_rows)
+        if self.args.disable_dropout:
+            disable_dropout(model)
+
+    @property
+    def train_dataset(self):
+        """The training rows as TRL keeps them, tokenized (a ``datasets.Dataset``; its columns: the trainer's)."""
+        from datasets import Dataset
+
+        return Dataset.from_list(self.train_rows)
+
+    @property
+    def eval_dataset(self):
+        from datasets import Dataset
+
+        return None if self.eval_rows is None else Dataset.from_list(self.eval_rows)
+
+    def save_extra_state(self, folder: str) -> None:
+        save_data_position(self.train_batches, folder, self.accelerator.process_index)
+
+    def load_extra_state(self, folder: str) -> None:
+        load_data_position(self.train_batches, folder, self.accelerator.process_index)

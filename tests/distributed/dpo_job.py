@@ -1,6 +1,6 @@
-"""A short DPO job launched by tests/distributed (or run alone); writes a JSON report per rank.
+"""A short DPO (or KTO) job launched by tests/distributed (or run alone); writes a JSON report per rank.
 
-argv: model_dir output_dir per_device accumulation
+argv: model_dir output_dir per_device accumulation [dpo|kto]
 """
 
 import json
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from trainers import DPOConfig, DPOTrainer
+from trainers import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trainers.distributed import gathered_parameters, unwrap, zero_stage
 
 
@@ -24,11 +24,17 @@ def digits_over_letters(n: int, seed: int) -> list[dict]:
 
 def main():
     model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device,
-                     gradient_accumulation_steps=accumulation, learning_rate=3e-3, max_steps=3, logging_steps=1,
-                     save_strategy="no", disable_tqdm=True, seed=0, bf16=False, report_to="none",
-                     loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1])
-    trainer = DPOTrainer(model=model_dir, args=args, train_dataset=digits_over_letters(48, 0))
+    method = sys.argv[5] if len(sys.argv) > 5 else "dpo"
+    common = dict(output_dir=output_dir, per_device_train_batch_size=per_device,
+                  gradient_accumulation_steps=accumulation, learning_rate=3e-3, max_steps=3, logging_steps=1,
+                  save_strategy="no", disable_tqdm=True, seed=0, bf16=False, report_to="none")
+    if method == "kto":  # the pairs unpaired: each process's micro-batches hold both labels
+        trainer = KTOTrainer(model=model_dir, args=KTOConfig(**common), train_dataset=[
+            {"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+            for row in digits_over_letters(24, 0) for side in ("chosen", "rejected")])
+    else:
+        trainer = DPOTrainer(model=model_dir, train_dataset=digits_over_letters(48, 0), args=DPOConfig(
+            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1], **common))
     trainer.train()
     reference = unwrap(trainer.accelerator, trainer.ref_model)
     model = trainer.model
@@ -39,8 +45,8 @@ def main():
     report = {
         "rank": trainer.accelerator.process_index,
         "zero_stage": zero_stage(trainer.accelerator),
-        "history": [{k: r[k] for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen")}
-                    for r in records],
+        "history": [{k: r[k] for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "kl")
+                     if k in r} for r in records],
         "reference_local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                                      for p in reference.parameters()),
         "total_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in reference.parameters()),

@@ -1,5 +1,6 @@
 """DPO with 2 processes under the DDP and ZeRO-3 templates: the same training as one process with the same
-global batch, and under ZeRO-3 a reference model partitioned like the policy."""
+global batch, and under ZeRO-3 a reference model partitioned like the policy. KTO under ZeRO-3: its KL
+reference point is one value over both processes."""
 
 import os
 
@@ -39,3 +40,15 @@ def test_two_processes_train_as_one(name, tiny_model_dir, tmp_path, one_process)
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     for key in reference_weights:
         torch.testing.assert_close(saved[key], reference_weights[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_kto_shares_its_kl_reference_point_between_processes_under_zero3(tiny_model_dir, tmp_path):
+    """KTO's KL estimate is averaged over the processes (a collective per micro-batch, as TRL gathers it): both
+    ranks log the same kl and train one model, its reference partitioned."""
+    launch("zero3", JOB, tiny_model_dir, str(tmp_path), "4", "1", "kto")
+    reports = rank_reports(tmp_path)
+    assert [r["history"] for r in reports][0] == [r["history"] for r in reports][1]
+    assert all("kl" in record and record["loss"] == record["loss"] for record in reports[0]["history"])
+    assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
+    assert all(0.45 < r["reference_local_numel"] / r["total_numel"] < 0.55 for r in reports)

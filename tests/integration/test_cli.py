@@ -14,6 +14,7 @@ from tests.conftest import REPO, free_port
 from trainers.dpo.config import DPOConfig
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
+from trainers.kto.config import KTOConfig
 from trainers.reward.config import RewardConfig
 from trainers.sft.config import SFTConfig
 from trainers.cli import main as cli
@@ -23,12 +24,12 @@ SHIPPED_YAMLS = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
 
 def method_of(path: str) -> str:
     name = os.path.basename(path)
-    return next((m for m in ("grpo", "dpo", "reward") if name.startswith(m)), "sft")
+    return next((m for m in ("grpo", "dpo", "reward", "kto") if name.startswith(m)), "sft")
 
 
 def test_there_is_a_yaml_for_each_example():
     names = {os.path.basename(p) for p in SHIPPED_YAMLS}
-    assert {"sft.yaml", "grpo.yaml", "dpo.yaml", "reward.yaml"} <= names and len(names) >= 6
+    assert {"sft.yaml", "grpo.yaml", "dpo.yaml", "reward.yaml", "kto.yaml"} <= names and len(names) >= 7
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAMLS, ids=os.path.basename)
@@ -99,7 +100,7 @@ def test_missing_yaml_and_unknown_template_are_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("dpo", DPOConfig),
-                                                 ("reward", RewardConfig)])
+                                                 ("reward", RewardConfig), ("kto", KTOConfig)])
 def test_help_lists_every_field_with_its_docstring_and_default(method, config_class, capsys):
     with pytest.raises(SystemExit):
         cli.main([method, "--help"])

@@ -17,12 +17,13 @@ from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.configs import TrainingConfig
 from trainers.dpo.config import DPOConfig
 from trainers.grpo.config import GRPOConfig
+from trainers.kto.config import KTOConfig
 from trainers.options import describe_constraints
 from trainers.reward.config import RewardConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig, RewardConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig, RewardConfig, KTOConfig)
 _BASE = TrainingConfig
 
 

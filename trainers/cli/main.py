@@ -1,4 +1,5 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``reward``, ``vllm-serve``, ``plan``, ``report`` and ``env``.
+"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``, ``plan``,
+``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
@@ -8,7 +9,8 @@
     trainers report outputs/grpo-tiny
     trainers env
 
-A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig / RewardConfig field) and the run keys below; a flag
+A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig / RewardConfig /
+KTOConfig field) and the run keys below; a flag
 ``--field value`` overrides the same key of the YAML. See docs/cli.md.
 """
 
@@ -45,16 +47,17 @@ LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launc
 
 
 METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "dpo": "DPO (preference pairs)",
-           "reward": "Reward-model (preference pairs)"}
+           "reward": "Reward-model (preference pairs)", "kto": "KTO (completions labelled desirable or not)"}
 
 
 def config_class(method: str):
     from trainers.dpo.config import DPOConfig
     from trainers.grpo.config import GRPOConfig
+    from trainers.kto.config import KTOConfig
     from trainers.reward.config import RewardConfig
     from trainers.sft.config import SFTConfig
 
-    return {"grpo": GRPOConfig, "dpo": DPOConfig, "reward": RewardConfig}.get(method, SFTConfig)
+    return {"grpo": GRPOConfig, "dpo": DPOConfig, "reward": RewardConfig, "kto": KTOConfig}.get(method, SFTConfig)
 
 
 def run_keys(method: str) -> dict[str, str]:
@@ -162,6 +165,11 @@ def run_training(method: str, options: dict) -> None:
         from trainers import DPOTrainer
 
         trainer = DPOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             peft_config=peft_config)
+    elif method == "kto":
+        from trainers import KTOTrainer
+
+        trainer = KTOTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              peft_config=peft_config)
     elif method == "reward":
         from trainers import RewardTrainer

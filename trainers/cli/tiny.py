@@ -246,9 +246,12 @@ EMBEDDED_DEFAULTS = {
             "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
     "reward": {"output_dir": "outputs/reward-tiny", "per_device_train_batch_size": 16, "learning_rate": 1e-3,
                "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
+    "kto": {"output_dir": "outputs/kto-tiny", "per_device_train_batch_size": 16, "learning_rate": 3e-3,
+            "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
 }
 EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2},
-                   "dpo": {"hidden_size": 64, "num_layers": 2}, "reward": {"hidden_size": 64, "num_layers": 2}}
+                   "dpo": {"hidden_size": 64, "num_layers": 2}, "reward": {"hidden_size": 64, "num_layers": 2},
+                   "kto": {"hidden_size": 64, "num_layers": 2}}
 
 
 def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
@@ -260,8 +263,11 @@ def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
 
 
 def embedded_rows(method: str) -> list[dict]:
-    """The embedded default's training rows: digit reversal (SFT pairs, GRPO prompts with answers, or DPO and
-    reward-model preferences of the reversal over a copy)."""
+    """The embedded default's training rows: digit reversal (SFT pairs, GRPO prompts with answers, DPO and
+    reward-model preferences of the reversal over a copy, or KTO's: the reversal desirable, the copy not)."""
     if method in ("dpo", "reward"):
         return as_preference_rows(reverse_digits_rows(512, seed=1))
+    if method == "kto":
+        return [{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+                for row in as_preference_rows(reverse_digits_rows(256, seed=1)) for side in ("chosen", "rejected")]
     return as_sft_rows(reverse_digits_rows(2000, seed=1)) if method == "sft" else reverse_digits_rows(256, seed=1)

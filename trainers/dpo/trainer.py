@@ -10,12 +10,8 @@ reference toward the policy with ``sync_ref_model``.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-
 import torch
 
-from trainers import distributed as dist
 from trainers.base import BaseTrainer
 from trainers.data import as_dataset
 from trainers.dpo.config import DPOConfig
@@ -24,11 +20,11 @@ from trainers.dpo.losses import LossOptions, PairScores, combined_loss
 from trainers.errors import ConfigError
 from trainers.logs import logger
 from trainers.losses import BatchCounts
-from trainers.modeling import load_causal_lm, token_logprobs
-from trainers.preferences import check_fit, evaluation_totals, kept_rows
-from trainers.samplers import local_slice
+from trainers.modeling import token_logprobs
+from trainers.preferences import PreferenceData, check_fit, evaluation_totals, kept_rows
+from trainers.reference import FrozenReference
 from trainers.stats import Stats
-from trainers.streaming import IndexedBatches, is_stream, load_data_position, save_data_position
+from trainers.streaming import IndexedBatches, is_stream
 
 
 def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
@@ -44,7 +40,7 @@ def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: floa
     return (token_logps * inside).sum(-1) + ld_alpha * (token_logps * (mask - inside)).sum(-1)
 
 
-class DPOTrainer(BaseTrainer):
+class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
     """Trains a policy on preference pairs. ``ref_model``: the reference (None: a frozen copy of the model, or
     with ``peft_config`` the model with its adapters off, or none with precompute_ref_log_probs). Arguments in
     TRL's order."""
@@ -102,78 +98,30 @@ class DPOTrainer(BaseTrainer):
                               f"remain", self.accelerator.is_main_process)
         return pairs
 
-    def tokenize_eval(self, dataset, name: str) -> None:
-        self.eval_rows = self._tokenize(dataset, name)
-
-    def check_eval_fit(self, model, name: str) -> None:
-        self._check_fit(model, name, self.eval_rows)
-
     def _check_fit(self, model, name: str, pairs: list[dict]) -> None:
         """Every token id is in the model's vocabulary and every sequence fits its context."""
         top = max(max(p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]) for p in pairs)
         longest = max(min(pair_length(p), self.args.max_length or pair_length(p)) for p in pairs)
         check_fit(model, name, top, longest, self.args.max_length)
 
-    def optimizer_steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
-
     def _collate(self, pairs: list[dict]) -> PairBatch:
         args = self.args
         return collate_pairs(pairs, self.pad_id, args.max_length, args.truncation_mode, args.pad_to_multiple_of,
                              self.accelerator.device)
 
-    def micro_batch(self, step: int, accumulation_index: int) -> PairBatch:
-        acc = self.accelerator
-        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
-                           self.per_process_train_batch_size, acc.num_processes)
-        return self._collate(rows)
-
     # ------------------------------------------------------------------ models
 
     def after_load(self, model) -> None:
-        args = self.args
-        model.config.get_text_config().pad_token_id = self.pad_id
-        self._check_fit(model, "train_dataset", self.train_rows)
-        if args.sync_ref_model and self.is_peft:
-            raise ConfigError("DPOConfig: `sync_ref_model=True` does not work with a PEFT model (as in TRL): its "
-                              "reference is the base model with the adapters off, not a copy to move.")
-        if args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        source, self.ref_model = self._ref_source, None
-        if source is not None:
-            kwargs = args.model_init_kwargs if isinstance(source, str) else None
-            self.ref_model = load_causal_lm(source, kwargs, args.trust_remote_code)
-        elif not self.is_peft and not args.precompute_ref_log_probs:
-            model_source = self._model_source
-            self.ref_model = (load_causal_lm(model_source, args.model_init_kwargs, args.trust_remote_code)
-                              if isinstance(model_source, str) else copy.deepcopy(model))
-        if self.ref_model is not None and args.disable_dropout:
-            for module in self.ref_model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+        super().after_load(model)  # PreferenceData's: pad id, the rows' fit, dropout
+        self.load_reference(model, self._ref_source, self._model_source)
 
     def after_prepare(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model = dist.prepare_frozen(self.accelerator, self.ref_model)
+        self.prepare_reference()
         self.loss_options = LossOptions.from_config(self.args)
         if self.args.precompute_ref_log_probs:
             self._precompute_reference(self.train_rows, self.per_process_train_batch_size)
             if self.eval_rows is not None:
                 self._precompute_reference(self.eval_rows, self.per_process_eval_batch_size)
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The reference model to run (no gradients): the frozen copy, or the policy with its adapters off
-        (PEFT), or, with precompute_ref_log_probs, the policy before training."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.is_peft:
-            with self.unwrapped_model.disable_adapter():
-                yield self.model_wrapped
-        else:
-            yield self.model_wrapped
 
     def _precompute_reference(self, pairs: list[dict], batch_size: int) -> None:
         """precompute_ref_log_probs: every pair's reference log-probs, kept in its row (``ref_chosen_logps``,
@@ -185,7 +133,7 @@ class DPOTrainer(BaseTrainer):
             for start in range(0, len(pairs), size):
                 chunk = pairs[start:start + size]
                 batch = self._collate([{k: v for k, v in p.items() if not k.startswith("ref_")} for p in chunk])
-                with self._reference() as reference:
+                with self.reference() as reference:
                     logps = self._logps(reference, batch)["sums"].float().tolist()
                 for index, pair in enumerate(chunk):
                     pair["ref_chosen_logps"], pair["ref_rejected_logps"] = logps[index], logps[len(chunk) + index]
@@ -210,7 +158,7 @@ class DPOTrainer(BaseTrainer):
         if batch.ref_logps is not None:
             reference = batch.ref_logps
         else:
-            with torch.no_grad(), self._reference() as ref_model:
+            with torch.no_grad(), self.reference() as ref_model:
                 reference = self._logps(ref_model, batch)["sums"].detach()
         chosen, rejected = out["sums"].chunk(2)
         ref_chosen, ref_rejected = reference.float().chunk(2)
@@ -265,15 +213,9 @@ class DPOTrainer(BaseTrainer):
         return self.add_router_loss(loss, out, counts, stats), stats
 
     def after_optimizer_step(self, metrics: dict) -> None:
-        """TR-DPO (sync_ref_model): every ref_model_sync_steps steps the reference moves toward the policy."""
-        args = self.args
-        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:
-            dist.mix_parameters(self.accelerator, self.unwrapped_model, self.ref_model, args.ref_model_mixup_alpha)
+        self.sync_reference()  # TR-DPO (sync_ref_model)
 
     # ------------------------------------------------------------------ evaluation
-
-    def eval_rows_per_batch(self) -> int:
-        return self.per_process_eval_batch_size
 
     def evaluation_stats(self) -> Stats:
         """eval_loss (the mean over pairs of the combined loss) and the rewards and logps metrics over the eval
@@ -286,25 +228,3 @@ class DPOTrainer(BaseTrainer):
 
         return evaluation_totals(self.accelerator, self.eval_rows, self.eval_rows_per_batch(), measure,
                                  lambda: self.callback_handler.fire("prediction_step"))
-
-    @property
-    def train_dataset(self):
-        """The training pairs as TRL keeps them: a ``datasets.Dataset`` of ``prompt_ids``, ``chosen_ids``,
-        ``rejected_ids`` (and ``ref_chosen_logps``, ``ref_rejected_logps`` once precomputed)."""
-        from datasets import Dataset
-
-        return Dataset.from_list(self.train_rows)
-
-    @property
-    def eval_dataset(self):
-        from datasets import Dataset
-
-        return None if self.eval_rows is None else Dataset.from_list(self.eval_rows)
-
-    # ------------------------------------------------------------------ resume
-
-    def save_extra_state(self, folder: str) -> None:
-        save_data_position(self.train_batches, folder, self.accelerator.process_index)
-
-    def load_extra_state(self, folder: str) -> None:
-        load_data_position(self.train_batches, folder, self.accelerator.process_index)

@@ -18,11 +18,10 @@ from trainers.base import BaseTrainer
 from trainers.data import as_dataset, chat_ids, row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError
 from trainers.losses import BatchCounts
-from trainers.preferences import check_columns, check_fit, evaluation_totals, kept_rows
+from trainers.preferences import PreferenceData, check_columns, check_fit, evaluation_totals, kept_rows
 from trainers.reward.config import RewardConfig
-from trainers.samplers import local_slice
 from trainers.stats import Extreme, Stats
-from trainers.streaming import IndexedBatches, is_stream, load_data_position, save_data_position
+from trainers.streaming import IndexedBatches, is_stream
 
 
 def tokenize_preference(row: dict, tokenizer, eos: str, where: str) -> dict:
@@ -60,7 +59,7 @@ class ScoreBatch:
     num_padded_tokens: int  # 2B x T
 
 
-class RewardTrainer(BaseTrainer):
+class RewardTrainer(PreferenceData, BaseTrainer):
     """Trains a reward model on preference pairs. ``model``: a path (loaded as a sequence classifier with
     ``num_labels=1``, as TRL loads it, a causal LM's folder included) or such a model. Arguments in TRL's
     order."""
@@ -100,16 +99,6 @@ class RewardTrainer(BaseTrainer):
             raise ModelLoadError(f"Could not load {model!r} as a sequence classifier (num_labels=1): {error}"
                                  ) from error
 
-    def after_load(self, model) -> None:
-        # the score is read at the last non-pad token, found through the config's pad id: the tokenizer's
-        model.config.get_text_config().pad_token_id = self.pad_id
-        model.config.pad_token_id = self.pad_id
-        if self.args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        self._check_fit(model, "train_dataset", self.train_rows)
-
     # ------------------------------------------------------------------ data
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
@@ -143,19 +132,10 @@ class RewardTrainer(BaseTrainer):
                               f"have a sequence longer than max_length={limit}", self.accelerator.is_main_process)
         return pairs
 
-    def tokenize_eval(self, dataset, name: str) -> None:
-        self.eval_rows = self._tokenize(dataset, name)
-
-    def check_eval_fit(self, model, name: str) -> None:
-        self._check_fit(model, name, self.eval_rows)
-
     def _check_fit(self, model, name: str, pairs: list[dict]) -> None:
         top = max(max(p["chosen_ids"] + p["rejected_ids"]) for p in pairs)
         longest = max(max(len(p["chosen_ids"]), len(p["rejected_ids"])) for p in pairs)
         check_fit(model, name, top, longest, self.args.max_length)
-
-    def optimizer_steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
 
     def _collate(self, pairs: list[dict]) -> ScoreBatch:
         sequences = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
@@ -171,12 +151,6 @@ class RewardTrainer(BaseTrainer):
         margin = torch.tensor([p["margin"] for p in pairs], device=device) if "margin" in pairs[0] else None
         return ScoreBatch(input_ids.to(device), attention.to(device), margin,
                           torch.ones((len(pairs), 1), device=device), attention.sum().to(device), input_ids.numel())
-
-    def micro_batch(self, step: int, accumulation_index: int) -> ScoreBatch:
-        acc = self.accelerator
-        rows = local_slice(self.train_batches.batch(step), accumulation_index, acc.process_index,
-                           self.per_process_train_batch_size, acc.num_processes)
-        return self._collate(rows)
 
     # ------------------------------------------------------------------ loss
 
@@ -208,9 +182,6 @@ class RewardTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ evaluation
 
-    def eval_rows_per_batch(self) -> int:
-        return self.per_process_eval_batch_size
-
     def evaluation_stats(self) -> Stats:
         """eval_loss, accuracy, margin and mean_reward over the eval pairs (``evaluation_totals``)."""
         def measure(pairs: list[dict]) -> Stats:
@@ -221,18 +192,3 @@ class RewardTrainer(BaseTrainer):
 
         return evaluation_totals(self.accelerator, self.eval_rows, self.eval_rows_per_batch(), measure,
                                  lambda: self.callback_handler.fire("prediction_step"))
-
-    @property
-    def train_dataset(self):
-        """The training pairs as TRL keeps them: ``chosen_ids``, ``rejected_ids`` (and ``margin``)."""
-        from datasets import Dataset
-
-        return Dataset.from_list(self.train_rows)
-
-    # ------------------------------------------------------------------ resume
-
-    def save_extra_state(self, folder: str) -> None:
-        save_data_position(self.train_batches, folder, self.accelerator.process_index)
-
-    def load_extra_state(self, folder: str) -> None:
-        load_data_position(self.train_batches, folder, self.accelerator.process_index)
