@@ -56,6 +56,8 @@ ROWS = {
     "sft-small-unpacked": ("small", "sft", {"packing": False}, 6, 1),
     "sft-small-packed": ("small", "sft", {"packing": True}, 6, 1),
     "dpo-tiny": ("tiny", "dpo", {"max_length": 256}, 10, 2),
+    "reward-tiny": ("tiny", "reward", {"max_length": 256}, 10, 2),
+    "kto-tiny": ("tiny", "kto", {"max_length": 256}, 10, 2),
     # at a real vocabulary the output head dominates time and memory (issue 44): a few steps suffice
     # (not in --quick: TRL takes 20-100 s a step here)
     "grpo-vocab152k-64": ("tiny152k", "grpo", {"completion_length": 64}, 4, 1),

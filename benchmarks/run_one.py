@@ -1,4 +1,5 @@
-"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT, GRPO or DPO.
+"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT, GRPO, DPO,
+a reward model or KTO.
 
 Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
 non-padding tokens, the final loss, the seconds the trainer took to build (model loading; with vLLM colocate, the
@@ -38,6 +39,12 @@ def dpo_rows(max_length: int, n: int = 256) -> list[dict]:
     chosen = sentences(n, 2, max(4, max_length // 6), seed=4)
     rejected = sentences(n, 2, max(4, max_length // 6), seed=5)
     return [{"prompt": p, "chosen": " " + c, "rejected": " " + r} for p, c, r in zip(prompts, chosen, rejected)]
+
+
+def kto_rows(max_length: int, n: int = 256) -> list[dict]:
+    """dpo_rows unpaired: each pair's chosen completion desirable, its rejected one not (alternating)."""
+    return [{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+            for row in dpo_rows(max_length, n // 2) for side in ("chosen", "rejected")]
 
 
 def reward_len(completions, **kwargs):
@@ -90,6 +97,16 @@ def dpo_args(cli) -> dict:
             "learning_rate": 1e-5, "beta": 0.1, **cli.extra}
 
 
+def reward_args(cli) -> dict:
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
+            "learning_rate": 1e-5, **cli.extra}
+
+
+def kto_args(cli) -> dict:
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
+            "learning_rate": 1e-5, "beta": 0.1, **cli.extra}
+
+
 def lora_config(cli):
     """``--lora R``: the same LoRA adapters for both (rank R on every linear layer, alpha 2R), else None."""
     if not cli.lora:
@@ -109,7 +126,8 @@ def ours_grpo_args(cli) -> dict:
 
 
 def run_ours(cli, rows):
-    from trainers import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
+                          RewardTrainer, SFTConfig, SFTTrainer)
 
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
@@ -117,6 +135,12 @@ def run_ours(cli, rows):
     elif cli.method == "dpo":
         trainer = DPOTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
                              args=DPOConfig(**dpo_args(cli)))
+    elif cli.method == "reward":
+        trainer = RewardTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
+                                args=RewardConfig(**reward_args(cli)))
+    elif cli.method == "kto":
+        trainer = KTOTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
+                             args=KTOConfig(**kto_args(cli)))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
                               peft_config=lora_config(cli), args=GRPOConfig(**ours_grpo_args(cli)))
@@ -134,7 +158,8 @@ def run_ours(cli, rows):
 def run_trl(cli, rows):
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
+                     RewardTrainer, SFTConfig, SFTTrainer)
 
     clock = StepClock()
 
@@ -152,6 +177,12 @@ def run_trl(cli, rows):
     elif cli.method == "dpo":
         trainer = DPOTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                              peft_config=lora_config(cli), args=DPOConfig(**dpo_args(cli), **cpu))
+    elif cli.method == "reward":
+        trainer = RewardTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                                peft_config=lora_config(cli), args=RewardConfig(**reward_args(cli), **cpu))
+    elif cli.method == "kto":
+        trainer = KTOTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                             peft_config=lora_config(cli), args=KTOConfig(**kto_args(cli), **cpu))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
                               callbacks=[Clock()], peft_config=lora_config(cli),
@@ -171,7 +202,7 @@ def zero_std_share(logs: list[dict]) -> float | None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=["ours", "trl"])
-    parser.add_argument("method", choices=["sft", "grpo", "dpo"])
+    parser.add_argument("method", choices=["sft", "grpo", "dpo", "reward", "kto"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
@@ -189,7 +220,8 @@ def main():
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
-    rows = {"sft": lambda: sft_rows(cli.max_length), "dpo": lambda: dpo_rows(cli.max_length)}.get(
+    rows = {"sft": lambda: sft_rows(cli.max_length), "dpo": lambda: dpo_rows(cli.max_length),
+            "reward": lambda: dpo_rows(cli.max_length), "kto": lambda: kto_rows(cli.max_length)}.get(
         cli.method, grpo_rows)()
     SETUP["started"] = time.perf_counter()
     times, tokens, loss, zero_std = (run_ours if cli.framework == "ours" else run_trl)(cli, rows)
