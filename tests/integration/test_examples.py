@@ -145,3 +145,41 @@ def test_a_trl_dpo_script_runs_with_only_the_import_changed(tiny_model_dir, tmp_
     # ---
     assert trainer.state.global_step == 2 and os.path.isfile(tmp_path / "model.safetensors")
     assert "eval_rewards/accuracies" in trainer.state.log_history[-2]
+
+
+@pytest.mark.parametrize("method", ["reward", "kto"])
+def test_trl_reward_and_kto_scripts_run_with_only_the_import_changed(method, tiny_model_dir, tmp_path):
+    """trl/scripts/reward.py's and kto.py's main(): the same body, the trainer imported from here."""
+    from datasets import Dataset, DatasetDict
+
+    import trainers
+
+    Config, Trainer = {"reward": (trainers.RewardConfig, trainers.RewardTrainer),
+                       "kto": (trainers.KTOConfig, trainers.KTOTrainer)}[method]
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}],
+             "chosen": [{"role": "assistant", "content": str(2 * a)}],
+             "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(8)]
+    dataset = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:4])})
+    training_args = Config(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                           report_to="none", bf16=False, eval_strategy="steps", eval_steps=2, save_strategy="no")
+    # --- TRL's script from here ---
+    model_init_kwargs = dict(revision="main", trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=None, dtype="float32")
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+    trainer = Trainer(
+        model=tiny_model_dir,
+        args=training_args,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["test"] if training_args.eval_strategy != "no" else None,
+        quantization_config=None,
+        peft_config=None,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("✅ Training completed.")
+    trainer.save_model(training_args.output_dir)
+    trainer.end()
+    # ---
+    assert trainer.state.global_step == 2 and os.path.isfile(tmp_path / "model.safetensors")
+    assert "eval_loss" in trainer.state.log_history[-2]

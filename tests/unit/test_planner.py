@@ -139,6 +139,23 @@ def test_a_token_budget_bounds_grpo_activations_whatever_the_batch():
         plan_for(model_size="1.5B", token_budget=1000)
 
 
+def test_preference_methods_plan_both_sides_and_their_reference():
+    """dpo and reward forward chosen and rejected together (twice SFT's tokens per row of the batch); dpo and kto
+    keep a reference copy (none with LoRA); a reward model has no vocabulary head."""
+    plans = {m: plan_for(model_size="1.5B", method=m).estimate_for("zero3").breakdown
+             for m in ("sft", "dpo", "reward", "kto")}
+    assert plans["dpo"]["activations"] == pytest.approx(2 * plans["sft"]["activations"], rel=0.01)
+    assert plans["reward"]["activations"] == plans["dpo"]["activations"]
+    assert plans["kto"]["activations"] == plans["sft"]["activations"]
+    assert plans["dpo"]["reference_model"] > 0 and plans["kto"]["reference_model"] > 0
+    assert plans["sft"].get("reference_model", 0) == plans["reward"].get("reference_model", 0) == 0
+    assert "logits" not in plans["reward"] and plans["dpo"]["logits"] > 0
+    assert plan_for(model_size="1.5B", method="dpo", lora=True).estimate_for("zero3").breakdown.get(
+        "reference_model", 0) == 0
+    flags = " ".join(plan_for(model_size="1.5B", method="kto").commands)
+    assert "examples/kto.py" in flags and "trainers kto --config kto.yaml" in flags and "--max_length 1024" in flags
+
+
 def test_the_grpo_reference_model_is_a_copy_sharded_under_zero3_and_absent_with_lora():
     with_kl = plan_for(model_size="7B", num_gpus=8, beta=0.04, gradient_checkpointing=True)
     params = MODEL_SIZES["7B"].num_parameters()
@@ -315,7 +332,7 @@ def test_every_flag_says_its_default():
     (["--model-size", "9B"], "argument --model-size: '9B' is not a known size"),
     (["--model-size", "7B", "--model-size", "x"], "argument --model-size"),
     ([], "one of the arguments --model --model-size is required"),
-    (["--model-size", "7B", "--method", "dpo"], "argument --method"),
+    (["--model-size", "7B", "--method", "ppo"], "argument --method"),
 ])
 def test_bad_arguments_name_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):

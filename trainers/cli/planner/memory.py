@@ -282,10 +282,11 @@ def model_state_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy,
 
 
 def reference_model_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy, n: int) -> int:
-    """GRPO's frozen reference (beta > 0): a bf16 copy (trainers/distributed.py prepare_frozen), partitioned
-    under ZeRO-3 (and offloaded with the parameters under zero3_offload). With LoRA the reference is the base
-    with adapters disabled: no copy."""
-    if inputs.method != "grpo" or inputs.beta <= 0 or inputs.lora:
+    """The frozen reference of GRPO (beta > 0), DPO and KTO: a bf16 copy (trainers/distributed.py
+    prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under zero3_offload). With LoRA
+    the reference is the base with adapters disabled: no copy."""
+    has_reference = inputs.method in ("dpo", "kto") or (inputs.method == "grpo" and inputs.beta > 0)
+    if not has_reference or inputs.lora:
         return 0
     element = precision_of(strategy, inputs.uses_bf16).compute
     sharded = strategy.kind == "deepspeed" and strategy.zero_stage == 3
@@ -301,10 +302,12 @@ def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strateg
         scored = batch * inputs.max_completion_length  # logits_to_keep: only completion positions are scored
         if inputs.token_budget is not None:  # a micro-batch holds at most that many tokens, however many rows
             tokens = scored = inputs.token_budget
-    else:
-        tokens = scored = batch * inputs.max_length
+    else:  # sft; dpo and reward: chosen and rejected in one forward; kto: the rows (the KL pairs: no gradient)
+        sequences = 2 * batch if inputs.method in ("dpo", "reward") else batch
+        tokens = scored = sequences * inputs.max_length
     parts = {"activations": activation_bytes(shape, tokens, p.activations, inputs.gradient_checkpointing)}
-    parts.update(logits_bytes(shape, scored, p.logits))
+    if inputs.method != "reward":  # a reward model's head is one score, not the vocabulary
+        parts.update(logits_bytes(shape, scored, p.logits))
     if p.autocast_copies:
         # autocast casts every weight to bf16 for its matmul and autograd keeps the copy for backward.
         parts["autocast_weight_copies"] = 2 * (shape.num_parameters() + (shape.lora_parameters(inputs.lora_r)

@@ -11,7 +11,7 @@ import sys
 from trainers.errors import ConfigError
 from trainers.cli.planner.memory import load_templates
 from trainers.cli.planner.plan import Plan, make_plan
-from trainers.cli.planner.shapes import GB, PlanInputs, shape_from_size, validate
+from trainers.cli.planner.shapes import GB, METHODS, PlanInputs, shape_from_size, validate
 
 # ----------------------------------------------------------------------------------------------------------------
 # Output
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="PATH", type=_model_path, help=_help("model"))
     source.add_argument("--model-size", type=_model_size, metavar="SIZE", help=_help("model_size"))
-    parser.add_argument("--method", choices=["grpo", "sft"], default="grpo", help=_help("method"))
+    parser.add_argument("--method", choices=list(METHODS), default="grpo", help=_help("method"))
     parser.add_argument("--lora", action="store_true", help=_help("lora"))
     parser.add_argument("--lora-r", type=int, default=16, help=_help("lora_r"))
     parser.add_argument("--num-gpus", type=int, default=1, help=_help("num_gpus"))

@@ -124,6 +124,9 @@ def shape_from_folder(path: str) -> ModelShape:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+METHODS = ("grpo", "sft", "dpo", "reward", "kto")
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -135,7 +138,8 @@ class PlanInputs:
 
     model: str | None = _opt(None, "Local model folder; its config.json gives the shape (exclusive with --model-size).")
     model_size: str | None = _opt(None, f"A size from the built-in table: {', '.join(MODEL_SIZES)}.")
-    method: str = _opt("grpo", "grpo or sft.")
+    method: str = _opt("grpo", "grpo, sft, dpo, reward or kto (max_length applies to all but grpo; dpo and reward "
+                               "forward chosen and rejected together: per_device_batch counts pairs).")
     lora: bool = _opt(False, "Train a LoRA adapter on all linear layers instead of every weight.")
     lora_r: int = _opt(16, "LoRA rank (with lora).")
     num_gpus: int = _opt(1, "GPUs (processes) in all; with --device cpu, processes.")
@@ -174,7 +178,7 @@ def validate(inputs: PlanInputs) -> None:
         raise ConfigError("Give exactly one of --model PATH (a local folder with config.json) or --model-size "
                           f"(one of {', '.join(MODEL_SIZES)}).")
     checks = [
-        ("--method", inputs.method, inputs.method in ("grpo", "sft"), "grpo or sft"),
+        ("--method", inputs.method, inputs.method in METHODS, " or ".join(METHODS)),
         ("--device", inputs.device, inputs.device in ("gpu", "cpu"), "gpu or cpu"),
         ("--lora-r", inputs.lora_r, inputs.lora_r > 0, "a positive integer"),
         ("--num-gpus", inputs.num_gpus, inputs.num_gpus > 0, "a positive integer"),
