@@ -49,9 +49,12 @@ def test_loss_equals_trls_on_one_batch(tiny_model_dir, center):
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, shuffle_dataset=False, report_to="none",
         center_rewards_coefficient=center))
     perturbed(trainer.model)
+    batch = trainer.micro_batch(0, 0)
+    # the 8 sequences packed into rows as long as the longest (TRL pads each to it): the same scores
+    assert batch.input_ids.shape[0] < 8
     with torch.no_grad():
-        loss, _ = trainer.compute_loss(trainer.model_wrapped, trainer.micro_batch(0, 0),
-                                       BatchCounts(tokens=4, sequences=4, micro_batches=1))
+        loss, _ = trainer.compute_loss(trainer.model_wrapped, batch, BatchCounts(tokens=4, sequences=4,
+                                                                                 micro_batches=1))
     assert float(loss) == pytest.approx(TRL_LOSSES[center], rel=1e-6)
 
 

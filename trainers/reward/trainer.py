@@ -4,7 +4,8 @@ center_rewards_coefficient, that coefficient times (score(chosen) + score(reject
 reward model ``GRPOTrainer(reward_funcs=<its folder>)`` loads as it is.
 
 Rows hold ``chosen`` and ``rejected`` (each the whole sequence, or the completion after a ``prompt`` column), as
-text or messages, and optionally a ``margin``. A micro-batch's B pairs are one forward of 2B rows.
+text or messages, and optionally a ``margin``. A micro-batch's B pairs are one forward of their 2B sequences,
+packed into rows as long as the longest (``ScoreBatch``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from trainers.base import BaseTrainer
 from trainers.data import as_dataset, chat_ids, row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError
 from trainers.losses import BatchCounts
+from trainers.packing import pack_bfd
 from trainers.preferences import PreferenceData, check_columns, check_fit, evaluation_totals, kept_rows
 from trainers.reward.config import RewardConfig
 from trainers.stats import Extreme, Stats
@@ -49,14 +51,29 @@ def tokenize_preference(row: dict, tokenizer, eos: str, where: str) -> dict:
 
 @dataclass(frozen=True)
 class ScoreBatch:
-    """B pairs as one forward: the chosen sequences (rows 0..B-1), then the rejected ones, right-padded."""
+    """B pairs' 2B sequences (the chosen ones, then the rejected ones) packed into R rows of W positions, best-fit
+    decreasing, positions restarting per sequence (no attention between sequences), so short sequences do not
+    pay for the longest one's padding; each sequence's score is read at its last token."""
 
-    input_ids: torch.Tensor  # [2B, T]
-    attention_mask: torch.Tensor  # [2B, T]
+    input_ids: torch.Tensor  # [R, W]
+    position_ids: torch.Tensor  # [R, W]: restarting per sequence
+    last: tuple[torch.Tensor, torch.Tensor]  # ([2B] rows, [2B] columns): each sequence's last token
     margin: torch.Tensor | None  # [B] float, or None
     loss_mask: torch.Tensor  # [B, 1]: each pair counts once in the step's means
-    num_input_tokens: torch.Tensor  # 0-d
-    num_padded_tokens: int  # 2B x T
+    num_input_tokens: torch.Tensor  # 0-d: the real tokens
+    num_padded_tokens: int  # R x W
+
+
+def score_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The sequence classifier's score head (``score``, PEFT's modules_to_save copy of it included): it scores
+    every position, and the model reads its last token's. A classifier without one (an encoder's pooled
+    ``classifier``) is refused."""
+    heads = [(name, module) for name, module in model.named_modules() if name.split(".")[-1] == "score"]
+    if not heads:
+        raise ConfigError(f"RewardTrainer needs a decoder sequence classifier with a `score` head, as transformers' "
+                          f"*ForSequenceClassification of causal LMs have (Llama, Qwen2, Mistral, ...); "
+                          f"{type(model).__name__} has none.")
+    return min(heads, key=lambda item: len(item[0]))[1]
 
 
 class RewardTrainer(PreferenceData, BaseTrainer):
@@ -90,14 +107,17 @@ class RewardTrainer(PreferenceData, BaseTrainer):
                 raise ConfigError(f"The model has `num_labels={model.config.num_labels}`, but reward models require "
                                   f"`num_labels=1` to output a single scalar reward per sequence. Please instantiate "
                                   f"your model with `num_labels=1` or pass a model name as a string.")
+            score_head(model)  # before training: the packed forward reads it
             return model
         kwargs = {"dtype": torch.float32, **dict(self.args.model_init_kwargs or {}), "num_labels": 1}
         kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
         try:
-            return AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
+            loaded = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"Could not load {model!r} as a sequence classifier (num_labels=1): {error}"
                                  ) from error
+        score_head(loaded)
+        return loaded
 
     # ------------------------------------------------------------------ data
 
@@ -138,27 +158,45 @@ class RewardTrainer(PreferenceData, BaseTrainer):
         check_fit(model, name, top, longest, self.args.max_length)
 
     def _collate(self, pairs: list[dict]) -> ScoreBatch:
+        """The pairs' sequences packed into rows as long as the longest (``ScoreBatch``)."""
         sequences = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
         width = max(len(ids) for ids in sequences)
         if self.args.pad_to_multiple_of:
             width = -(-width // self.args.pad_to_multiple_of) * self.args.pad_to_multiple_of
-        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, ids in enumerate(sequences):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
+        bins = pack_bfd([len(ids) for ids in sequences], width)
+        input_ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
+        positions = torch.zeros((len(bins), width), dtype=torch.long)
+        rows, columns = [0] * len(sequences), [0] * len(sequences)
+        for row, members in enumerate(bins):
+            start = 0
+            for index in sorted(members):
+                ids = sequences[index]
+                input_ids[row, start:start + len(ids)] = torch.tensor(ids)
+                positions[row, start:start + len(ids)] = torch.arange(len(ids))
+                rows[index], columns[index] = row, start + len(ids) - 1
+                start += len(ids)
         device = self.accelerator.device
         margin = torch.tensor([p["margin"] for p in pairs], device=device) if "margin" in pairs[0] else None
-        return ScoreBatch(input_ids.to(device), attention.to(device), margin,
-                          torch.ones((len(pairs), 1), device=device), attention.sum().to(device), input_ids.numel())
+        tokens = torch.tensor(float(sum(len(ids) for ids in sequences)), device=device)
+        return ScoreBatch(input_ids.to(device), positions.to(device),
+                          (torch.tensor(rows, device=device), torch.tensor(columns, device=device)), margin,
+                          torch.ones((len(pairs), 1), device=device), tokens, input_ids.numel())
 
     # ------------------------------------------------------------------ loss
 
     def _pair_loss(self, model, batch: ScoreBatch) -> tuple[torch.Tensor, Stats, dict]:
         """Per-pair losses [B] and the micro-batch's statistics."""
         kwargs = {"output_router_logits": True} if self.router_aux_loss_coef else {}
-        outputs = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
-        scores = outputs.logits.squeeze(-1).float()  # [2B]
+        # the score head scores every position of the packed rows; the model's own reading (each row's last
+        # non-pad token) does not know the packing, so each sequence's last token is read here
+        per_position = []
+        hook = score_head(self.unwrapped_model).register_forward_hook(
+            lambda module, args, output: per_position.append(output))
+        try:
+            outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs)
+        finally:
+            hook.remove()
+        scores = per_position[-1][batch.last[0], batch.last[1], 0].float()  # [R, W, 1] -> [2B]
         chosen, rejected = scores.chunk(2)  # [B], [B]
         difference = chosen - rejected if batch.margin is None else chosen - rejected - batch.margin
         per_pair = -F.logsigmoid(difference)
