@@ -154,3 +154,27 @@ def test_bad_input_is_refused_with_the_option_or_row(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ConfigError, match="cannot be the same object"):
         KTOTrainer(model=model, ref_model=model, args=args, train_dataset=ROWS)
+
+
+def test_the_preference_trainers_take_trls_arguments_in_trls_order():
+    """TRL 1.16's __init__ parameters, in order (from its sources): a script passing them by position ports."""
+    import inspect
+
+    from trainers import DPOTrainer, RewardTrainer
+
+    trl_order = {
+        DPOTrainer: ["model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset",
+                     "processing_class", "compute_metrics", "callbacks", "optimizers", "quantization_config",
+                     "peft_config"],
+        KTOTrainer: ["model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset",
+                     "processing_class", "compute_metrics", "callbacks", "optimizers", "quantization_config",
+                     "peft_config"],
+        RewardTrainer: ["model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+                        "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
+                        "preprocess_logits_for_metrics", "quantization_config", "peft_config"],
+    }
+    for trainer, order in trl_order.items():
+        assert list(inspect.signature(trainer.__init__).parameters)[1:] == order, trainer.__name__
+        if HAVE_TRL:
+            theirs = getattr(trl, trainer.__name__)
+            assert list(inspect.signature(theirs.__init__).parameters)[1:] == order, trainer.__name__

@@ -99,13 +99,10 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
     config_class = KTOConfig
     _tag_names = ("trainers", "kto")
 
-    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, data_collator=None, model_init=None, callbacks=None, optimizers=(None, None),
-                 preprocess_logits_for_metrics=None, compute_metrics=None, quantization_config=None,
-                 peft_config=None):
-        for name, value in (("data_collator", data_collator), ("model_init", model_init),
-                            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
-                            ("compute_metrics", compute_metrics)):
+    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None):
+        for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics)):
             if value is not None:
                 raise ConfigError(f"KTOTrainer({name}=...) is not supported: the trainer collates its tokenized rows "
                                   f"and logs its own metrics.")
