@@ -12,14 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers.data import chat_ids, check_messages, is_conversational
+from trainers.data import as_dataset, chat_ids, check_messages, is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.logs import logger
 from trainers.modeling import context_length, vocabulary_size
 from trainers.reference import disable_dropout
 from trainers.samplers import local_slice
 from trainers.stats import Stats
-from trainers.streaming import load_data_position, save_data_position
+from trainers.streaming import (
+    IndexedBatches,
+    PerThread,
+    is_stream,
+    load_data_position,
+    note_map_style_workers,
+    save_data_position,
+    stream_batches,
+    stream_dispatch_batches,
+)
 
 
 def check_columns(row: dict, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ("prompt",)) -> bool:
@@ -168,14 +177,45 @@ def padded_completions(prompts: list[list[int]], completions: list[list[int]], p
 
 
 class PreferenceData:
-    """Mixin of the preference trainers (DPO, KTO, reward models) for their tokenized rows in memory: the subclass
-    sets ``train_rows``, ``eval_rows``, ``sampler``, ``train_batches`` (``IndexedBatches``) and ``pad_id`` in
-    prepare_data and provides ``_tokenize(dataset, name)``, ``_check_fit(model, name, rows)`` and
-    ``_collate(rows)``; this gives the base trainer's data hooks, TRL's ``train_dataset`` / ``eval_dataset`` views
-    and the checkpointed data position."""
+    """Mixin of the preference trainers (DPO, KTO, reward models) for their tokenized rows: the subclass sets
+    ``pad_id`` and calls ``read_rows`` in prepare_data, and provides ``_prepare(raw_rows, name, first,
+    tokenizer)`` (raw rows -> tokenized rows, errors naming row ``first`` + i), ``_check_fit(model, name, rows)``
+    and ``_collate(rows)``; this gives the base trainer's data hooks, a streamed train_dataset read a chunk at a
+    time, TRL's ``train_dataset`` / ``eval_dataset`` views and the checkpointed data position."""
+
+    def read_rows(self, train_dataset, eval_dataset, length: Callable[[dict], int]) -> None:
+        """The training rows: a map-style dataset tokenized now and ordered by the config's sampler (``length``:
+        a row's tokens, for group_by_length); a stream (an IterableDataset) read and tokenized a chunk at a time
+        during training, in its own order, as SFT reads one. The eval rows: tokenized now (a stream read whole)."""
+        args, acc = self.args, self.accelerator
+        self._given_train_dataset = train_dataset
+        if is_stream(train_dataset):
+            if getattr(args, "precompute_ref_log_probs", False):  # TRL's rule
+                raise ConfigError(f"{type(args).__name__}: `precompute_ref_log_probs=True` is not supported with a "
+                                  f"streamed train_dataset (an IterableDataset): its rows are not known before "
+                                  f"training. Turn it off, or pass a datasets.Dataset.")
+            stream_dispatch_batches(args, acc)
+            self.train_rows, self.sampler = None, None
+            tokenizers = PerThread(self.processing_class)  # dataloader_num_workers: one tokenizer per thread
+
+            def prepare(raw: list[dict], first: int) -> list[dict]:
+                return self._prepare(raw, "train_dataset", first, tokenizers.get())
+
+            self.train_batches = stream_batches(args, acc, train_dataset, prepare, self.effective_batch_size)
+        else:
+            self.train_rows = self._tokenize(train_dataset, "train_dataset")
+            self.sampler = self.batch_sampler([length(row) for row in self.train_rows], self.effective_batch_size,
+                                              "global batch")
+            self.train_batches = IndexedBatches(self.train_rows, self.sampler)
+            note_map_style_workers(args, acc)
+        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+
+    def _tokenize(self, dataset, name: str) -> list[dict]:
+        return self._prepare(as_dataset(dataset, name).to_list(), name, 0, self.processing_class)
 
     def optimizer_steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
+        # a stream's length is unknown: as transformers, one "epoch" spans max_steps
+        return self.sampler.steps_per_epoch if self.sampler is not None else self.args.max_steps
 
     def micro_batch(self, step: int, accumulation_index: int):
         acc = self.accelerator
@@ -197,16 +237,21 @@ class PreferenceData:
         the training rows fit it, and its dropout is off with disable_dropout."""
         model.config.get_text_config().pad_token_id = self.pad_id
         model.config.pad_token_id = self.pad_id
-        self._check_fit(model, "train_dataset", self.train_rows)
+        if self.train_rows is not None:
+            self._check_fit(model, "train_dataset", self.train_rows)
+        else:  # a stream: each chunk when it is first read
+            self.train_batches.validate = lambda rows, first: self._check_fit(
+                model, f"train_dataset (the chunk from row {first})", rows)
         if self.args.disable_dropout:
             disable_dropout(model)
 
     @property
     def train_dataset(self):
-        """The training rows as TRL keeps them, tokenized (a ``datasets.Dataset``; its columns: the trainer's)."""
+        """The training rows as TRL keeps them, tokenized (a ``datasets.Dataset``; its columns: the trainer's); a
+        stream as given (it is tokenized a chunk at a time during training)."""
         from datasets import Dataset
 
-        return Dataset.from_list(self.train_rows)
+        return self._given_train_dataset if self.train_rows is None else Dataset.from_list(self.train_rows)
 
     @property
     def eval_dataset(self):

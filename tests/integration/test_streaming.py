@@ -315,3 +315,39 @@ def test_grpo_keeps_its_datasets_as_given(tiny_model_dir, tmp_path):
                           train_dataset=PROMPTS, eval_dataset=evals)
     assert trainer.train_dataset is PROMPTS
     assert trainer.eval_dataset == evals and trainer.eval_dataset["x"] is evals["x"]
+
+
+# ---------------------------------------------------------------------------------------------- DPO, KTO, reward
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto", "reward"])
+def test_a_streamed_preference_run_equals_the_same_rows_in_memory_in_order(method, tiny_model_dir, tmp_path):
+    """The preference trainers read a stream a chunk at a time, as SFT does: 16 rows in order, 2 steps of 8, the
+    same losses and weights as the rows in memory (sequential order); a stream with precompute_ref_log_probs is
+    refused, as in TRL."""
+    from trainers import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
+
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+             for a in range(4) for b in range(4)]
+    if method == "kto":
+        pairs = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+                 for p in pairs[:8] for side in ("chosen", "rejected")]
+    Trainer, Config = {"dpo": (DPOTrainer, DPOConfig), "kto": (KTOTrainer, KTOConfig),
+                       "reward": (RewardTrainer, RewardConfig)}[method]
+    options = dict(per_device_train_batch_size=8, learning_rate=1e-2, max_steps=2, logging_steps=1,
+                   save_strategy="no", disable_tqdm=True, seed=0, report_to="none",
+                   train_sampling_strategy="sequential")
+    in_memory = Trainer(model=tiny_model_dir, train_dataset=pairs, args=Config(output_dir=str(tmp_path / "m"),
+                                                                               **options))
+    in_memory.train()
+    streamed = Trainer(model=tiny_model_dir, train_dataset=stream(pairs, shards=2),
+                       args=Config(output_dir=str(tmp_path / "s"), **options))
+    assert streamed.train_dataset is not None
+    streamed.train()
+    assert losses(streamed) == pytest.approx(losses(in_memory), rel=1e-6) and len(losses(streamed)) == 2
+    for key, value in weights(in_memory).items():
+        torch.testing.assert_close(weights(streamed)[key], value, rtol=1e-6, atol=1e-7)
+    if method != "reward":
+        with pytest.raises(ConfigError, match="precompute_ref_log_probs=True` is not supported with a streamed"):
+            Trainer(model=tiny_model_dir, train_dataset=stream(pairs), args=Config(
+                output_dir=str(tmp_path / "p"), precompute_ref_log_probs=True, **options))

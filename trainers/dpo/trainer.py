@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from trainers.base import BaseTrainer
-from trainers.data import as_dataset
 from trainers.dpo.config import DPOConfig
 from trainers.dpo.data import PairBatch, collate_pairs, pair_length, tokenize_pair
 from trainers.dpo.losses import LossOptions, PairScores, combined_loss
@@ -24,7 +23,6 @@ from trainers.modeling import token_logprobs
 from trainers.preferences import PreferenceData, check_fit, evaluation_totals, kept_rows
 from trainers.reference import FrozenReference
 from trainers.stats import Stats
-from trainers.streaming import IndexedBatches, is_stream
 
 
 def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
@@ -71,26 +69,18 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
         args = self.args
-        if is_stream(train_dataset) or is_stream(eval_dataset):
-            raise ConfigError("DPOTrainer does not read streaming datasets yet: pass a datasets.Dataset or a list "
-                              "of rows (an IterableDataset can be read whole with Dataset.from_generator).")
         if args.padding_free and self.accelerator.is_main_process:
             logger.warning("DPOConfig.padding_free=True is turned off, as TRL 1.16 does: the pairs train padded.")
         pad = args.pad_token or self.processing_class.pad_token or self.processing_class.eos_token
         if pad not in self.processing_class.get_vocab():
             raise ConfigError(f"DPOConfig: the pad token {pad!r} is not in the tokenizer's vocabulary.")
         self.pad_id = self.processing_class.convert_tokens_to_ids(pad)
-        self.train_rows = self._tokenize(train_dataset, "train_dataset")
-        self.sampler = self.batch_sampler([pair_length(p) for p in self.train_rows], self.effective_batch_size,
-                                          "global batch")
-        self.train_batches = IndexedBatches(self.train_rows, self.sampler)
-        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.read_rows(train_dataset, eval_dataset, pair_length)
 
-    def _tokenize(self, dataset, name: str) -> list[dict]:
-        """Every row as token ids (``tokenize_pair``); with keep_start, a row whose prompt alone reaches
-        max_length is dropped, as TRL drops it, with a warning that counts them."""
-        rows = as_dataset(dataset, name).to_list()
-        pairs = [tokenize_pair(row, self.processing_class, f"{name} row {index}") for index, row in enumerate(rows)]
+    def _prepare(self, raw: list[dict], name: str, first: int, tokenizer) -> list[dict]:
+        """Rows as token ids (``tokenize_pair``); with keep_start, a row whose prompt alone reaches max_length is
+        dropped, as TRL drops it, with a warning that counts them."""
+        pairs = [tokenize_pair(row, tokenizer, f"{name} row {first + index}") for index, row in enumerate(raw)]
         limit = self.args.max_length
         if limit is not None and self.args.truncation_mode == "keep_start":
             pairs = kept_rows(pairs, lambda pair: len(pair["prompt_ids"]) < limit, name,

@@ -17,7 +17,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.base import BaseTrainer
-from trainers.data import as_dataset, row_chat_kwargs
+from trainers.data import row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.kto.config import KTOConfig
 from trainers.logs import logger
@@ -36,7 +36,6 @@ from trainers.preferences import (
 )
 from trainers.reference import FrozenReference
 from trainers.stats import Stats
-from trainers.streaming import IndexedBatches, is_stream
 
 UNPAIR_BLOCK = 1000  # TRL unpairs a paired dataset in batched map calls of datasets' default 1,000 rows
 
@@ -117,9 +116,6 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
         args, tokenizer = self.args, self.processing_class
-        if is_stream(train_dataset) or is_stream(eval_dataset):
-            raise ConfigError("KTOTrainer does not read streaming datasets yet: pass a datasets.Dataset or a list "
-                              "of rows.")
         if args.uses_kl and args.train_sampling_strategy != "sequential":  # TRL's rule and words
             raise ConfigError(
                 f"Loss type `'{args.loss_type}'` estimates the KL divergence term and requires "
@@ -131,21 +127,18 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
                               "KL term will be equivalent to the implied reward.")
         pad = tokenizer.pad_token or tokenizer.eos_token
         self.pad_id = tokenizer.convert_tokens_to_ids(pad)
-        self.train_rows = self._tokenize(train_dataset, "train_dataset")
-        self._warn_if_unbalanced(self.train_rows)
-        lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in self.train_rows]
-        self.sampler = self.batch_sampler(lengths, self.effective_batch_size, "global batch")
-        self.train_batches = IndexedBatches(self.train_rows, self.sampler)
-        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.read_rows(train_dataset, eval_dataset, lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]))
+        if self.train_rows is not None:  # a stream's balance is not known before training
+            self._warn_if_unbalanced(self.train_rows)
 
-    def _tokenize(self, dataset, name: str) -> list[dict]:
-        raw = as_dataset(dataset, name).to_list()
+    def _prepare(self, raw: list[dict], name: str, first: int, tokenizer) -> list[dict]:
+        """Rows (a stream's chunk: unpaired and paired off within it) as token ids with their mismatched pairs."""
         if "chosen" in raw[0] and "rejected" in raw[0]:  # paired: unpaired as TRL does
             if "prompt" not in raw[0]:
                 for row in raw:
                     row["prompt"], row["chosen"], row["rejected"] = extract_prompt(row["chosen"], row["rejected"])
             raw = unpaired(raw)
-        rows = [tokenize_row(row, self.processing_class, f"{name} row {index}") for index, row in enumerate(raw)]
+        rows = [tokenize_row(row, tokenizer, f"{name} row {first + index}") for index, row in enumerate(raw)]
         limit = self.args.max_length
         if limit is not None:
             rows = kept_rows(rows, lambda row: len(row["prompt_ids"]) < limit, name,

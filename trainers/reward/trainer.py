@@ -16,14 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from trainers.base import BaseTrainer
-from trainers.data import as_dataset, chat_ids, row_chat_kwargs
+from trainers.data import chat_ids, row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError
 from trainers.losses import BatchCounts
 from trainers.packing import pack_bfd
 from trainers.preferences import PreferenceData, check_columns, check_fit, evaluation_totals, kept_rows
 from trainers.reward.config import RewardConfig
 from trainers.stats import Extreme, Stats
-from trainers.streaming import IndexedBatches, is_stream
 
 
 def tokenize_preference(row: dict, tokenizer, eos: str, where: str) -> dict:
@@ -123,9 +122,6 @@ class RewardTrainer(PreferenceData, BaseTrainer):
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
         args, tokenizer = self.args, self.processing_class
-        if is_stream(train_dataset) or is_stream(eval_dataset):
-            raise ConfigError("RewardTrainer does not read streaming datasets yet: pass a datasets.Dataset or a "
-                              "list of rows.")
         if args.eos_token is not None:
             if args.eos_token not in tokenizer.get_vocab():
                 raise ConfigError(f"RewardConfig: `eos_token={args.eos_token!r}` is not in the tokenizer's vocabulary.")
@@ -134,16 +130,11 @@ class RewardTrainer(PreferenceData, BaseTrainer):
         if pad not in tokenizer.get_vocab():
             raise ConfigError(f"RewardConfig: the pad token {pad!r} is not in the tokenizer's vocabulary.")
         self.pad_id = tokenizer.convert_tokens_to_ids(pad)
-        self.train_rows = self._tokenize(train_dataset, "train_dataset")
-        lengths = [max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in self.train_rows]
-        self.sampler = self.batch_sampler(lengths, self.effective_batch_size, "global batch")
-        self.train_batches = IndexedBatches(self.train_rows, self.sampler)
-        self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.read_rows(train_dataset, eval_dataset, lambda r: max(len(r["chosen_ids"]), len(r["rejected_ids"])))
 
-    def _tokenize(self, dataset, name: str) -> list[dict]:
-        rows = as_dataset(dataset, name).to_list()
-        eos = self.processing_class.eos_token or ""
-        pairs = [tokenize_preference(row, self.processing_class, eos, f"{name} row {i}") for i, row in enumerate(rows)]
+    def _prepare(self, raw: list[dict], name: str, first: int, tokenizer) -> list[dict]:
+        eos = tokenizer.eos_token or ""
+        pairs = [tokenize_preference(row, tokenizer, eos, f"{name} row {first + i}") for i, row in enumerate(raw)]
         if len({"margin" in p for p in pairs}) > 1:
             raise DatasetFormatError(f"{name}: some rows have a 'margin' and some do not; give every row one.")
         limit = self.args.max_length
