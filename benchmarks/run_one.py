@@ -92,19 +92,16 @@ def grpo_args(cli) -> dict:
             "generation_kwargs": {"min_new_tokens": cli.completion_length}, **cli.extra}
 
 
-def dpo_args(cli) -> dict:
+PREFERENCE = {"dpo": ("DPOConfig", "DPOTrainer"), "reward": ("RewardConfig", "RewardTrainer"),
+              "kto": ("KTOConfig", "KTOTrainer")}  # method -> the config and trainer names, in both frameworks
+
+
+def preference_args(cli) -> dict:
+    """DPO, a reward model and KTO: the batch of pairs (KTO: rows), max_length, learning rate 1e-5, and beta 0.1
+    where the method has one."""
+    beta = {} if cli.method == "reward" else {"beta": 0.1}
     return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
-            "learning_rate": 1e-5, "beta": 0.1, **cli.extra}
-
-
-def reward_args(cli) -> dict:
-    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
-            "learning_rate": 1e-5, **cli.extra}
-
-
-def kto_args(cli) -> dict:
-    return {**common_args(cli), "per_device_train_batch_size": cli.batch, "max_length": cli.max_length,
-            "learning_rate": 1e-5, "beta": 0.1, **cli.extra}
+            "learning_rate": 1e-5, **beta, **cli.extra}
 
 
 def lora_config(cli):
@@ -126,21 +123,16 @@ def ours_grpo_args(cli) -> dict:
 
 
 def run_ours(cli, rows):
-    from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
-                          RewardTrainer, SFTConfig, SFTTrainer)
+    import trainers
+    from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
                              args=SFTConfig(**sft_args(cli)))
-    elif cli.method == "dpo":
-        trainer = DPOTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
-                             args=DPOConfig(**dpo_args(cli)))
-    elif cli.method == "reward":
-        trainer = RewardTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
-                                args=RewardConfig(**reward_args(cli)))
-    elif cli.method == "kto":
-        trainer = KTOTrainer(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
-                             args=KTOConfig(**kto_args(cli)))
+    elif cli.method in PREFERENCE:
+        config, trainer_class = (getattr(trainers, name) for name in PREFERENCE[cli.method])
+        trainer = trainer_class(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
+                                args=config(**preference_args(cli)))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
                               peft_config=lora_config(cli), args=GRPOConfig(**ours_grpo_args(cli)))
@@ -158,8 +150,8 @@ def run_ours(cli, rows):
 def run_trl(cli, rows):
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
-                     RewardTrainer, SFTConfig, SFTTrainer)
+    import trl
+    from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
     clock = StepClock()
 
@@ -174,15 +166,10 @@ def run_trl(cli, rows):
     if cli.method == "sft":
         trainer = SFTTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                              peft_config=lora_config(cli), args=SFTConfig(**sft_args(cli), **cpu))
-    elif cli.method == "dpo":
-        trainer = DPOTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
-                             peft_config=lora_config(cli), args=DPOConfig(**dpo_args(cli), **cpu))
-    elif cli.method == "reward":
-        trainer = RewardTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
-                                peft_config=lora_config(cli), args=RewardConfig(**reward_args(cli), **cpu))
-    elif cli.method == "kto":
-        trainer = KTOTrainer(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
-                             peft_config=lora_config(cli), args=KTOConfig(**kto_args(cli), **cpu))
+    elif cli.method in PREFERENCE:
+        config, trainer_class = (getattr(trl, name) for name in PREFERENCE[cli.method])
+        trainer = trainer_class(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                                peft_config=lora_config(cli), args=config(**preference_args(cli), **cpu))
     else:
         trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
                               callbacks=[Clock()], peft_config=lora_config(cli),

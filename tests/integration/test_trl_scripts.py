@@ -1,4 +1,4 @@
-"""TRL 1.16's own scripts (trl/scripts/sft.py and grpo.py) port by changing the import.
+"""TRL 1.16's own scripts (trl/scripts/sft.py, grpo.py, dpo.py, reward.py and kto.py) port by changing the import.
 
 Each test runs the body of the script's ``main`` as TRL ships it, from the model arguments to ``trainer.end()``,
 with ``trl`` replaced by ``trainers`` and the dataset loading replaced by rows (no network). The values come in as
@@ -20,14 +20,15 @@ def length_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def run_trl_sft_main(model_name_or_path, training_args, dataset):
-    """trl/scripts/sft.py main(), TRL 1.16, from "model_init_kwargs" on (ModelConfig at its defaults)."""
+def run_trl_main(trainer_class, model_name_or_path, training_args, dataset):
+    """trl/scripts/sft.py main(), TRL 1.16, from "model_init_kwargs" on (ModelConfig at its defaults); dpo.py,
+    reward.py and kto.py have the same body with their own trainer (``trainer_class``)."""
     model_init_kwargs = dict(revision="main", trust_remote_code=training_args.trust_remote_code,
                              attn_implementation=None, dtype="float32")
     if training_args.model_init_kwargs is not None:
         model_init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = model_init_kwargs
-    trainer = SFTTrainer(
+    trainer = trainer_class(
         model=model_name_or_path,
         args=training_args,
         train_dataset=dataset["train"],
@@ -52,7 +53,7 @@ def sft_args(tmp_path, **overrides):
 
 def test_trl_sft_script_trains_saves_and_resumes(tiny_model_dir, tmp_path):
     dataset = {"train": SFT_ROWS, "test": SFT_ROWS[:8]}
-    first = run_trl_sft_main(tiny_model_dir, sft_args(tmp_path, max_steps=2), dataset)
+    first = run_trl_main(SFTTrainer, tiny_model_dir, sft_args(tmp_path, max_steps=2), dataset)
     assert first.state.global_step == 2
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
@@ -60,7 +61,7 @@ def test_trl_sft_script_trains_saves_and_resumes(tiny_model_dir, tmp_path):
     # `--resume_from_checkpoint true` as TRL's parser hands it over: a string
     args = sft_args(tmp_path, max_steps=4, resume_from_checkpoint="true", eval_strategy="steps", eval_steps=4)
     assert args.resume_from_checkpoint is True and args.do_eval is True
-    second = run_trl_sft_main(tiny_model_dir, args, dataset)
+    second = run_trl_main(SFTTrainer, tiny_model_dir, args, dataset)
     steps = [r["step"] for r in second.state.log_history if "loss" in r]
     assert second.state.global_step == 4
     assert steps == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's history, 3-4 were trained now
@@ -68,13 +69,37 @@ def test_trl_sft_script_trains_saves_and_resumes(tiny_model_dir, tmp_path):
 
 
 def test_train_without_an_argument_resumes_from_the_config(tiny_model_dir, tmp_path):
-    run_trl_sft_main(tiny_model_dir, sft_args(tmp_path, max_steps=2), {"train": SFT_ROWS, "test": []})
+    run_trl_main(SFTTrainer, tiny_model_dir, sft_args(tmp_path, max_steps=2), {"train": SFT_ROWS, "test": []})
     checkpoint = str(tmp_path / "out" / "checkpoint-2")
     trainer = SFTTrainer(model=tiny_model_dir, train_dataset=SFT_ROWS,
                          args=sft_args(tmp_path, max_steps=3, resume_from_checkpoint=checkpoint))
     trainer.train()
     assert trainer.state.global_step == 3
     assert len([r for r in trainer.state.log_history if "loss" in r]) == 3
+
+
+PAIRS = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}],
+          "chosen": [{"role": "assistant", "content": str(2 * a)}],
+          "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(8)]
+
+
+@pytest.mark.parametrize("method, eval_metric", [("dpo", "eval_rewards/accuracies"), ("reward", "eval_loss"),
+                                                 ("kto", "eval_loss")])
+def test_trl_preference_scripts_train_evaluate_and_save(method, eval_metric, tiny_model_dir, tmp_path):
+    """dpo.py, reward.py and kto.py (KTO unpairs the pairs) on conversational preference rows, evaluating."""
+    from datasets import Dataset, DatasetDict
+
+    import trainers
+
+    config, trainer_class = {"dpo": (trainers.DPOConfig, trainers.DPOTrainer),
+                             "reward": (trainers.RewardConfig, trainers.RewardTrainer),
+                             "kto": (trainers.KTOConfig, trainers.KTOTrainer)}[method]
+    training_args = config(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                           report_to="none", bf16=False, eval_strategy="steps", eval_steps=2, save_strategy="no")
+    dataset = DatasetDict({"train": Dataset.from_list(PAIRS), "test": Dataset.from_list(PAIRS[:4])})
+    trainer = run_trl_main(trainer_class, tiny_model_dir, training_args, dataset)
+    assert trainer.state.global_step == 2 and (tmp_path / "model.safetensors").is_file()
+    assert eval_metric in trainer.state.log_history[-2]
 
 
 def test_trl_grpo_script_trains(tiny_model_dir, tmp_path):

@@ -107,7 +107,6 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def after_prepare(self) -> None:
         self.prepare_reference()
-        self.loss_options = LossOptions.from_config(self.args)
         if self.args.precompute_ref_log_probs:
             self._precompute_reference(self.train_rows, self.per_process_train_batch_size)
             if self.eval_rows is not None:
@@ -175,7 +174,7 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         args = self.args
         scores, out = self._scores(model, batch, with_stats, sft_scale)
         weights = self._wpo_weights(out, batch) if args.use_weighting else None
-        per_pair = combined_loss(scores, self.loss_options, args.loss_type, args.weights, weights)
+        per_pair = combined_loss(scores, LossOptions.from_config(args), args.loss_type, args.weights, weights)
         pairs = float(batch.pairs)
         chosen_rewards = args.beta * scores.chosen_logratios.detach()
         rejected_rewards = args.beta * scores.rejected_logratios.detach()

@@ -154,8 +154,8 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         undesirable = max(len(rows) - desirable, 1)
         if desirable == undesirable or not self.accelerator.is_main_process:
             return
-        low, high = undesirable * args.undesirable_weight / desirable, undesirable * args.undesirable_weight / \
-            desirable * 1.33
+        low = undesirable * args.undesirable_weight / desirable  # the desirable_weight that balances them
+        high = low * 1.33
         if not (low <= args.desirable_weight <= high):
             logger.warning(f"train_dataset has {desirable} desirable and {undesirable} undesirable rows: set "
                            f"desirable_weight to between {low:.2f} and {high:.2f} (or undesirable_weight so that "

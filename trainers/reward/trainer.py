@@ -118,6 +118,9 @@ class RewardTrainer(PreferenceData, BaseTrainer):
         score_head(loaded)
         return loaded
 
+    def after_prepare(self) -> None:
+        self.score_head = score_head(self.unwrapped_model)  # PEFT's copy of it included; read by every forward
+
     # ------------------------------------------------------------------ data
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
@@ -181,7 +184,7 @@ class RewardTrainer(PreferenceData, BaseTrainer):
         # the score head scores every position of the packed rows; the model's own reading (each row's last
         # non-pad token) does not know the packing, so each sequence's last token is read here
         per_position = []
-        hook = score_head(self.unwrapped_model).register_forward_hook(
+        hook = self.score_head.register_forward_hook(
             lambda module, args, output: per_position.append(output))
         try:
             outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs)
