@@ -64,6 +64,8 @@ ROWS = {
     "sft-vocab152k-unpacked": ("tiny152k", "sft", {"packing": False}, 3, 1),
     "sft-vocab152k-packed": ("tiny152k", "sft", {"packing": True}, 3, 1),
     "dpo-vocab152k": ("tiny152k", "dpo", {"max_length": 256}, 3, 1),
+    "reward-vocab152k": ("tiny152k", "reward", {"max_length": 256}, 3, 1),
+    "kto-vocab152k": ("tiny152k", "kto", {"max_length": 256}, 3, 1),
     # Qwen2.5-0.5B's shape on CPU, fp32: smaller batches so a step takes seconds, not minutes
     "grpo-qwen05cpu-32": ("qwen05", "grpo", {"completion_length": 32, "batch": 8}, 3, 1),
     "sft-qwen05cpu-unpacked": ("qwen05", "sft", {"packing": False, "batch": 4, "max_length": 256}, 3, 1),

@@ -319,6 +319,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
                 batches = self.step_batches(step)
                 metrics = self._optimizer_step(batches, stop_requested=bool(stop.received))
                 self.after_optimizer_step(metrics)
+                self.derive_metrics(metrics, "")
                 self._account_step(metrics, time.perf_counter() - started)
                 stop_requested = metrics.pop("stop_requested") > 0  # a signal reached some process
                 self._end_step(metrics, window, step_losses)

@@ -15,7 +15,7 @@ import torch
 from transformers.trainer_utils import speed_metrics
 
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.stats import reduce_pairs
+from trainers.stats import Extreme, reduce_extremes, reduce_pairs
 
 
 class Evaluation:
@@ -101,7 +101,11 @@ class Evaluation:
             stats = self.evaluation_stats()
         self.model.train()
         prefix = f"{metric_key_prefix}_"
-        metrics = reduce_pairs(self.accelerator, stats, prefix=prefix)
+        metrics = reduce_pairs(self.accelerator, {k: v for k, v in stats.items() if not isinstance(v, Extreme)},
+                               prefix=prefix)
+        extremes = {name: [entry] for name, entry in stats.items() if isinstance(entry, Extreme)}
+        metrics.update({prefix + name: value for name, value in reduce_extremes(self.accelerator, extremes).items()})
+        self.derive_metrics(metrics, prefix)
         for name, value in self.computed_metrics().items():  # compute_metrics' (SFT), prefixed as transformers does
             key = name if name.startswith(prefix) else prefix + name
             if key in metrics:
@@ -120,6 +124,10 @@ class Evaluation:
                 "the trainer has no named eval datasets (a dict as eval_dataset)"
             raise ConfigError(f"evaluate(eval_dataset={name!r}): {known}.")
         return self.eval_sets[name]
+
+    def derive_metrics(self, metrics: dict, prefix: str) -> None:
+        """Add the metrics made from others (KTO's rewards/margins) to reduced ``metrics`` named ``<prefix><name>``;
+        the training loop calls it on each step's metrics (prefix '') after ``after_optimizer_step``."""
 
     def computed_metrics(self) -> dict:
         """What the user's compute_metrics made of the last evaluation (SFT), before prefixing; {} if nothing."""

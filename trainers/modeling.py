@@ -292,9 +292,11 @@ def token_logprobs(
     with_router_loss: bool = False,
     entropy_grad: bool = False,
     with_logits: bool = False,
+    with_mean_logit: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit, and the
-    model's logits themselves as "logits", [B, K, V]).
+    """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit, the
+    logits' mean over the vocabulary as "mean_logit" (no gradient), and the model's logits themselves as
+    "logits", [B, K, V]).
 
     input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
     are don't-care (their values are meaningless, 0 where the head is chunked; mask them). Returns tensors of
@@ -316,12 +318,14 @@ def token_logprobs(
         else:  # the head's targets line up with the positions it gets: [B, K + 1] or [B, n + T]
             pad = (0, 1) if logits_to_keep is not None else (virtual, 0)
             with scoring_head(plan, torch.nn.functional.pad(target_ids, pad, value=-1), temperature, with_entropy,
-                              entropy_grad):
+                              entropy_grad, with_mean_logit=with_mean_logit):
                 outputs = model(**kwargs)
     logits = outputs.logits  # [B, K(+1), V] (or scores, [.., 3]); [B, n + T, V] with n virtual tokens first
     logits = logits[:, :-1] if logits_to_keep is not None else logits[:, virtual:]
     if plan is None:
         scores = token_scores(logits, target_ids, temperature, with_entropy, with_accuracy, entropy_grad)
+        if with_mean_logit:
+            scores["mean_logit"] = logits.detach().float().mean(-1) / temperature
     else:
         scores = split_scores(logits, with_entropy, with_accuracy)
     if with_router_loss:
@@ -332,8 +336,11 @@ def token_logprobs(
 
 
 def split_scores(scores: torch.Tensor, with_entropy: bool, with_accuracy: bool = False) -> dict[str, torch.Tensor]:
-    """The chunked head's [B, K, 3] scores as token_scores returns them: {"logps", "entropy"?, "correct"?}."""
+    """The chunked head's [B, K, 3] (or 4) scores as token_scores returns them: {"logps", "entropy"?,
+    "correct"?}, and "mean_logit" where the head computed it."""
     out = {"logps": scores[..., 0]}
+    if scores.shape[-1] > 3:
+        out["mean_logit"] = scores[..., 3]
     if with_entropy:
         out["entropy"] = scores[..., 1]
     if with_accuracy:

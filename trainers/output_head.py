@@ -261,11 +261,13 @@ def _foreign_hooks(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                 entropy_grad: bool = False, rows: torch.Tensor | None = None, chunk: int | None = None):
+                 entropy_grad: bool = False, rows: torch.Tensor | None = None, chunk: int | None = None,
+                 with_mean_logit: bool = False):
     """Within this block, the model's head returns scores instead of logits: for hidden states [b, K, H], a
     [B, K, 3] float32 tensor of (log p(target), entropy (0 unless ``with_entropy``), argmax hit) per position, 0
-    where ``targets`` [B, K] is negative (those positions are not computed). ``rows`` [B]: row i reads hidden row
-    rows[i] (completions sharing a prompt's last position); None: b == B."""
+    where ``targets`` [B, K] is negative (those positions are not computed); ``with_mean_logit``: [B, K, 4], the
+    logits' mean over the vocabulary fourth (no gradient). ``rows`` [B]: row i reads hidden row rows[i]
+    (completions sharing a prompt's last position); None: b == B."""
     module = plan.module
     saved = vars(module).get("forward")  # an instance-level forward (cast_lm_head_to_fp32's) to restore
 
@@ -275,7 +277,7 @@ def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0
         if hidden.shape[:2] != targets.shape:
             raise RuntimeError(f"the output head got hidden states {tuple(hidden.shape)} for targets "
                                f"{tuple(targets.shape)}: this model's forward slices its positions differently.")
-        return _scores(plan, hidden, targets, temperature, with_entropy, entropy_grad, chunk)
+        return _scores(plan, hidden, targets, temperature, with_entropy, entropy_grad, chunk, with_mean_logit)
 
     module.forward = forward
     try:
@@ -288,8 +290,9 @@ def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0
 
 
 def _scores(plan: HeadPlan, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-            entropy_grad: bool, chunk: int | None) -> torch.Tensor:
-    """[B, K, H] hidden states -> [B, K, 3] scores; only positions whose target is >= 0 are computed."""
+            entropy_grad: bool, chunk: int | None, with_mean_logit: bool = False) -> torch.Tensor:
+    """[B, K, H] hidden states -> [B, K, 3] scores ([B, K, 4] ``with_mean_logit``); only positions whose target
+    is >= 0 are computed."""
     linear = plan.linear
     if plan.float32:
         dtype = torch.float32
@@ -302,8 +305,25 @@ def _scores(plan: HeadPlan, hidden: torch.Tensor, targets: torch.Tensor, tempera
     low_rank = _lora_path(plan.lora, picked) if plan.lora is not None else None
     scores = chunked_head_scores(picked, linear.weight, targets[keep], linear.bias, low_rank, temperature,
                                  with_entropy, entropy_grad, dtype, chunk)
-    stacked = torch.stack([scores["logps"], scores["entropy"], scores["correct"].float()], dim=-1)  # [N, 3]
-    return stacked.new_zeros((*targets.shape, 3)).masked_scatter(keep.unsqueeze(-1), stacked)
+    columns = [scores["logps"], scores["entropy"], scores["correct"].float()]
+    if with_mean_logit:
+        columns.append(_mean_logits(linear, picked, low_rank, temperature))
+    stacked = torch.stack(columns, dim=-1)  # [N, 3 or 4]
+    return stacked.new_zeros((*targets.shape, len(columns))).masked_scatter(keep.unsqueeze(-1), stacked)
+
+
+@torch.no_grad()
+def _mean_logits(linear: torch.nn.Linear, hidden: torch.Tensor, low_rank: tuple | None, temperature: float
+                 ) -> torch.Tensor:
+    """Each position's logits averaged over the vocabulary, [N] float32, without the logits: the mean of
+    hidden @ W.T + b over the vocabulary is hidden @ mean(W) + mean(b) (TRL's logits/chosen)."""
+    mean = hidden.detach().float() @ linear.weight.float().mean(0)  # [N]
+    if linear.bias is not None:
+        mean += linear.bias.float().mean()
+    if low_rank is not None:
+        low_in, low_weight = low_rank
+        mean += low_in.detach().float() @ low_weight.float().mean(0)
+    return mean / temperature
 
 
 def _lora_path(lora: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

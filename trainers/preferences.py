@@ -7,18 +7,20 @@ trainers' data hooks on their rows in memory (``PreferenceData``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from trainers.data import as_dataset, chat_ids, check_messages, is_conversational
+from trainers.distributed import gather_objects
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.logs import logger
 from trainers.modeling import context_length, vocabulary_size
 from trainers.reference import disable_dropout
 from trainers.samplers import local_slice
-from trainers.stats import Stats
+from trainers.stats import Extreme, Stats
 from trainers.streaming import (
     IndexedBatches,
     PerThread,
@@ -114,20 +116,52 @@ def check_fit(model, name: str, top_id: int, longest: int, max_length: int | Non
 def evaluation_totals(accelerator, rows: list[dict], batch_size: int, measure: Callable[[list[dict]], Stats],
                       after_batch: Callable[[], None]) -> Stats:
     """Evaluation statistics over ``rows``: each process measures its share (rows rank, rank + processes, ...)
-    ``batch_size`` at a time (``measure``: rows -> their (sum, count) statistics, "loss" included), and every
-    process runs as many batches (ZeRO-3 gathers weights collectively): one with no rows left measures row 0 at
-    zero weight. ``after_batch`` runs after each (the prediction_step callback)."""
+    ``batch_size`` at a time (``measure``: rows -> their statistics, "loss" included: (sum, count) pairs, summed;
+    Extremes, the min or max over every batch), and every process runs as many batches (ZeRO-3 gathers weights
+    collectively): one with no rows left measures row 0 at zero weight (left out of the extremes). ``after_batch``
+    runs after each (the prediction_step callback)."""
     mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
     per_process = -(-len(rows) // accelerator.num_processes)
     totals: dict[str, list] = {}
+    extremes: dict[str, Extreme] = {}
     for start in range(0, per_process, batch_size):
         chunk = mine[start:start + batch_size]
         weight = 1.0 if chunk else 0.0
-        for name, (value, count) in measure([rows[i] for i in chunk or [0]]).items():
+        for name, entry in measure([rows[i] for i in chunk or [0]]).items():
+            if isinstance(entry, Extreme):  # NaN where nothing was measured: every process reports every name
+                value = entry.value.detach().float()
+                value = value if chunk else torch.full_like(value, math.nan)
+                kept = extremes.get(name)
+                if kept is None or torch.isnan(kept.value):
+                    extremes[name] = Extreme(value, entry.reduce)
+                elif chunk:
+                    best = torch.minimum if entry.reduce == "min" else torch.maximum
+                    extremes[name] = Extreme(best(kept.value, value), entry.reduce)
+                continue
+            value, count = entry
             total = totals.setdefault(name, [0.0, 0.0])
             total[0], total[1] = total[0] + value * weight, total[1] + count * weight
         after_batch()
-    return {name: (value, count) for name, (value, count) in totals.items()}
+    return {name: (value, count) for name, (value, count) in totals.items()} | extremes
+
+
+def reference_scores(accelerator, rows: list[dict], size: int,
+                     score: Callable[[list[dict]], list[tuple]]) -> list[tuple]:
+    """precompute_ref_log_probs' pass over ``rows``: each process scores its share (rows rank, rank + processes,
+    ...) ``size`` at a time (``score``: rows -> one tuple of floats per row), every process as many batches
+    (ZeRO-3's forwards are collective: one out of rows scores row 0 and drops it); every row's scores, gathered
+    to every process in row order. Each process thus runs 1/processes of the forwards, not all of them."""
+    mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
+    per_process = -(-len(rows) // accelerator.num_processes)
+    local = []
+    for start in range(0, per_process, size):
+        chunk = mine[start:start + size]
+        scores = score([rows[i] for i in chunk or [0]])
+        local += list(zip(chunk, scores))  # nothing for the stand-in row 0
+    out: list = [None] * len(rows)
+    for index, scores in gather_objects(accelerator, local):
+        out[index] = scores
+    return out
 
 
 IGNORE = -100  # a target no loss is taken on

@@ -1,6 +1,6 @@
-"""A short DPO (or KTO) job launched by tests/distributed (or run alone); writes a JSON report per rank.
+"""A short DPO (KTO, reward model) job launched by tests/distributed (or run alone); writes a JSON report per rank.
 
-argv: model_dir output_dir per_device accumulation [dpo|kto]
+argv: model_dir output_dir per_device accumulation [dpo|dpo_precompute|kto|reward]
 """
 
 import json
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from trainers import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+from trainers import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
 from trainers.distributed import gathered_parameters, unwrap, zero_stage
 
 
@@ -32,11 +32,16 @@ def main():
         trainer = KTOTrainer(model=model_dir, args=KTOConfig(**common), train_dataset=[
             {"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
             for row in digits_over_letters(24, 0) for side in ("chosen", "rejected")])
-    else:
+    elif method == "reward":
+        trainer = RewardTrainer(model=model_dir, train_dataset=digits_over_letters(48, 0), args=RewardConfig(
+            center_rewards_coefficient=0.01, **common))
+    else:  # dpo_precompute: the reference's log-probs computed before training, each process its share
         trainer = DPOTrainer(model=model_dir, train_dataset=digits_over_letters(48, 0), args=DPOConfig(
-            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1], **common))
+            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.1],
+            precompute_ref_log_probs=method == "dpo_precompute", **common))
     trainer.train()
-    reference = unwrap(trainer.accelerator, trainer.ref_model)
+    # the reward model has no reference, nor does DPO with a precomputed one: the policy's parameters instead
+    reference = trainer.model if trainer.ref_model is None else unwrap(trainer.accelerator, trainer.ref_model)
     model = trainer.model
     with gathered_parameters(trainer.accelerator, model):
         checksum = [float(p.detach().double().sum()) for p in model.parameters()]
@@ -45,8 +50,8 @@ def main():
     report = {
         "rank": trainer.accelerator.process_index,
         "zero_stage": zero_stage(trainer.accelerator),
-        "history": [{k: r[k] for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "kl")
-                     if k in r} for r in records],
+        "history": [{k: r[k] for k in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "kl",
+                                       "accuracy", "margin", "mean_reward") if k in r} for r in records],
         "reference_local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                                      for p in reference.parameters()),
         "total_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in reference.parameters()),

@@ -73,6 +73,29 @@ def test_losses_equal_trls_on_one_batch(tiny_model_dir, case):
     assert our_loss(tiny_model_dir, case) == pytest.approx(TRL_LOSSES[case], rel=1e-6, abs=1e-6)
 
 
+# TRL 1.16's metrics after compute_loss on that batch, loss_type="sigmoid" (its _metrics["train"]; obtained as
+# TRL_LOSSES were, by tests/integration/test_dpo.py's setup with trl.DPOTrainer, 2026-11-27)
+TRL_METRICS = {"entropy": 5.45998621, "logits/chosen": 0.00442162, "logits/rejected": 0.00910757,
+               "mean_token_accuracy": 0.0, "rewards/chosen": -0.51082295, "rewards/rejected": -0.69446516,
+               "rewards/accuracies": 0.75, "rewards/margins": 0.18364221, "logps/chosen": -49.84905243,
+               "logps/rejected": -52.75053406}
+
+
+def test_metrics_equal_trls_on_one_batch(tiny_model_dir):
+    """Every metric TRL logs for the batch, logits/chosen and logits/rejected (the vocabulary-mean logit, which the
+    chunked head computes as hidden @ mean(W) without the logits) included."""
+    trainer = DPOTrainer(model=tiny_model_dir, train_dataset=ROWS, args=DPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, shuffle_dataset=False, report_to="none",
+        loss_type=["sigmoid"], **OPTIONS))
+    perturbed(trainer.model)
+    batch = trainer.micro_batch(0, 0)
+    counts = BatchCounts(tokens=float(batch.loss_mask.sum()), sequences=4, micro_batches=1)
+    with torch.no_grad():
+        _, stats = trainer.compute_loss(trainer.model_wrapped, batch, counts)
+    ours = {name: float(total) / float(count) for name, (total, count) in stats.items()}
+    assert ours == pytest.approx(TRL_METRICS, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.skipif(not HAVE_TRL, reason="TRL is not installed")
 def test_losses_equal_trls_computed_live(tiny_model_dir):
     """TRL_LOSSES, from TRL itself: its tokenization of ROWS is ours, and its loss our stored number."""

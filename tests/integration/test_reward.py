@@ -105,6 +105,10 @@ def test_a_reward_model_learns_and_grpo_uses_it(tiny_model_dir, tmp_path):
     trainer.save_model(folder)
 
     reward = load_reward_model(folder)  # what GRPOTrainer(reward_funcs=folder) calls
+    evaluated = digits_over_letters(16, 1)  # eval_min_reward and eval_max_reward: over every eval score
+    scores = reward([row["prompt"] for row in evaluated] * 2,
+                    [row["chosen"] for row in evaluated] + [row["rejected"] for row in evaluated])
+    assert (after["eval_min_reward"], after["eval_max_reward"]) == pytest.approx((min(scores), max(scores)), rel=1e-4)
     held_out = digits_over_letters(16, 2)
     prompts = [row["prompt"] for row in held_out]
     digits = reward(prompts, [row["chosen"] for row in held_out])
@@ -117,6 +121,32 @@ def test_a_reward_model_learns_and_grpo_uses_it(tiny_model_dir, tmp_path):
     grpo.train()
     assert isinstance(grpo.reward_funcs[0], torch.nn.Module)
     assert any(key.startswith("rewards/") and key.endswith("/mean") for key in step_records(grpo)[0])
+
+
+def test_a_reward_model_scores_text_completions_with_its_eos_as_it_was_trained(tiny_model_dir):
+    """RewardTrainer trains on sequences ending in EOS and reads the score there; GRPO's reward model scores a
+    text completion the same way (TRL scores it without the EOS), a completion that ends with EOS not twice, and a
+    conversation as its chat template renders it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reward = load_reward_model(model, tokenizer)
+    eos = tokenizer.eos_token
+
+    def score(texts):
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        with torch.no_grad():
+            return model(**inputs).logits[:, 0].tolist()
+
+    prompts, completions = ["1+2=", "7+5=", "9+9="], ["3", "21", "81" + eos]
+    with_eos = score(["1+2=3" + eos, "7+5=21" + eos, "9+9=81" + eos])
+    assert reward(prompts, completions) == pytest.approx(with_eos, rel=1e-6)
+    assert score(["1+2=3", "7+5=21"]) != pytest.approx(with_eos[:2], rel=1e-3)  # without it: another position
+    messages = [[{"role": "user", "content": "1+2="}]], [[{"role": "assistant", "content": "3"}]]
+    rendered = tokenizer.apply_chat_template(messages[0][0] + messages[1][0], tokenize=False)
+    assert reward(*messages) == pytest.approx(score([rendered]), rel=1e-6)
 
 
 def test_bad_input_is_refused_with_the_option_or_row(tiny_model_dir, tmp_path):

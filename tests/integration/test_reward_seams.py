@@ -80,8 +80,9 @@ def test_a_reward_model_by_hub_id_loads_from_the_local_cache_offline(tiny_model_
     trainer.train()
     record = trainer.state.log_history[0]
     assert len(seen) == 8
-    with torch.no_grad():  # the cached model's scores: logit 0 of prompt + completion, one text at a time
-        expected = torch.tensor([hub_cache(**tokenizer([text], return_tensors="pt", add_special_tokens=False))
+    eos = tokenizer.eos_token
+    with torch.no_grad():  # the cached model's scores: logit 0 of prompt + completion + EOS, one text at a time
+        expected = torch.tensor([hub_cache(**tokenizer([text + eos], return_tensors="pt", add_special_tokens=False))
                                  .logits[0, 0].item() for text in seen])
     assert record["rewards/tiny-rm/mean"] == pytest.approx(expected.mean().item(), rel=1e-4)
     assert record["rewards/tiny-rm/std"] == pytest.approx(expected.std().item(), rel=1e-3)
@@ -100,7 +101,7 @@ def test_reward_processing_classes_serve_a_hub_reward_model(tiny_model_dir, tmp_
     assert trainer.reward_funcs[0] is length
     scores = trainer.rewards[1].func(prompts=["ab"], completions=["cd"])
     with torch.no_grad():
-        expected = hub_cache(**tokenizer(["abcd"], return_tensors="pt")).logits[0, 0].item()
+        expected = hub_cache(**tokenizer(["abcd" + tokenizer.eos_token], return_tensors="pt")).logits[0, 0].item()
     assert scores == [pytest.approx(expected, rel=1e-5)]
     with pytest.raises(ConfigError, match=r"number of reward processing classes \(1\) must match the number of "
                                           r"reward functions \(2\)"):

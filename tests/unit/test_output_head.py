@@ -1,7 +1,7 @@
-"""The chunked output head (trainers/output_head.py): the same log-probs, entropy, argmax hits and gradients as
-full logits, in float32, for every head it takes (tied, untied with bias, cast to float32, LoRA on the head,
-PEFT's trained copy of it, prompt tuning's virtual tokens, an MoE model's router loss), and never a
-[tokens, vocabulary] tensor larger than one chunk."""
+"""The chunked output head (trainers/output_head.py): the same log-probs, entropy, argmax hits, vocabulary-mean
+logits and gradients as full logits, in float32, for every head it takes (tied, untied with bias, cast to
+float32, LoRA on the head, PEFT's trained copy of it, prompt tuning's virtual tokens, an MoE model's router
+loss), and never a [tokens, vocabulary] tensor larger than one chunk."""
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def both_ways(model, input_ids, targets, mask, *, keep=None, bf16=False, **optio
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = token_logprobs(model, input_ids, targets if keep is None else targets[:, -keep:], mask,
                                  logits_to_keep=keep, with_entropy=True, with_accuracy=True, entropy_grad=True,
-                                 with_logits=full, **options)
+                                 with_mean_logit=True, with_logits=full, **options)
         counted = (targets if keep is None else targets[:, -keep:]) >= 0
         loss = -(out["logps"] * counted).sum() + 0.1 * (out["entropy"] * counted).sum()
         if "aux_loss" in out:
@@ -93,6 +93,7 @@ def both_ways(model, input_ids, targets, mask, *, keep=None, bf16=False, **optio
                          else v.detach() * counted for k, v in out.items() if k != "logits"}, grads))
     (chunked, chunked_grads), (full, full_grads) = results
     assert set(chunked) == set(full) and set(chunked_grads) == set(full_grads) and full_grads
+    assert "mean_logit" in chunked  # the vocabulary mean (DPO's logits/chosen): hidden @ mean(W) when chunked
     return chunked, full, chunked_grads, full_grads
 
 

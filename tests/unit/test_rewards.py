@@ -194,7 +194,8 @@ def test_a_reward_model_scores_with_logit_zero(tokenizer):
     reward = resolve_reward(model, 8, processing_class=tokenizer)
     scores = reward.func(prompts=["ab", "c"], completions=["cd", "def"])
     with torch.no_grad():
-        expected = model(**tokenizer(["abcd"], return_tensors="pt")).logits[0, 0].item()
+        # read at the EOS appended to the text, where RewardTrainer trains the score
+        expected = model(**tokenizer(["abcd" + tokenizer.eos_token], return_tensors="pt")).logits[0, 0].item()
     assert scores[0] == pytest.approx(expected, rel=1e-5)
     assert len(scores) == 2
 

@@ -130,6 +130,8 @@ def build_plots(history: list[dict]) -> list[Plot]:
             reward.add(name, series(history, name))
     plots.append(with_eval(reward, history, "reward"))
 
+    plots += preference_plots(history)
+
     length = Plot("completion_length", "Completion length (band: min to max)", "tokens")
     length.add("mean length", series(history, "completions/mean_length"))
     low, high = dict(series(history, "completions/min_length")), dict(series(history, "completions/max_length"))
@@ -162,6 +164,29 @@ def build_plots(history: list[dict]) -> list[Plot]:
     plots.append(throughput)
 
     return [p for p in plots if p.lines]
+
+
+def preference_plots(history: list[dict]) -> list[Plot]:
+    """DPO's and KTO's implicit rewards (beta x log-ratio to the reference) and sequence log-probs; the pairs
+    ranked right (theirs and a reward model's); a reward model's scores."""
+    rewards = Plot("implicit_rewards", "Implicit rewards (beta x log-ratio to the reference)", "reward")
+    logps = Plot("logps", "Sequence log-probabilities", "nats")
+    for side in ("chosen", "rejected", "margins"):
+        for prefix in ("", "eval_"):
+            rewards.add(f"{prefix}{side}", series(history, f"{prefix}rewards/{side}"))
+            logps.add(f"{prefix}{side}", series(history, f"{prefix}logps/{side}"))
+    ranked = Plot("pair_accuracy", "Pairs ranked right (chosen above rejected)", "fraction of pairs")
+    for name in ("rewards/accuracies", "accuracy"):  # DPO's implicit reward; a reward model's score
+        ranked.add(name, series(history, name))
+        ranked.add(f"eval_{name}", series(history, f"eval_{name}"))
+    scores = Plot("scores", "Reward model scores (band: min to max)", "score")
+    mean = dict(series(history, "mean_reward"))
+    scores.add("mean score", list(mean.items()))
+    scores.add("margin (chosen - rejected)", series(history, "margin"))
+    low, high = dict(series(history, "min_reward")), dict(series(history, "max_reward"))
+    if low and high:
+        scores.band = ("min to max", [(s, low[s], high[s]) for s in low if s in high])
+    return [rewards, ranked, logps, scores]
 
 
 def _figure_class():
@@ -252,7 +277,8 @@ def summary_rows(history: list[dict], info: dict | None) -> list[tuple[str, str]
             ("steps", f"{last_step} of {planned}" if planned else last_step),
             ("effective batch size", info.get("effective_batch_size", "unknown")),
             ("processes", info.get("num_processes", "unknown"))]
-    for name in ("loss", "reward", "eval_loss", "eval_reward"):
+    for name in ("loss", "reward", "rewards/accuracies", "accuracy", "eval_loss", "eval_reward",
+                 "eval_rewards/accuracies", "eval_accuracy"):
         points = series(history, name)
         if points:
             rows.append((f"last {name}", f"{points[-1][1]:.4g} (step {points[-1][0]})"))

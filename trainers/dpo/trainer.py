@@ -20,7 +20,7 @@ from trainers.errors import ConfigError
 from trainers.logs import logger
 from trainers.losses import BatchCounts
 from trainers.modeling import token_logprobs
-from trainers.preferences import PreferenceData, check_fit, evaluation_totals, kept_rows
+from trainers.preferences import PreferenceData, check_fit, evaluation_totals, kept_rows, reference_scores
 from trainers.reference import FrozenReference
 from trainers.stats import Stats
 
@@ -114,28 +114,30 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def _precompute_reference(self, pairs: list[dict], batch_size: int) -> None:
         """precompute_ref_log_probs: every pair's reference log-probs, kept in its row (``ref_chosen_logps``,
-        ``ref_rejected_logps``). Every process computes all of them (the same forwards on each: ZeRO-3 gathers
-        weights collectively), so each has what its own batches need."""
-        size = self.args.precompute_ref_batch_size or batch_size
+        ``ref_rejected_logps``); each process computes its share and receives the others' (``reference_scores``)."""
+        def score(chunk: list[dict]) -> list[tuple[float, float]]:
+            batch = self._collate([{k: v for k, v in p.items() if not k.startswith("ref_")} for p in chunk])
+            with self.reference() as reference:
+                logps = self._logps(reference, batch)["sums"].float().tolist()  # [2B]: chosen, then rejected
+            return [(logps[i], logps[len(chunk) + i]) for i in range(len(chunk))]
+
         self.model_wrapped.eval()
         with torch.no_grad(), self.accelerator.autocast():
-            for start in range(0, len(pairs), size):
-                chunk = pairs[start:start + size]
-                batch = self._collate([{k: v for k, v in p.items() if not k.startswith("ref_")} for p in chunk])
-                with self.reference() as reference:
-                    logps = self._logps(reference, batch)["sums"].float().tolist()
-                for index, pair in enumerate(chunk):
-                    pair["ref_chosen_logps"], pair["ref_rejected_logps"] = logps[index], logps[len(chunk) + index]
+            scores = reference_scores(self.accelerator, pairs, self.args.precompute_ref_batch_size or batch_size,
+                                      score)
         self.model_wrapped.train()
+        for pair, (chosen, rejected) in zip(pairs, scores):
+            pair["ref_chosen_logps"], pair["ref_rejected_logps"] = chosen, rejected
 
     # ------------------------------------------------------------------ loss
 
     def _logps(self, model, batch: PairBatch, with_stats: bool = False, with_logits: bool = False) -> dict:
         """One forward over both sides: per-token log-probs [2B, T], their sums [2B] (``sequence_logps``), and
-        with ``with_stats`` the entropy and argmax hits."""
+        with ``with_stats`` the entropy, argmax hits and vocabulary-mean logits."""
         out = token_logprobs(model, batch.input_ids, batch.target_ids, attention_mask=batch.attention_mask,
                              with_entropy=with_stats, with_accuracy=with_stats,
-                             with_router_loss=with_stats and bool(self.router_aux_loss_coef), with_logits=with_logits)
+                             with_router_loss=with_stats and bool(self.router_aux_loss_coef), with_logits=with_logits,
+                             with_mean_logit=with_stats)
         out["logps"] = out["logps"] * batch.completion_mask  # [2B, T]: 0 off the completions (don't-care values)
         out["sums"] = sequence_logps(out["logps"], batch.completion_mask, self.args.ld_alpha)
         return out
@@ -189,8 +191,11 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         if with_stats:
             mask = batch.completion_mask
             stats["entropy"] = ((out["entropy"].detach() * mask).sum(), mask.sum())
-            chosen_mask = mask.chunk(2)[0]
+            chosen_mask, rejected_mask = mask.chunk(2)
             stats["mean_token_accuracy"] = ((out["correct"].chunk(2)[0] * chosen_mask).sum(), chosen_mask.sum())
+            chosen_logits, rejected_logits = (out["mean_logit"] * mask).chunk(2)  # [B, T] each
+            stats["logits/chosen"] = (chosen_logits.sum(), chosen_mask.sum())
+            stats["logits/rejected"] = (rejected_logits.sum(), rejected_mask.sum())
         return per_pair, stats, out
 
     def compute_loss(self, model, batch: PairBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:

@@ -32,6 +32,7 @@ from trainers.preferences import (
     extract_prompt,
     kept_rows,
     padded_completions,
+    reference_scores,
     tokenize_completions,
 )
 from trainers.reference import FrozenReference
@@ -197,27 +198,31 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def _precompute_reference(self, rows: list[dict], batch_size: int) -> None:
         """precompute_ref_log_probs: every row's (and its mismatched pair's) reference log-prob, kept in the row;
-        every process computes all of them (the same forwards on each: ZeRO-3 gathers weights collectively)."""
-        size = self.args.precompute_ref_batch_size or batch_size
+        each process computes its share and receives the others' (``reference_scores``)."""
+        def score(chunk: list[dict]) -> list[tuple[float, float | None]]:
+            batch = self._collate([{k: v for k, v in r.items() if not k.startswith("ref_")} for r in chunk])
+            logps = self._sums(reference, batch.rows).tolist()
+            kl = self._sums(reference, batch.kl_rows).tolist() if batch.kl_rows is not None else [None] * len(chunk)
+            return list(zip(logps, kl))
+
         self.model_wrapped.eval()
         with torch.no_grad(), self.accelerator.autocast(), self.reference() as reference:
-            for start in range(0, len(rows), size):
-                chunk = rows[start:start + size]
-                batch = self._collate([{k: v for k, v in r.items() if not k.startswith("ref_")} for r in chunk])
-                logps = self._sums(reference, batch.rows).tolist()
-                kl = self._sums(reference, batch.kl_rows).tolist() if batch.kl_rows is not None else None
-                for index, row in enumerate(chunk):
-                    row["ref_logps"] = logps[index]
-                    if kl is not None:
-                        row["ref_kl_logps"] = kl[index]
+            scores = reference_scores(self.accelerator, rows, self.args.precompute_ref_batch_size or batch_size,
+                                      score)
         self.model_wrapped.train()
+        for row, (logps, kl) in zip(rows, scores):
+            row["ref_logps"] = logps
+            if kl is not None:
+                row["ref_kl_logps"] = kl
 
     # ------------------------------------------------------------------ loss
 
     def _forward(self, model, rows: PaddedCompletions, with_stats: bool = False) -> dict:
-        """log-probs of the completion tokens [R, T] (0 elsewhere) and their sums [R]."""
+        """log-probs of the completion tokens [R, T] (0 elsewhere) and their sums [R]; ``with_stats``: the
+        entropy and the vocabulary-mean logit [R, T] too."""
         out = token_logprobs(model, rows.input_ids, rows.target_ids, attention_mask=rows.attention_mask,
-                             with_entropy=with_stats, with_router_loss=with_stats and bool(self.router_aux_loss_coef))
+                             with_entropy=with_stats, with_router_loss=with_stats and bool(self.router_aux_loss_coef),
+                             with_mean_logit=with_stats)
         out["sums"] = (out["logps"] * rows.completion_mask).sum(-1)
         return out
 
@@ -268,6 +273,9 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
             "rewards/rejected": (rewards[~desirable].sum(), rejected_count),
             "logps/rejected": (sums[~desirable].sum(), rejected_count),
             "entropy": ((out["entropy"].detach() * mask).sum(), mask.sum()),
+            # the vocabulary-mean logit over the desirable (undesirable) rows' completion tokens, as TRL
+            "logits/chosen": ((out["mean_logit"] * mask)[desirable].sum(), mask[desirable].sum()),
+            "logits/rejected": ((out["mean_logit"] * mask)[~desirable].sum(), mask[~desirable].sum()),
         }
         return per_row, stats, out
 
@@ -278,12 +286,20 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         return self.add_router_loss(loss, out, counts, stats), stats
 
     def after_optimizer_step(self, metrics: dict) -> None:
-        """rewards/margins, as TRL: the step's chosen reward minus its rejected one (when it has both); and the
-        reference's sync (sync_ref_model)."""
-        chosen, rejected = metrics.get("rewards/chosen"), metrics.get("rewards/rejected")
-        if chosen is not None and rejected is not None and chosen == chosen and rejected == rejected:  # not NaN
-            metrics["rewards/margins"] = chosen - rejected
-        self.sync_reference()
+        self.sync_reference()  # TR-DPO (sync_ref_model)
+
+    def derive_metrics(self, metrics: dict, prefix: str) -> None:
+        """rewards/margins, as TRL: the chosen reward minus the rejected one (when there are both). Without
+        desirable (or undesirable) rows there are no chosen (or rejected) metrics, as TRL logs none, rather than
+        NaN (which trackers drop)."""
+        for name in ("rewards/chosen", "logps/chosen", "logits/chosen", "rewards/rejected", "logps/rejected",
+                     "logits/rejected"):
+            value = metrics.get(prefix + name)
+            if value is not None and value != value:  # NaN: no such rows on any process
+                del metrics[prefix + name]
+        chosen, rejected = metrics.get(f"{prefix}rewards/chosen"), metrics.get(f"{prefix}rewards/rejected")
+        if chosen is not None and rejected is not None:
+            metrics[f"{prefix}rewards/margins"] = chosen - rejected
 
     # ------------------------------------------------------------------ evaluation
 

@@ -215,11 +215,11 @@ class RewardTrainer(PreferenceData, BaseTrainer):
     # ------------------------------------------------------------------ evaluation
 
     def evaluation_stats(self) -> Stats:
-        """eval_loss, accuracy, margin and mean_reward over the eval pairs (``evaluation_totals``)."""
+        """eval_loss, accuracy, margin and mean_reward over the eval pairs, min_reward and max_reward the lowest
+        and highest score of any (``evaluation_totals``)."""
         def measure(pairs: list[dict]) -> Stats:
             with self.accelerator.autocast():
                 per_pair, stats, _ = self._pair_loss(self.model_wrapped, self._collate(pairs))
-            stats = {name: value for name, value in stats.items() if not isinstance(value, Extreme)}
             return stats | {"loss": (per_pair.detach().sum(), float(per_pair.shape[0]))}
 
         return evaluation_totals(self.accelerator, self.eval_rows, self.eval_rows_per_batch(), measure,
