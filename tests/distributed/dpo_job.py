@@ -41,7 +41,8 @@ def main():
             precompute_ref_log_probs=method == "dpo_precompute", **common))
     trainer.train()
     # the reward model has no reference, nor does DPO with a precomputed one: the policy's parameters instead
-    reference = trainer.model if trainer.ref_model is None else unwrap(trainer.accelerator, trainer.ref_model)
+    reference = getattr(trainer, "ref_model", None)
+    reference = trainer.model if reference is None else unwrap(trainer.accelerator, reference)
     model = trainer.model
     with gathered_parameters(trainer.accelerator, model):
         checksum = [float(p.detach().double().sum()) for p in model.parameters()]
