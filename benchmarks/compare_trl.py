@@ -43,12 +43,14 @@ MODELS = {
                    vocab_size=151936, rope_theta=1e6),
 }
 
+RL_METHODS = ("grpo", "rloo")  # rows measured in s/step (a step samples), with a reward function
 # name -> (model, method, options, steps, warmup). The small model warms up over its first ~3 optimizer steps in
 # both frameworks (a plain HF forward/backward loop shows it too: 2.8 s, 1.8 s, then 1.2 s forwards), so its
 # GRPO rows skip two.
 ROWS = {
     "grpo-tiny-64": ("tiny", "grpo", {"completion_length": 64}, 8, 2),
     "grpo-tiny-256": ("tiny", "grpo", {"completion_length": 256}, 5, 1),
+    "rloo-tiny-64": ("tiny", "rloo", {"completion_length": 64}, 8, 2),
     "grpo-small-64": ("small", "grpo", {"completion_length": 64}, 6, 2),
     "grpo-small-256": ("small", "grpo", {"completion_length": 256}, 5, 2),
     "sft-tiny-unpacked": ("tiny", "sft", {"packing": False}, 12, 2),
@@ -162,7 +164,7 @@ def summarize(name: str, method: str, results: dict, warmup: int, steps: int) ->
             "peak_gpu_mb": [r.get("peak_gpu_mb") for r in runs], "device": runs[0].get("device", "cpu")}
     row.update(per_framework)
     ours, trl = per_framework["ours"], per_framework["trl"]
-    if method == "grpo":
+    if method in RL_METHODS:
         row["ratio"] = [o / t for o, t in zip(ours["s_per_step"], trl["s_per_step"])]  # time: lower is better
     else:
         row["ratio"] = [o / t for o, t in zip(ours["tokens_per_s"], trl["tokens_per_s"])]  # throughput
@@ -188,7 +190,7 @@ def print_table(rows: list[dict], methods: dict, extras: dict | None = None) -> 
     print("\n| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for row in rows:
-        key = "s_per_step" if methods[row["name"]] == "grpo" else "tokens_per_s"
+        key = "s_per_step" if methods[row["name"]] in RL_METHODS else "tokens_per_s"
         unit, digits = ("s/step", 3) if key == "s_per_step" else ("tok/s", 0)
         trl, ours = row["trl"], row["ours"]
         cells = ([row["name"]] + [ours["device"]] * gpu
@@ -203,7 +205,7 @@ def print_table(rows: list[dict], methods: dict, extras: dict | None = None) -> 
 def gpu_extra(row: dict, method: str, options: dict, parameters: int, peak: float | None) -> str:
     """GRPO: completions x length per second of step. SFT: MFU = 6 x matmul parameters x trained tokens/s over
     the GPU's dense bf16 peak (attention FLOPs left out, so a lower bound)."""
-    if method == "grpo":
+    if method in RL_METHODS:
         generated = options.get("batch", 16) * options["completion_length"]  # forced to full length
         return " / ".join(f"{generated / statistics.median(row[f]['s_per_step']):.0f}" for f in ("trl", "ours")) + \
             " completion tok/s"
@@ -256,12 +258,12 @@ def main():
         options = {**options, "bf16": cli.bf16, **({"extra": json.dumps(cli.extra)} if cli.extra else {})}
         if cli.lora:
             options["lora"] = cli.lora
-        if method == "grpo":
+        if method in RL_METHODS:
             options["reward"] = cli.reward
             if cli.ours_extra:
                 options["ours_extra"] = json.dumps(cli.ours_extra)
         name = (name + ("-bf16" if cli.bf16 and not cli.gpu else "") + (f"-lora{cli.lora}" if cli.lora else "")
-                + ("-rare" if method == "grpo" and cli.reward == "rare" else ""))
+                + ("-rare" if method in RL_METHODS and cli.reward == "rare" else ""))
         methods[name] = method
         results = alternating(models[model], method, options, steps, cli.workdir, cli.repeats)
         rows.append(summarize(name, method, results, warmup, steps))
@@ -269,7 +271,7 @@ def main():
             peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)
             extras[name] = gpu_extra(rows[-1], method, options, matmul_parameters(models[model]), peak)
         print_table(rows[-1:], methods, extras if cli.gpu else None)
-        if method == "grpo":
+        if method in RL_METHODS:
             print("frac_reward_zero_std (mean over steps, per repeat): " + ", ".join(
                 f"{framework} {[round(r['frac_reward_zero_std'], 2) for r in results[framework]]}"
                 for framework in ("trl", "ours")))

@@ -1,4 +1,4 @@
-"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT, GRPO, DPO,
+"""One benchmark run in its own process, for ``benchmarks/compare_trl.py``: this project or TRL, SFT, GRPO, RLOO, DPO,
 a reward model or KTO.
 
 Prints one JSON line: per-step wall times (the first ``--warmup`` steps excluded by the caller), trained
@@ -87,8 +87,10 @@ def sft_args(cli) -> dict:
 
 
 def grpo_args(cli) -> dict:
+    """GRPO and RLOO (RLOO with its KL penalty at TRL's default, beta 0.05: a reference model in both)."""
     return {**common_args(cli), "per_device_train_batch_size": cli.batch, "num_generations": cli.num_generations,
-            "max_completion_length": cli.completion_length, "learning_rate": 1e-6, "beta": 0.0,
+            "max_completion_length": cli.completion_length, "learning_rate": 1e-6,
+            "beta": 0.05 if cli.method == "rloo" else 0.0,
             "generation_kwargs": {"min_new_tokens": cli.completion_length}, **cli.extra}
 
 
@@ -134,8 +136,10 @@ def run_ours(cli, rows):
         trainer = trainer_class(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
                                 args=config(**preference_args(cli)))
     else:
-        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
-                              peft_config=lora_config(cli), args=GRPOConfig(**ours_grpo_args(cli)))
+        config, trainer_class = (trainers.RLOOConfig, trainers.RLOOTrainer) if cli.method == "rloo" else \
+            (GRPOConfig, GRPOTrainer)
+        trainer = trainer_class(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=rows,
+                                peft_config=lora_config(cli), args=config(**ours_grpo_args(cli)))
     SETUP["built"] = time.perf_counter()
     clock = StepClock()
     original = trainer.after_optimizer_step  # called once per step, right after the optimizer step
@@ -171,9 +175,10 @@ def run_trl(cli, rows):
         trainer = trainer_class(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                                 peft_config=lora_config(cli), args=config(**preference_args(cli), **cpu))
     else:
-        trainer = GRPOTrainer(model=cli.model, reward_funcs=REWARDS[cli.reward], train_dataset=Dataset.from_list(rows),
-                              callbacks=[Clock()], peft_config=lora_config(cli),
-                              args=GRPOConfig(**grpo_args(cli), **cpu))
+        config, trainer_class = (trl.RLOOConfig, trl.RLOOTrainer) if cli.method == "rloo" else (GRPOConfig, GRPOTrainer)
+        trainer = trainer_class(model=cli.model, reward_funcs=REWARDS[cli.reward],
+                                train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                                peft_config=lora_config(cli), args=config(**grpo_args(cli), **cpu))
     SETUP["built"] = time.perf_counter()
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
@@ -189,7 +194,7 @@ def zero_std_share(logs: list[dict]) -> float | None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=["ours", "trl"])
-    parser.add_argument("method", choices=["sft", "grpo", "dpo", "reward", "kto"])
+    parser.add_argument("method", choices=["sft", "grpo", "rloo", "dpo", "reward", "kto"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)

@@ -17,27 +17,31 @@ Every GRPOConfig field is a flag (--help).
 import argparse
 import os
 
-from trainers import GRPOConfig, GRPOTrainer
+from trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainers.data import load_dataset_file
 from trainers.cli.argparsing import add_config_arguments, config_overrides
 from trainers.cli.tiny import embedded_default, embedded_rows
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ALGORITHMS = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}  # examples/rloo.py runs "rloo"
+
+
+def main(argv=None, method="grpo", description=__doc__):
+    config_class, trainer_class = ALGORITHMS[method]
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Model folder or Hub id. Default: a tiny model built offline.")
     parser.add_argument("--dataset", help="Prompt file. Default: generated digit-reversal prompts.")
     parser.add_argument("--eval_dataset_file", help="Optional evaluation prompt file.")
     parser.add_argument("--reward_funcs", nargs="+", default=["accuracy"],
                         help="Built-in names, module:function, or reward-model folders (default: accuracy).")
     parser.add_argument("--lora_r", type=int, default=0, help="Train a LoRA adapter of this rank (0: full fine-tuning).")
-    add_config_arguments(parser, GRPOConfig)
+    add_config_arguments(parser, config_class)
     cli = parser.parse_args(argv)
     overrides = config_overrides(cli)
 
     if cli.model is None:  # the embedded default: a random tiny model, so expect a low (but working) reward
-        cli.model, overrides = embedded_default("grpo", overrides)
-    train = load_dataset_file(cli.dataset) if cli.dataset else embedded_rows("grpo")
+        cli.model, overrides = embedded_default(method, overrides)
+    train = load_dataset_file(cli.dataset) if cli.dataset else embedded_rows(method)
     evaluation = load_dataset_file(cli.eval_dataset_file, "--eval_dataset_file") if cli.eval_dataset_file else None
 
     peft_config = None
@@ -46,8 +50,8 @@ def main(argv=None):
 
         peft_config = LoraConfig(r=cli.lora_r, lora_alpha=2 * cli.lora_r, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=cli.model, reward_funcs=cli.reward_funcs, args=GRPOConfig(**overrides),
-                          train_dataset=train, eval_dataset=evaluation, peft_config=peft_config)
+    trainer = trainer_class(model=cli.model, reward_funcs=cli.reward_funcs, args=config_class(**overrides),
+                            train_dataset=train, eval_dataset=evaluation, peft_config=peft_config)
     # --resume_from_checkpoint is a config field: 'true' (the newest checkpoint in output_dir) or a folder
     trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     trainer.save_model(os.path.join(trainer.args.output_dir, "final"))

@@ -1,10 +1,10 @@
-"""A short SFT, GRPO, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a script (1 process or
-launched).
+"""A short SFT, GRPO, RLOO, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a script (1
+process or launched).
 
     python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
 
 TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends this process early with a
-checkpoint, as a preemption would. The final weights go to OUT/final. GRPO uses 2 optimizer steps per
+checkpoint, as a preemption would. The final weights go to OUT/final. GRPO and RLOO use 2 optimizer steps per
 generation round, so a checkpoint can fall in the middle of a round.
 """
 
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
-                      RewardTrainer, SFTConfig, SFTTrainer)
+                      RewardTrainer, RLOOConfig, RLOOTrainer, SFTConfig, SFTTrainer)
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
@@ -38,14 +38,15 @@ def build(method, model, out, total, save_steps, extra):
         return trainer(model=model, train_dataset=pairs,
                        args=config(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
-    return GRPOTrainer(model=model, reward_funcs=digits, train_dataset=rows,
-                       args=GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                                       steps_per_generation=2, **common))
+    trainer, config = (RLOOTrainer, RLOOConfig) if method == "rloo" else (GRPOTrainer, GRPOConfig)
+    return trainer(model=model, reward_funcs=digits, train_dataset=rows,
+                   args=config(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                               steps_per_generation=2, **common))
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("method", choices=["sft", "grpo", "dpo", "reward", "kto"])
+    parser.add_argument("method", choices=["sft", "grpo", "rloo", "dpo", "reward", "kto"])
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("total", type=int)

@@ -6,8 +6,9 @@ from trainers.errors import ConfigError
 from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.kto import KTOConfig, KTOTrainer
 from trainers.reward import RewardConfig, RewardTrainer
+from trainers.rloo import RLOOConfig, RLOOTrainer
 from trainers.sft import SFTConfig, SFTTrainer
 
 __all__ = ["ConfigError", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOConfig", "KTOTrainer",
-           "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
+           "RewardConfig", "RewardTrainer", "RLOOConfig", "RLOOTrainer", "SFTConfig", "SFTTrainer", "TrainingConfig"]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
 from trainers.kto.config import KTOConfig
 from trainers.reward.config import RewardConfig
+from trainers.rloo.config import RLOOConfig
 from trainers.sft.config import SFTConfig
 from trainers.cli import main as cli
 
@@ -24,12 +25,12 @@ SHIPPED_YAMLS = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
 
 def method_of(path: str) -> str:
     name = os.path.basename(path)
-    return next((m for m in ("grpo", "dpo", "reward", "kto") if name.startswith(m)), "sft")
+    return next((m for m in ("grpo", "rloo", "dpo", "reward", "kto") if name.startswith(m)), "sft")
 
 
 def test_there_is_a_yaml_for_each_example():
     names = {os.path.basename(p) for p in SHIPPED_YAMLS}
-    assert {"sft.yaml", "grpo.yaml", "dpo.yaml", "reward.yaml", "kto.yaml"} <= names and len(names) >= 7
+    assert {"sft.yaml", "grpo.yaml", "rloo.yaml", "dpo.yaml", "reward.yaml", "kto.yaml"} <= names and len(names) >= 8
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAMLS, ids=os.path.basename)
@@ -99,8 +100,8 @@ def test_missing_yaml_and_unknown_template_are_clear_errors(tmp_path):
     assert cli.resolve_template("zero3.yaml") == cli.resolve_template("zero3")
 
 
-@pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("dpo", DPOConfig),
-                                                 ("reward", RewardConfig), ("kto", KTOConfig)])
+@pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("rloo", RLOOConfig),
+                                                 ("dpo", DPOConfig), ("reward", RewardConfig), ("kto", KTOConfig)])
 def test_help_lists_every_field_with_its_docstring_and_default(method, config_class, capsys):
     with pytest.raises(SystemExit):
         cli.main([method, "--help"])

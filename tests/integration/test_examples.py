@@ -30,10 +30,11 @@ def test_sft_example_on_its_embedded_default_and_resume(tmp_path):
     assert [r["step"] for r in records] == [3, 4, 4] and "train_runtime" in records[-1]
 
 
-def test_grpo_example_with_a_local_file_and_named_rewards(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_rl_examples_with_a_local_file_and_named_rewards(name, tiny_model_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "12=", "answer": "21"}\n{"prompt": "34=", "answer": "43"}\n')
-    load_example("grpo").main(["--model", tiny_model_dir, "--dataset", str(data), "--reward_funcs", "accuracy",
+    load_example(name).main(["--model", tiny_model_dir, "--dataset", str(data), "--reward_funcs", "accuracy",
                                "overlong", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
                                "--per_device_train_batch_size", "8", "--num_generations", "4",
                                "--max_completion_length", "4", "--save_strategy", "no", "--disable_tqdm", "true"])

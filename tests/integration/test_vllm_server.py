@@ -258,6 +258,15 @@ def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, t
     assert report["eval_reward"] > 0.3 and not report["closed_after_evaluate"]
 
 
+def test_rloo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
+    """RLOOTrainer samples through the same server: after every step's weight push its greedy completions equal the
+    policy's, its log-probs match the trainer's, and RLOO's round metrics are logged."""
+    report = job(tmp_path, "rloo", server.url, server.model_dir, free_port())
+    assert [r["equal"] for r in report["rounds"]] == [True] * 4
+    assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"])
+    assert all("kl" in r and "clip_ratio/region_mean" in r for r in report["records"])
+
+
 def test_two_processes_share_the_server(server, tmp_path):
     """2-process DDP against one server: the main process sends both processes' prompts in one request and the
     weights once per step; each process gets its own completions, and after every push the server's greedy

@@ -24,7 +24,7 @@ import torch
 
 from transformers import TrainerCallback
 
-from trainers import GRPOConfig, GRPOTrainer
+from trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainers.cli.tiny import save_tiny_model
 from trainers.generation.backend import register_backend
 from trainers.generation.sampling import SamplingParams
@@ -102,6 +102,10 @@ def trainer_for(out, mode, model_dir, reward=digits, **overrides):
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     if mode == "distributed":
         base.update(per_device_train_batch_size=8, max_steps=3)
+    if mode == "rloo":  # RLOOTrainer on the colocated engine: GRPO's rollout stage
+        base.update(max_steps=4)
+        return RLOOTrainer(model=model_dir, reward_funcs=reward, args=RLOOConfig(**{**base, **overrides}),
+                           train_dataset=[{"prompt": p} for p in PROMPTS * 4])
     args = GRPOConfig(**{**base, **overrides})
     return GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, peft_config=peft_config,
                        train_dataset=[{"prompt": p} for p in PROMPTS * 4])

@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from trainers import GRPOConfig, GRPOTrainer
+from trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import register_backend
 from trainers.generation.sampling import SamplingParams, generate
@@ -45,14 +45,14 @@ SYNC_OFF = range(3, 6)  # follow: these steps sample without pushing the policy'
 KILL_AFTER = 2  # die: the server is killed once this many steps are done
 
 
-def trainer_for(url, model_dir, group_port, out, **overrides):
-    args = GRPOConfig(**{**dict(
+def trainer_for(url, model_dir, group_port, out, rloo=False, **overrides):
+    config, trainer = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    args = config(**{**dict(
         output_dir=os.path.join(out, "run"), per_device_train_batch_size=16, num_generations=8,
         max_completion_length=8, learning_rate=1e-2, max_steps=24, logging_steps=1, save_strategy="no",
         disable_tqdm=True, seed=0, report_to="none", use_vllm=True, vllm_mode="server",
         vllm_server_base_url=url, vllm_group_port=group_port, vllm_server_timeout=10), **overrides})
-    return GRPOTrainer(model=model_dir, reward_funcs=digits, args=args,
-                       train_dataset=[{"prompt": p} for p in PROMPTS * 4])
+    return trainer(model=model_dir, reward_funcs=digits, args=args, train_dataset=[{"prompt": p} for p in PROMPTS * 4])
 
 
 class Checks(TrainerCallback):
@@ -185,6 +185,11 @@ def main():
         report = follow(url, model_dir, group_port, out)
     elif mode == "tools":
         report = tools(url, model_dir, group_port, out)
+    elif mode == "rloo":  # RLOOTrainer on the same server: GRPO's rollout stage, weight push included
+        trainer = trainer_for(url, model_dir, group_port, out, rloo=True, max_steps=4)
+        checks = Checks(trainer)
+        trainer.train()
+        report = {"rounds": checks.rounds, "records": records(trainer)}
     elif mode == "distributed":
         report = distributed(url, model_dir, group_port, out)
         name = f"report-{os.environ.get('RANK', '0')}.json"

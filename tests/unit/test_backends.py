@@ -13,6 +13,7 @@ from trainers.cli.tiny import build_tokenizer
 from trainers.errors import ConfigError
 from trainers.generation.backend import BACKENDS, BackendInputs, build_backend, register_backend
 from trainers.generation.sampling import GenerationContext, Samples, SamplingParams
+from trainers.grpo.advantages import round_advantages
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.rewards import Reward
 from trainers.grpo.rollout import RolloutStage
@@ -144,7 +145,9 @@ def test_the_rollout_stage_over_a_scripted_backend(tokenizer, accelerator):
     stage = RolloutStage(backend, None, rewards, torch.tensor([1.0]), scorer=None, args=args,
                          accelerator=accelerator, tokenizer=tokenizer, eos_ids={tokenizer.eos_token_id},
                          sampling=SamplingParams(max_new_tokens=8), need_old_logps=False,
-                         trainer_state=lambda: None)
+                         trainer_state=lambda: None,
+                         advantages=lambda rewards, rollout: round_advantages(rewards, torch.tensor([1.0]), 4,
+                                                                              "group", "sum_then_normalize"))
     rows = [{"prompt": "hi"}] * 4
     built = stage.build(rows, [[104, 105]] * 4)
     rollout = built.rollout

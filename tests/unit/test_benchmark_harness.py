@@ -68,13 +68,16 @@ def test_run_one_extra_overrides_the_defaults_and_lora_is_shared():
 
     from benchmarks.run_one import grpo_args, lora_config, sft_args
 
-    cli = argparse.Namespace(out="/tmp/x", steps=3, bf16=False, batch=16, max_length=256, packing=False,
+    cli = argparse.Namespace(out="/tmp/x", method="grpo", steps=3, bf16=False, batch=16, max_length=256, packing=False,
                              num_generations=8, completion_length=64, lora=8,
                              extra={"beta": 0.04, "gradient_checkpointing": True, "learning_rate": 3e-5})
     grpo = grpo_args(cli)
     assert (grpo["beta"], grpo["gradient_checkpointing"], grpo["learning_rate"]) == (0.04, True, 3e-5)
     assert grpo["generation_kwargs"] == {"min_new_tokens": 64} and grpo["num_generations"] == 8
     assert sft_args(cli)["learning_rate"] == 3e-5 and sft_args(cli)["max_length"] == 256
+    rloo = argparse.Namespace(**{**vars(cli), "method": "rloo", "extra": {}})
+    assert grpo_args(rloo)["beta"] == 0.05 and grpo_args(argparse.Namespace(**{**vars(rloo), "method": "grpo"}))[
+        "beta"] == 0.0  # RLOO's row has TRL's RLOO default, GRPO's none
     lora = lora_config(cli)
     assert (lora.r, lora.lora_alpha, lora.target_modules) == (8, 16, "all-linear")
     assert lora_config(argparse.Namespace(lora=0)) is None

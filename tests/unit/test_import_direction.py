@@ -35,18 +35,22 @@ GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()
 
 
 def room(name: str) -> str:
-    """The room a module lives in: 'generation', 'agents', 'grpo', 'sft', 'cli', or 'core' (the top of the
-    package)."""
+    """The room a module lives in: one of ROOMS, or 'core' (the top of the package, and the trainers that sample
+    nothing: DPO, KTO, the reward model)."""
     parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[1] in ("generation", "agents", "grpo", "sft", "cli") else "core"
+    return parts[1] if len(parts) >= 2 and parts[1] in ROOMS else "core"
 
 
 # the modules whose job is to re-export: the package's public names, and TRL's `trl.rewards` path
 FACADES = {"trainers", "trainers.rewards"}
-# core < generation < agents < the algorithms (grpo, sft) < cli
+# core < generation < agents < the algorithms (grpo, sft) < the algorithms on GRPO's rollout stage (rloo,
+# distillation) < cli
+SAMPLING = {"core", "generation", "agents", "grpo"}
 ALLOWED = {"core": {"core"}, "generation": {"core", "generation"}, "agents": {"core", "generation", "agents"},
-           "grpo": {"core", "generation", "agents", "grpo"}, "sft": {"core", "sft"},
-           "cli": {"core", "generation", "agents", "grpo", "sft", "cli"}}
+           "grpo": SAMPLING, "sft": {"core", "sft"}, "rloo": SAMPLING | {"rloo"},
+           "distillation": SAMPLING | {"distillation"},
+           "cli": SAMPLING | {"sft", "rloo", "distillation", "cli"}}
+ROOMS = tuple(room for room in ALLOWED if room != "core")
 
 
 def test_the_graph_was_read():

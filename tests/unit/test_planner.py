@@ -156,6 +156,14 @@ def test_preference_methods_plan_both_sides_and_their_reference():
     assert "examples/kto.py" in flags and "trainers kto --config kto.yaml" in flags and "--max_length 1024" in flags
 
 
+def test_rloo_is_planned_as_grpo_with_its_own_commands():
+    """RLOO runs on GRPO's rollout stage: the same memory; its own example and CLI command."""
+    rloo, grpo = (plan_for(model_size="1.5B", method=m, beta=0.05) for m in ("rloo", "grpo"))
+    assert rloo.estimate_for("zero3").breakdown == grpo.estimate_for("zero3").breakdown
+    flags = " ".join(rloo.commands)
+    assert "examples/rloo.py" in flags and "trainers rloo --config rloo.yaml" in flags
+
+
 def test_the_grpo_reference_model_is_a_copy_sharded_under_zero3_and_absent_with_lora():
     with_kl = plan_for(model_size="7B", num_gpus=8, beta=0.04, gradient_checkpointing=True)
     params = MODEL_SIZES["7B"].num_parameters()

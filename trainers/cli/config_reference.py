@@ -20,10 +20,11 @@ from trainers.grpo.config import GRPOConfig
 from trainers.kto.config import KTOConfig
 from trainers.options import describe_constraints
 from trainers.reward.config import RewardConfig
+from trainers.rloo.config import RLOOConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, DPOConfig, RewardConfig, KTOConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, RLOOConfig, DPOConfig, RewardConfig, KTOConfig)
 _BASE = TrainingConfig
 
 
@@ -44,14 +45,23 @@ def _code(value: str) -> str:
     return f"`{value}`"
 
 
+def _base_of(cls):
+    """The config a class's table is relative to: TrainingConfig, or its ``documented_base`` (RLOOConfig's is
+    GRPOConfig)."""
+    return getattr(cls, "documented_base", _BASE)
+
+
 def _fields(cls) -> list[dataclasses.Field]:
-    """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or overrides."""
+    """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or overrides
+    (and not the ones it does not take, ``not_taken``)."""
     fields = dataclasses.fields(cls)
     if cls is _BASE:
         return list(fields)
-    base = {f.name: f for f in dataclasses.fields(_BASE)}
+    base = {f.name: f for f in dataclasses.fields(_base_of(cls))}
     out = []
     for f in fields:
+        if f.name in getattr(cls, "not_taken", ()):
+            continue
         inherited = base.get(f.name)
         if (inherited is None or _default(f) != _default(inherited) or str(f.type) != str(inherited.type)
                 or dict(f.metadata) != dict(inherited.metadata)):
@@ -59,12 +69,13 @@ def _fields(cls) -> list[dataclasses.Field]:
     return out
 
 
-def _table(fields: list[dataclasses.Field], overridden: dict[str, dataclasses.Field]) -> list[str]:
+def _table(fields: list[dataclasses.Field], overridden: dict[str, dataclasses.Field], base=_BASE) -> list[str]:
     lines = ["| Field | Type | Default | Valid values | Description |", "| --- | --- | --- | --- | --- |"]
     for f in fields:
         help_text = f.metadata.get("help", "")
         if f.name in overridden and _default(f) != _default(overridden[f.name]):
-            help_text = f"{help_text} (Overrides {_BASE.__name__}'s default {_code(repr(_default(overridden[f.name])))}.)"
+            default = _code(repr(_default(overridden[f.name])))
+            help_text = f"{help_text} (Overrides {base.__name__}'s default {default}.)"
         lines.append(f"| {_cell(_code(f.name))} | {_cell(_code(str(f.type)))} | {_cell(_code(repr(_default(f))))} "
                      f"| {_cell(describe_constraints(f))} | {_cell(help_text)} |")
     return lines
@@ -101,20 +112,24 @@ def render() -> str:
         "that cannot work together (e.g. `packing` without a `max_length`).",
         "",
     ]
-    base_fields = {f.name: f for f in dataclasses.fields(_BASE)}
     for cls in CONFIG_CLASSES:
         lines += [f"## {cls.__name__}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
         fields = _fields(cls)
         if cls is _BASE:
             lines += [f"`from trainers import {cls.__name__}`. Every field below is shared by "
                       + ", ".join(_code(c.__name__) for c in CONFIG_CLASSES if c is not _BASE) + ".", ""]
-            overridden: dict[str, dataclasses.Field] = {}
+            lines += _table(fields, {}) + [""]
         else:
+            base = _base_of(cls)
+            not_taken = getattr(cls, "not_taken", ())
+            except_ = (f" except {', '.join(_code(name) for name in not_taken)} (a value for one is refused)"
+                       if not_taken else "")
             lines += [(f"`from trainers import {cls.__name__}`. It also takes every field of "
-                       f"[{_BASE.__name__}]({_anchor(_BASE.__name__)}); the table lists only the fields it adds "
-                       f"or whose default it overrides."), ""]
-            overridden = {f.name: base_fields[f.name] for f in fields if f.name in base_fields}
-        lines += _table(fields, overridden) + [""]
+                       f"[{base.__name__}]({_anchor(base.__name__)}){except_}; the table lists only the fields it "
+                       f"adds or whose default it overrides."), ""]
+            base_fields_of = {f.name: f for f in dataclasses.fields(base)}
+            overridden = {f.name: base_fields_of[f.name] for f in fields if f.name in base_fields_of}
+            lines += _table(fields, overridden, base) + [""]
 
     lines += [
         "## TRL options accepted only at their default",

@@ -1,4 +1,4 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``, ``plan``,
+"""The ``trainers`` command: ``sft``, ``grpo``, ``rloo``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``, ``plan``,
 ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
@@ -46,7 +46,8 @@ LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
 
 
-METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "dpo": "DPO (preference pairs)",
+METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "rloo": "RLOO (REINFORCE leave-one-out)",
+           "dpo": "DPO (preference pairs)",
            "reward": "Reward-model (preference pairs)", "kto": "KTO (completions labelled desirable or not)"}
 
 
@@ -55,13 +56,15 @@ def config_class(method: str):
     from trainers.grpo.config import GRPOConfig
     from trainers.kto.config import KTOConfig
     from trainers.reward.config import RewardConfig
+    from trainers.rloo.config import RLOOConfig
     from trainers.sft.config import SFTConfig
 
-    return {"grpo": GRPOConfig, "dpo": DPOConfig, "reward": RewardConfig, "kto": KTOConfig}.get(method, SFTConfig)
+    return {"grpo": GRPOConfig, "rloo": RLOOConfig, "dpo": DPOConfig, "reward": RewardConfig,
+            "kto": KTOConfig}.get(method, SFTConfig)
 
 
 def run_keys(method: str) -> dict[str, str]:
-    return {**RUN_KEYS, **(GRPO_RUN_KEYS if method == "grpo" else {})}
+    return {**RUN_KEYS, **(GRPO_RUN_KEYS if method in ("grpo", "rloo") else {})}
 
 
 def load_run_yaml(path: str, method: str) -> dict:
@@ -154,13 +157,14 @@ def run_training(method: str, options: dict) -> None:
         rank = int(options["lora_r"])
         peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
     args = config_class(method)(**fields)
-    if method == "grpo":
-        from trainers import GRPOTrainer
+    if method in ("grpo", "rloo"):
+        from trainers import GRPOTrainer, RLOOTrainer
 
         rewards = options.get("reward_funcs") or ["accuracy"]
         rewards = [rewards] if isinstance(rewards, str) else rewards
-        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=train,
-                              eval_dataset=evaluation, peft_config=peft_config)
+        trainer = (GRPOTrainer if method == "grpo" else RLOOTrainer)(
+            model=model, reward_funcs=rewards, args=args, train_dataset=train, eval_dataset=evaluation,
+            peft_config=peft_config)
     elif method == "dpo":
         from trainers import DPOTrainer
 

@@ -242,6 +242,9 @@ EMBEDDED_DEFAULTS = {
     "grpo": {"output_dir": "outputs/grpo-tiny", "per_device_train_batch_size": 16, "num_generations": 8,
              "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
              "save_strategy": "no"},
+    "rloo": {"output_dir": "outputs/rloo-tiny", "per_device_train_batch_size": 16, "num_generations": 4,
+             "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
+             "save_strategy": "no"},
     "dpo": {"output_dir": "outputs/dpo-tiny", "per_device_train_batch_size": 16, "learning_rate": 3e-3,
             "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
     "reward": {"output_dir": "outputs/reward-tiny", "per_device_train_batch_size": 16, "learning_rate": 1e-3,
@@ -250,6 +253,7 @@ EMBEDDED_DEFAULTS = {
             "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
 }
 EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2},
+                   "rloo": {"hidden_size": 64, "num_layers": 2},
                    "dpo": {"hidden_size": 64, "num_layers": 2}, "reward": {"hidden_size": 64, "num_layers": 2},
                    "kto": {"hidden_size": 64, "num_layers": 2}}
 

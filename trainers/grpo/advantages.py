@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,7 @@ class RoundAdvantages:
     # the std the advantages were scaled by, as TRL counts it for frac_reward_zero_std: per group [G /
     # num_generations], or the batch's (scale_rewards="batch", GDPO) as a 0-d tensor
     std_in_use: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)  # the algorithm's own round metrics (RLOO's kl)
 
 
 def round_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,

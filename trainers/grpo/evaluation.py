@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainers.agents.tool_loop import ToolCounts, tool_metrics
-from trainers.grpo.advantages import combine_rewards, round_advantages
+from trainers.grpo.advantages import combine_rewards
 from trainers.grpo.rollout import Scored, logged_names, loss_mask_of
 from trainers.losses import BatchCounts
 from trainers.stats import Extreme, Stats
@@ -77,21 +77,26 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     holds whole groups); ``scale_rewards='batch'`` and ``normalize_then_sum`` normalize over this process's batch."""
     args, device = trainer.args, trainer.accelerator.device
     n = len(scored.samples.completion_ids)
-    advantages = torch.zeros(n)
-    if scored.rewards_per_func is not None:
-        advantages = round_advantages(scored.rewards_per_func, trainer.reward_weights, per_prompt,
-                                      args.scale_rewards, args.multi_objective_aggregation).advantages
     padded = trainer.stage.pad(scored.samples)
     loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
-    rollout = padded.rollout(loss_mask, advantages).to(device)
+    rollout = padded.rollout(loss_mask, torch.zeros(n)).to(device)
     if args.beta > 0:
         rollout = dataclasses.replace(rollout, ref_logps=trainer.scorer.reference_logprobs(rollout))
+    # this batch's own groups; a companion batch, unscored, gets rewards of 0 (it weighs nothing, and reports the
+    # same names as the others, which the caller sums over processes)
+    rewards_per_func = scored.rewards_per_func
+    if rewards_per_func is None:
+        rewards_per_func = torch.zeros(n, len(trainer.rewards))
+    advantages = trainer.round_advantages(rewards_per_func, rollout, per_prompt, over_processes=False)
+    rollout = dataclasses.replace(rollout, advantages=advantages.advantages.to(device))
     batch = rollout.micro_batch(0, n)
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),
                          micro_batches=1, max_completion_length=args.max_completion_length)
     loss, stats = trainer.compute_loss(trainer.model_wrapped, batch, counts)
     weight = float(counted)
     out: Stats = {"loss": (loss.detach().float() * weight, torch.tensor(weight, device=device))}
+    for name, value in advantages.metrics.items():  # the algorithm's own (RLOO's kl), each batch counting once
+        out[name] = (torch.tensor(value * weight, device=device), torch.tensor(weight, device=device))
     for name, entry in stats.items():
         if isinstance(entry, Extreme) or name == "entropy_bonus/entropy":  # per-step controls, not evaluation's
             continue

@@ -4,9 +4,11 @@
             vLLM, a rollout_func or a registered one; with tools,
             the tool loop over it: trainers/agents/tool_loop.py)
          -> decode -> score (the reward functions)               RolloutStage.sample_and_score
-         -> gather the rewards of every process -> advantages  (trainers/grpo/advantages.py)
-         -> loss masks (model tokens, truncation, dynamic sampling)
+         -> gather the rewards of every process
+         -> loss masks (model tokens, truncation)
          -> old and reference log-probs (when the loss needs them: LogProbScorer, trainers/grpo/scoring.py)
+         -> advantages (``advantages``: GRPO's, trainers/grpo/advantages.py; RLOO's, trainers/rloo/)
+         -> dynamic sampling's dropped groups out of the loss masks
          -> the sampler's log-probs against the trainer's (importance weights)
          -> metrics and the completions table
          -> Rollout (trainers/grpo/batch.py), which the micro-batches are cut from
@@ -33,7 +35,7 @@ from trainers.data import is_conversational
 from trainers.generation.backend import Backend, PolicyBackend
 from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
 from trainers.generation.user_rollout import logprob_gap, padded_logprobs
-from trainers.grpo.advantages import round_advantages
+from trainers.grpo.advantages import RoundAdvantages
 from trainers.grpo.batch import Rollout, prompt_groups
 from trainers.grpo.metrics import round_metrics, sample_records
 from trainers.grpo.objectives import sampler_importance_weights
@@ -69,14 +71,17 @@ class RolloutStage:
     ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions and their
     weights, the log-prob ``scorer`` (old and reference log-probs), the config, the processes' ``accelerator``,
     the tokenizer (decoding), the EOS ids, the default sampling parameters, ``trainer_state`` (a function: the
-    TrainerState the reward functions get) and ``on_episode`` (told of each tool-loop Episode). Every process
-    calls its methods together."""
+    TrainerState the reward functions get), ``advantages`` (every process's rewards [G, F] and this process's
+    Rollout, its old and reference log-probs in, -> RoundAdvantages over the G rows; called by every process
+    together) and ``on_episode`` (told of each tool-loop Episode). Every process calls its methods together."""
 
     def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
                  reward_weights: torch.Tensor, scorer: LogProbScorer, args: Any, accelerator, tokenizer,
                  eos_ids: set[int], sampling: SamplingParams, need_old_logps: bool,
-                 trainer_state: Callable[[], Any], on_episode: Callable[[Episode], None] | None = None):
+                 trainer_state: Callable[[], Any], advantages: Callable[[torch.Tensor, Rollout], RoundAdvantages],
+                 on_episode: Callable[[Episode], None] | None = None):
         self.backend, self.tool_loop, self.rewards, self.reward_weights = backend, tool_loop, rewards, reward_weights
+        self.advantages = advantages
         self.scorer, self.args, self.accelerator, self.tokenizer = scorer, args, accelerator, tokenizer
         self.eos_ids, self.sampling, self.need_old_logps = eos_ids, sampling, need_old_logps
         self.trainer_state, self.on_episode = trainer_state, on_episode  # on_episode: told of each tool-loop Episode
@@ -135,18 +140,20 @@ class RolloutStage:
         scored = self.sample_and_score(rows, prompt_ids)
         samples = scored.samples
         rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
-        adv = round_advantages(rewards_per_func, self.reward_weights, args.num_generations, args.scale_rewards,
-                               args.multi_objective_aggregation)
         n, start = len(rows), acc.process_index * len(rows)
-        local_advantages = adv.advantages[start:start + n]  # [n]
 
         padded = self.pad(samples)
         truncated, model_tokens = padded.truncated, padded.model_tokens
-        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
-        rollout = padded.rollout(loss_mask, local_advantages).to(acc.device)
+        loss_mask, _ = loss_mask_of(model_tokens, truncated, None, start, args)  # before dynamic sampling
+        rollout = padded.rollout(loss_mask, torch.zeros(n)).to(acc.device)  # its advantages: below
         old = self.scorer.old_logprobs(rollout) if self.need_old_logps else None
         ref = self.scorer.reference_logprobs(rollout) if args.beta > 0 else None
         rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
+        adv = self.advantages(rewards_per_func, rollout)
+        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
+        local_advantages = adv.advantages[start:start + n]  # [n]
+        rollout = dataclasses.replace(rollout, loss_mask=loss_mask.to(acc.device),
+                                      advantages=local_advantages.to(acc.device))
         sampler_metrics = {}
         if self.other_sampler:
             width = rollout.completion_ids.shape[1]
@@ -157,6 +164,7 @@ class RolloutStage:
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
         names = [r.name for r in self.rewards]
         metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
+        metrics.update(adv.metrics)
         if args.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
         metrics.update(sampler_metrics)

@@ -34,6 +34,7 @@ from trainers.generation.sampling import GenerationContext, SamplingParams
 from trainers.generation.user_rollout import RolloutFuncBackend
 from trainers.generation.vllm_common import VLLMBackend, check_vllm_here
 from trainers.grpo import evaluation
+from trainers.grpo.advantages import RoundAdvantages, round_advantages
 from trainers.grpo import health as grpo_health
 from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_micro_batches, round_shape
 from trainers.grpo.config import GRPOConfig
@@ -303,7 +304,18 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         self.stage = RolloutStage(self.backend, self.tool_loop, self.rewards, self.reward_weights, self.scorer, args,
                                   self.accelerator, self.processing_class, self.eos_ids, self.sampling,
                                   self.need_old_logps, lambda: self.state,
+                                  lambda rewards, rollout: self.round_advantages(rewards, rollout, args.num_generations),
                                   lambda episode: self.callback_handler.fire("episode_end", episode=episode))
+
+    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
+                         over_processes: bool = True) -> RoundAdvantages:
+        """The advantages of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every process's rows,
+        every process calls this together) or of this process's evaluation batch (``rewards_per_func`` its own
+        rows, whole groups; no collectives). ``rollout``: this process's rows, with their old and reference
+        log-probs where the loss needs them. GRPO's group-relative advantages; RLOOTrainer has its own."""
+        args = self.args
+        return round_advantages(rewards_per_func, self.reward_weights, num_generations, args.scale_rewards,
+                                args.multi_objective_aggregation)
 
     def _choose_backend(self) -> Backend:
         """The one place the generation backend is chosen (trainers/generation/backend.py): generation_backend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs
+from trainers.cli.planner.shapes import GB, SAMPLING, ModelShape, PlanInputs
 from trainers.cli.templates import shipped_templates
 from trainers.output_head import chunk_positions, kept_positions
 
@@ -285,7 +285,7 @@ def reference_model_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strat
     """The frozen reference of GRPO (beta > 0), DPO and KTO: a bf16 copy (trainers/distributed.py
     prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under zero3_offload). With LoRA
     the reference is the base with adapters disabled: no copy."""
-    has_reference = inputs.method in ("dpo", "kto") or (inputs.method == "grpo" and inputs.beta > 0)
+    has_reference = inputs.method in ("dpo", "kto") or (inputs.method in SAMPLING and inputs.beta > 0)
     if not has_reference or inputs.lora:
         return 0
     element = precision_of(strategy, inputs.uses_bf16).compute
@@ -297,7 +297,7 @@ def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strateg
     """What exists only during forward and backward of one micro-batch."""
     p = precision_of(strategy, inputs.uses_bf16)
     batch = inputs.per_device_batch
-    if inputs.method == "grpo":
+    if inputs.method in SAMPLING:
         tokens = batch * (inputs.max_prompt_length + inputs.max_completion_length)
         scored = batch * inputs.max_completion_length  # logits_to_keep: only completion positions are scored
         if inputs.token_budget is not None:  # a micro-batch holds at most that many tokens, however many rows
@@ -332,7 +332,7 @@ def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strateg
 
 def generation_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strategy) -> dict[str, int]:
     """What exists only while GRPO generates a round of completions."""
-    if inputs.method != "grpo":
+    if inputs.method not in SAMPLING:
         return {}
     p = precision_of(strategy, inputs.uses_bf16)
     rows = inputs.per_device_batch * inputs.steps_per_generation  # this process's completions of a round

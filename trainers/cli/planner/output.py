@@ -11,7 +11,7 @@ import sys
 from trainers.errors import ConfigError
 from trainers.cli.planner.memory import load_templates
 from trainers.cli.planner.plan import Plan, make_plan
-from trainers.cli.planner.shapes import GB, METHODS, PlanInputs, shape_from_size, validate
+from trainers.cli.planner.shapes import GB, METHODS, SAMPLING, PlanInputs, shape_from_size, validate
 
 # ----------------------------------------------------------------------------------------------------------------
 # Output
@@ -24,7 +24,7 @@ def describe(plan: Plan) -> str:
             + (f"LoRA rank {i.lora_r}" if i.lora else "full fine-tuning"))
     unit = "processes (CPU)" if i.on_cpu else f"x {i.gpu_memory:g} GB GPUs"
     lengths = (f"prompt {i.max_prompt_length} + completion {i.max_completion_length} tokens, "
-               f"{i.num_generations} generations, beta {i.beta:g}" if i.method == "grpo"
+               f"{i.num_generations} generations, beta {i.beta:g}" if i.method in SAMPLING
                else f"max_length {i.max_length}")
     return (f"{what}; {i.num_gpus} {unit}; {'bf16' if i.uses_bf16 else 'fp32'}; per-device batch "
             f"{i.per_device_batch}; {lengths}; gradient checkpointing {'on' if i.gradient_checkpointing else 'off'}")

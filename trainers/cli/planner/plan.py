@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainers.cli.planner.memory import Template, TemplateEstimate, estimate, load_templates
-from trainers.cli.planner.shapes import GB, ModelShape, PlanInputs, resolve_shape
+from trainers.cli.planner.shapes import GB, SAMPLING, ModelShape, PlanInputs, resolve_shape
 from trainers.cli.templates import TemplatesNotFoundError, checkout_path, is_shipped
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def suggestions(shape: ModelShape, inputs: PlanInputs, templates: list[Template]
         changes.append(("offload (" + ", ".join(sorted(offload)) + ")", {}, offload))
     everything = {"lora": True, "gradient_checkpointing": True, "per_device_batch": 1}
     together = "LoRA + gradient checkpointing + per-device batch 1"
-    if inputs.method == "grpo" and inputs.ds3_gather_for_generation:
+    if inputs.method in SAMPLING and inputs.ds3_gather_for_generation:
         changes.append(("ds3_gather_for_generation=False (ZeRO-3 generates layer by layer: slow)",
                         {"ds3_gather_for_generation": False}, None))
         everything["ds3_gather_for_generation"] = False
@@ -97,7 +97,7 @@ def suggestions(shape: ModelShape, inputs: PlanInputs, templates: list[Template]
 def trainer_flags(inputs: PlanInputs) -> list[str]:
     """The config flags that reproduce the planned set-up (same names for examples/*.py and `trainers`)."""
     flags = ["--per_device_train_batch_size", str(inputs.per_device_batch)]
-    if inputs.method == "grpo":
+    if inputs.method in SAMPLING:
         flags += ["--num_generations", str(inputs.num_generations),
                   "--max_completion_length", str(inputs.max_completion_length)]
         if inputs.beta:
@@ -134,7 +134,7 @@ def launch_commands(inputs: PlanInputs, template: Template, num_processes: int) 
 
 def plan_notes(inputs: PlanInputs) -> list[str]:
     notes = []
-    if inputs.method == "grpo":
+    if inputs.method in SAMPLING:
         generation_batch = inputs.per_device_batch * inputs.num_gpus * inputs.steps_per_generation
         if generation_batch % inputs.num_generations:
             notes.append(f"per_device_batch x num_gpus x steps_per_generation = {generation_batch} is not a multiple "

@@ -124,7 +124,8 @@ def shape_from_folder(path: str) -> ModelShape:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-METHODS = ("grpo", "sft", "dpo", "reward", "kto")
+METHODS = ("grpo", "rloo", "sft", "dpo", "reward", "kto")
+SAMPLING = ("grpo", "rloo")  # the methods that generate: planned alike (RLOO runs on GRPO's rollout stage)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -138,8 +139,8 @@ class PlanInputs:
 
     model: str | None = _opt(None, "Local model folder; its config.json gives the shape (exclusive with --model-size).")
     model_size: str | None = _opt(None, f"A size from the built-in table: {', '.join(MODEL_SIZES)}.")
-    method: str = _opt("grpo", "grpo, sft, dpo, reward or kto (max_length applies to all but grpo; dpo and reward "
-                               "forward chosen and rejected together: per_device_batch counts pairs).")
+    method: str = _opt("grpo", "grpo, rloo, sft, dpo, reward or kto (max_length applies to all but grpo and rloo; "
+                               "dpo and reward forward chosen and rejected together: per_device_batch counts pairs).")
     lora: bool = _opt(False, "Train a LoRA adapter on all linear layers instead of every weight.")
     lora_r: int = _opt(16, "LoRA rank (with lora).")
     num_gpus: int = _opt(1, "GPUs (processes) in all; with --device cpu, processes.")
