@@ -2,10 +2,12 @@
 
     python benchmarks/demo_parity.py --seed 2                      # the demo's settings (lr 2e-4, cosine)
     python benchmarks/demo_parity.py --seed 2 --learning_rate 4e-4 --lr_scheduler_type constant
+    python benchmarks/demo_parity.py --seed 0 --runs ours ours-rloo  # RLOO beside GRPO (docs/rloo.md)
 
 Builds the demo's warm start (``examples/grpo_arithmetic.py``: tiny model, SFT until 45% on validation),
-then trains it with GRPO in each framework and prints held-out greedy accuracy every 100 steps. Learning the
-same thing from the same start is the check that our GRPO is TRL's GRPO; wall times include the evaluations.
+then trains it with GRPO in each framework (``--runs``: ours, trl; ours-rloo is this project's RLOOTrainer with
+the same settings) and prints held-out greedy accuracy every 100 steps. Learning the same thing from the same
+start is the check that our GRPO is TRL's GRPO; wall times include the evaluations.
 """
 
 import argparse
@@ -30,12 +32,15 @@ def config_fields(cli, out: str) -> dict:
             "disable_tqdm": True}
 
 
-def run_ours(cli, start: str, held_out, train, out: str) -> list[float]:
-    from trainers import GRPOConfig, GRPOTrainer
+def run_ours(cli, start: str, held_out, train, out: str, algorithm: str = "grpo") -> list[float]:
+    """This project's GRPOTrainer, or with ``algorithm="rloo"`` its RLOOTrainer (the same fields)."""
+    import trainers
 
+    base, config_class = {"grpo": (trainers.GRPOTrainer, trainers.GRPOConfig),
+                          "rloo": (trainers.RLOOTrainer, trainers.RLOOConfig)}[algorithm]
     tokenizer, curve = AutoTokenizer.from_pretrained(start), []
 
-    class Trainer(GRPOTrainer):  # evaluation hook: held-out greedy accuracy instead of eval_dataset metrics
+    class Trainer(base):  # evaluation hook: held-out greedy accuracy instead of eval_dataset metrics
         def has_eval_data(self):
             return True
 
@@ -45,7 +50,7 @@ def run_ours(cli, start: str, held_out, train, out: str) -> list[float]:
 
     Trainer(model=AutoModelForCausalLM.from_pretrained(start), processing_class=tokenizer,
             reward_funcs=demo.exact_answer, train_dataset=train,
-            args=GRPOConfig(eval_strategy="steps", eval_steps=EVERY, **config_fields(cli, out))).train()
+            args=config_class(eval_strategy="steps", eval_steps=EVERY, **config_fields(cli, out))).train()
     return curve
 
 
@@ -67,12 +72,17 @@ def run_trl(cli, start: str, held_out, train, out: str) -> list[float]:
     return curve
 
 
+RUNS = {"ours": run_ours, "trl": run_trl,
+        "ours-rloo": lambda cli, start, held_out, train, out: run_ours(cli, start, held_out, train, out, "rloo")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="The demo's --seed: which SFT start.")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--lr_scheduler_type", default="cosine")
+    parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours", "trl"])
     cli = parser.parse_args()
 
     held_out, validation, train = demo.make_splits()
@@ -84,15 +94,15 @@ def main():
         tokenizer.save_pretrained(start)
         before = demo.greedy_accuracy(model, tokenizer, held_out)
         rows = []
-        for name, run in (("ours", run_ours), ("trl", run_trl)):
+        for name in cli.runs:
             began = time.perf_counter()
-            curve = run(cli, start, held_out, train, os.path.join(work, name))
+            curve = RUNS[name](cli, start, held_out, train, os.path.join(work, name))
             rows.append((name, curve, time.perf_counter() - began))
 
     print(f"\nSFT start (seed {cli.seed}): held-out {before:.1%}; GRPO lr {cli.learning_rate} {cli.lr_scheduler_type}, "
           f"{cli.steps} steps; held-out greedy accuracy every {EVERY} steps:")
     for name, curve, seconds in rows:
-        print(f"  {name:5s} {' '.join(f'{a:.1%}' for a in curve)}   ({seconds:.0f} s)")
+        print(f"  {name:9s} {' '.join(f'{a:.1%}' for a in curve)}   ({seconds:.0f} s)")
 
 
 if __name__ == "__main__":

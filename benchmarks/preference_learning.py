@@ -78,33 +78,34 @@ def contrast_pairs(rows: list[dict], seed: int) -> list[dict]:
 
 
 class Curve(TrainerCallback):
-    """At each evaluation: the step, the given eval metric, and held-out greedy accuracy of the model."""
+    """At each evaluation: the step, the given eval metric, and (given ``held_out`` problems) the model's held-out
+    greedy accuracy."""
 
-    def __init__(self, tokenizer, held_out, metric: str, greedy: bool = True):
-        self.tokenizer, self.held_out, self.metric, self.greedy, self.points = tokenizer, held_out, metric, greedy, []
+    def __init__(self, tokenizer, held_out, metric: str):
+        self.tokenizer, self.held_out, self.metric, self.points = tokenizer, held_out, metric, []
 
     def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
-        greedy = demo.greedy_accuracy(model, self.tokenizer, self.held_out) if self.greedy else None
+        greedy = demo.greedy_accuracy(model, self.tokenizer, self.held_out) if self.held_out is not None else None
         self.points.append((state.global_step, metrics[self.metric], greedy))
 
 
+def run_fields(cli, out: str, learning_rate: float, steps: int) -> dict:
+    """What the DPO and reward-model runs share (the same names in TRL's configs): 32 pairs a step, a constant
+    learning rate, evaluation every ``--every`` steps and at the start."""
+    return {"output_dir": out, "per_device_train_batch_size": 32, "learning_rate": learning_rate,
+            "lr_scheduler_type": "constant", "max_steps": steps, "logging_steps": 10, "eval_strategy": "steps",
+            "eval_steps": cli.every, "eval_on_start": True, "per_device_eval_batch_size": 64,
+            "save_strategy": "no", "bf16": False, "seed": cli.seed, "report_to": "none", "disable_tqdm": True}
+
+
 def dpo_fields(cli, out: str) -> dict:
-    """The DPO run's config fields: the same names in TRL's DPOConfig."""
-    return {"output_dir": out, "per_device_train_batch_size": 32, "learning_rate": cli.dpo_learning_rate,
-            "lr_scheduler_type": "constant", "beta": cli.beta, "loss_type": cli.loss_type.split(","),
-            "loss_weights": [float(w) for w in cli.loss_weights.split(",")] if cli.loss_weights else None,
-            "max_steps": cli.dpo_steps, "logging_steps": 10,
-            "eval_strategy": "steps", "eval_steps": cli.every, "eval_on_start": True,
-            "per_device_eval_batch_size": 64, "save_strategy": "no", "bf16": False, "seed": cli.seed,
-            "report_to": "none", "disable_tqdm": True}
+    return {**run_fields(cli, out, cli.dpo_learning_rate, cli.dpo_steps), "beta": cli.beta,
+            "loss_type": cli.loss_type.split(","),
+            "loss_weights": [float(w) for w in cli.loss_weights.split(",")] if cli.loss_weights else None}
 
 
 def reward_fields(cli, out: str) -> dict:
-    return {"output_dir": out, "per_device_train_batch_size": 32, "learning_rate": cli.reward_learning_rate,
-            "lr_scheduler_type": "constant", "max_steps": cli.reward_steps, "logging_steps": 10,
-            "eval_strategy": "steps", "eval_steps": cli.every, "eval_on_start": True,
-            "per_device_eval_batch_size": 64, "save_strategy": "no", "bf16": False, "seed": cli.seed,
-            "report_to": "none", "disable_tqdm": True}
+    return run_fields(cli, out, cli.reward_learning_rate, cli.reward_steps)
 
 
 def run_dpo(framework: str, cli, start: str, pairs, held_pairs, held_out, out: str) -> list[tuple]:
@@ -144,7 +145,7 @@ def judge_base(start: str, train: list[dict], validation: list[dict], steps: int
 
 def run_reward(framework: str, cli, start: str, pairs, held_pairs, out: str) -> list[tuple]:
     tokenizer = AutoTokenizer.from_pretrained(start)
-    curve = Curve(tokenizer, None, "eval_accuracy", greedy=False)
+    curve = Curve(tokenizer, None, "eval_accuracy")
     if framework == "ours":
         from trainers import RewardConfig, RewardTrainer
 
@@ -205,7 +206,6 @@ def main():
     parser.add_argument("--json", help="Also write the results here.")
     parser.add_argument("--work", help="Keep the warm start (and the runs) in this folder and reuse its start.")
     cli = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     held_out, validation, train = demo.make_splits()
     frameworks = ["ours"] if cli.skip_trl else ["ours", "trl"]
