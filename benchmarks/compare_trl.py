@@ -43,7 +43,8 @@ MODELS = {
                    vocab_size=151936, rope_theta=1e6),
 }
 
-RL_METHODS = ("grpo", "rloo")  # rows measured in s/step (a step samples), with a reward function
+RL_METHODS = ("grpo", "rloo", "distill")  # rows measured in s/step (a step samples)
+REWARDED = ("grpo", "rloo")  # ... of which these have a reward function (distillation: a teacher)
 # name -> (model, method, options, steps, warmup). The small model warms up over its first ~3 optimizer steps in
 # both frameworks (a plain HF forward/backward loop shows it too: 2.8 s, 1.8 s, then 1.2 s forwards), so its
 # GRPO rows skip two.
@@ -51,6 +52,7 @@ ROWS = {
     "grpo-tiny-64": ("tiny", "grpo", {"completion_length": 64}, 8, 2),
     "grpo-tiny-256": ("tiny", "grpo", {"completion_length": 256}, 5, 1),
     "rloo-tiny-64": ("tiny", "rloo", {"completion_length": 64}, 8, 2),
+    "distill-tiny-64": ("tiny", "distill", {"completion_length": 64}, 8, 2),
     "grpo-small-64": ("small", "grpo", {"completion_length": 64}, 6, 2),
     "grpo-small-256": ("small", "grpo", {"completion_length": 256}, 5, 2),
     "sft-tiny-unpacked": ("tiny", "sft", {"packing": False}, 12, 2),
@@ -63,6 +65,7 @@ ROWS = {
     # at a real vocabulary the output head dominates time and memory (issue 44): a few steps suffice
     # (not in --quick: TRL takes 20-100 s a step here)
     "grpo-vocab152k-64": ("tiny152k", "grpo", {"completion_length": 64}, 4, 1),
+    "distill-vocab152k-64": ("tiny152k", "distill", {"completion_length": 64}, 4, 1),
     "sft-vocab152k-unpacked": ("tiny152k", "sft", {"packing": False}, 3, 1),
     "sft-vocab152k-packed": ("tiny152k", "sft", {"packing": True}, 3, 1),
     "dpo-vocab152k": ("tiny152k", "dpo", {"max_length": 256}, 3, 1),
@@ -258,12 +261,12 @@ def main():
         options = {**options, "bf16": cli.bf16, **({"extra": json.dumps(cli.extra)} if cli.extra else {})}
         if cli.lora:
             options["lora"] = cli.lora
-        if method in RL_METHODS:
+        if method in REWARDED:
             options["reward"] = cli.reward
-            if cli.ours_extra:
-                options["ours_extra"] = json.dumps(cli.ours_extra)
+        if method in RL_METHODS and cli.ours_extra:
+            options["ours_extra"] = json.dumps(cli.ours_extra)
         name = (name + ("-bf16" if cli.bf16 and not cli.gpu else "") + (f"-lora{cli.lora}" if cli.lora else "")
-                + ("-rare" if method in RL_METHODS and cli.reward == "rare" else ""))
+                + ("-rare" if method in REWARDED and cli.reward == "rare" else ""))
         methods[name] = method
         results = alternating(models[model], method, options, steps, cli.workdir, cli.repeats)
         rows.append(summarize(name, method, results, warmup, steps))
@@ -271,7 +274,7 @@ def main():
             peak = peak_tflops(rows[-1]["ours"]["device"], cli.peak_tflops)
             extras[name] = gpu_extra(rows[-1], method, options, matmul_parameters(models[model]), peak)
         print_table(rows[-1:], methods, extras if cli.gpu else None)
-        if method in RL_METHODS:
+        if method in REWARDED:
             print("frac_reward_zero_std (mean over steps, per repeat): " + ", ".join(
                 f"{framework} {[round(r['frac_reward_zero_std'], 2) for r in results[framework]]}"
                 for framework in ("trl", "ours")))

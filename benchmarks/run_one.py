@@ -115,6 +115,14 @@ def lora_config(cli):
     return LoraConfig(r=cli.lora, lora_alpha=2 * cli.lora, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
+def distill_args(cli) -> dict:
+    """Distillation: a batch of prompts, one completion each forced to full length, TRL's beta (reverse KL); the
+    teacher is the model itself (the time and memory of a teacher of the student's size)."""
+    return {**common_args(cli), "per_device_train_batch_size": cli.batch,
+            "max_completion_length": cli.completion_length, "learning_rate": 1e-6,
+            "generation_kwargs": {"min_new_tokens": cli.completion_length}, **cli.extra}
+
+
 def ours_grpo_args(cli) -> dict:
     """grpo_args with --ours_extra over it. With use_vllm, generation_kwargs are vLLM SamplingParams arguments
     (as in TRL): the full-length forcing is vLLM's min_tokens."""
@@ -135,6 +143,11 @@ def run_ours(cli, rows):
         config, trainer_class = (getattr(trainers, name) for name in PREFERENCE[cli.method])
         trainer = trainer_class(model=cli.model, train_dataset=rows, peft_config=lora_config(cli),
                                 args=config(**preference_args(cli)))
+    elif cli.method == "distill":
+        trainer = trainers.DistillationTrainer(model=cli.model, teacher_model=cli.model, train_dataset=rows,
+                                               peft_config=lora_config(cli),
+                                               args=trainers.DistillationConfig(**{**distill_args(cli),
+                                                                                   **cli.ours_extra}))
     else:
         config, trainer_class = (trainers.RLOOConfig, trainers.RLOOTrainer) if cli.method == "rloo" else \
             (GRPOConfig, GRPOTrainer)
@@ -174,6 +187,11 @@ def run_trl(cli, rows):
         config, trainer_class = (getattr(trl, name) for name in PREFERENCE[cli.method])
         trainer = trainer_class(model=cli.model, train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
                                 peft_config=lora_config(cli), args=config(**preference_args(cli), **cpu))
+    elif cli.method == "distill":
+        trainer = trl.DistillationTrainer(model=cli.model, teacher_model=cli.model,
+                                          train_dataset=Dataset.from_list(rows), callbacks=[Clock()],
+                                          peft_config=lora_config(cli),
+                                          args=trl.DistillationConfig(**distill_args(cli), **cpu))
     else:
         config, trainer_class = (trl.RLOOConfig, trl.RLOOTrainer) if cli.method == "rloo" else (GRPOConfig, GRPOTrainer)
         trainer = trainer_class(model=cli.model, reward_funcs=REWARDS[cli.reward],
@@ -194,7 +212,7 @@ def zero_std_share(logs: list[dict]) -> float | None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=["ours", "trl"])
-    parser.add_argument("method", choices=["sft", "grpo", "rloo", "dpo", "reward", "kto"])
+    parser.add_argument("method", choices=["sft", "grpo", "rloo", "distill", "dpo", "reward", "kto"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)

@@ -1,11 +1,12 @@
-"""A short SFT, GRPO, RLOO, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a script (1
-process or launched).
+"""A short SFT, GRPO, RLOO, distillation, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a
+script (1 process or launched).
 
     python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
 
 TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends this process early with a
 checkpoint, as a preemption would. The final weights go to OUT/final. GRPO and RLOO use 2 optimizer steps per
-generation round, so a checkpoint can fall in the middle of a round.
+generation round, so a checkpoint can fall in the middle of a round. Distillation (from the model with its weights
+moved by seeded noise) generates once per step (2 accumulation steps), half its rounds from the dataset (lmbda).
 """
 
 import argparse
@@ -15,8 +16,9 @@ import sys
 
 import torch
 
-from trainers import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig,
-                      RewardTrainer, RLOOConfig, RLOOTrainer, SFTConfig, SFTTrainer)
+from trainers import (DistillationConfig, DistillationTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer,
+                      KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer, SFTConfig,
+                      SFTTrainer)
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
@@ -38,15 +40,32 @@ def build(method, model, out, total, save_steps, extra):
         return trainer(model=model, train_dataset=pairs,
                        args=config(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
+    if method == "distill":
+        return DistillationTrainer(model=model, teacher_model=noisy_copy(model),
+                                   train_dataset=[{**row, "completion": "123"} for row in rows],
+                                   args=DistillationConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                                           max_completion_length=6, lmbda=0.5, **common))
     trainer, config = (RLOOTrainer, RLOOConfig) if method == "rloo" else (GRPOTrainer, GRPOConfig)
     return trainer(model=model, reward_funcs=digits, train_dataset=rows,
                    args=config(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                                steps_per_generation=2, **common))
 
 
+def noisy_copy(model_dir: str):
+    """The model with every weight moved by seeded noise: a teacher that differs from the student."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return teacher
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("method", choices=["sft", "grpo", "rloo", "dpo", "reward", "kto"])
+    parser.add_argument("method", choices=["sft", "grpo", "rloo", "distill", "dpo", "reward", "kto"])
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("total", type=int)

@@ -268,9 +268,6 @@ def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0
     where ``targets`` [B, K] is negative (those positions are not computed); ``with_mean_logit``: [B, K, 4], the
     logits' mean over the vocabulary fourth (no gradient). ``rows`` [B]: row i reads hidden row rows[i]
     (completions sharing a prompt's last position); None: b == B."""
-    module = plan.module
-    saved = vars(module).get("forward")  # an instance-level forward (cast_lm_head_to_fp32's) to restore
-
     def forward(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if rows is not None:
             hidden = hidden[rows]
@@ -279,6 +276,15 @@ def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0
                                f"{tuple(targets.shape)}: this model's forward slices its positions differently.")
         return _scores(plan, hidden, targets, temperature, with_entropy, entropy_grad, chunk, with_mean_logit)
 
+    with swapped_forward(plan.module, forward):
+        yield
+
+
+@contextlib.contextmanager
+def swapped_forward(module: torch.nn.Module, forward):
+    """Within this block ``module`` (a model's head) runs ``forward`` instead of its own; its hooks still run
+    (ZeRO-3's gather of its weight among them)."""
+    saved = vars(module).get("forward")  # an instance-level forward (cast_lm_head_to_fp32's) to restore
     module.forward = forward
     try:
         yield

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, free_port
+from trainers.distillation.config import DistillationConfig
 from trainers.dpo.config import DPOConfig
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
@@ -25,12 +26,15 @@ SHIPPED_YAMLS = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
 
 def method_of(path: str) -> str:
     name = os.path.basename(path)
-    return next((m for m in ("grpo", "rloo", "dpo", "reward", "kto") if name.startswith(m)), "sft")
+    methods = {"grpo": "grpo", "rloo": "rloo", "distillation": "distill", "dpo": "dpo", "reward": "reward",
+               "kto": "kto"}
+    return next((method for prefix, method in methods.items() if name.startswith(prefix)), "sft")
 
 
 def test_there_is_a_yaml_for_each_example():
     names = {os.path.basename(p) for p in SHIPPED_YAMLS}
-    assert {"sft.yaml", "grpo.yaml", "rloo.yaml", "dpo.yaml", "reward.yaml", "kto.yaml"} <= names and len(names) >= 8
+    assert {"sft.yaml", "grpo.yaml", "rloo.yaml", "distillation.yaml", "dpo.yaml", "reward.yaml",
+            "kto.yaml"} <= names and len(names) >= 8
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAMLS, ids=os.path.basename)
@@ -101,7 +105,8 @@ def test_missing_yaml_and_unknown_template_are_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("method,config_class", [("sft", SFTConfig), ("grpo", GRPOConfig), ("rloo", RLOOConfig),
-                                                 ("dpo", DPOConfig), ("reward", RewardConfig), ("kto", KTOConfig)])
+                                                 ("distill", DistillationConfig), ("dpo", DPOConfig),
+                                                 ("reward", RewardConfig), ("kto", KTOConfig)])
 def test_help_lists_every_field_with_its_docstring_and_default(method, config_class, capsys):
     with pytest.raises(SystemExit):
         cli.main([method, "--help"])

@@ -41,6 +41,22 @@ def test_rl_examples_with_a_local_file_and_named_rewards(name, tiny_model_dir, t
     assert os.path.isfile(tmp_path / "out" / "final" / "model.safetensors")
 
 
+def test_distillation_example_on_its_embedded_default_and_with_a_local_file(tiny_model_dir, tmp_path):
+    distill = load_example("distillation")
+    distill.main(["--output_dir", str(tmp_path / "tiny"), "--max_steps", "2", "--disable_tqdm", "true"])
+    assert os.path.isfile(tmp_path / "tiny" / "tiny-teacher" / "config.json")  # the embedded teacher, built
+    assert os.path.isfile(tmp_path / "tiny" / "final" / "model.safetensors")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "12=", "completion": "21"}\n{"prompt": "34=", "completion": "43"}\n')
+    distill.main(["--model", tiny_model_dir, "--teacher_model_name_or_path", tiny_model_dir, "--dataset", str(data),
+                  "--lmbda", "0.5", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+                  "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--save_strategy", "no",
+                  "--disable_tqdm", "true"])
+    with open(tmp_path / "out" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[-2]["step"] == 2 and records[-2]["loss"] == pytest.approx(0.0, abs=1e-6)  # its own teacher
+
+
 def test_grpo_example_names_a_missing_dataset(tiny_model_dir, tmp_path):
     from trainers.data import DatasetFormatError
 
@@ -54,6 +70,16 @@ def test_the_demo_learns_what_the_readme_says(tmp_path):
     before, after = load_example("grpo_arithmetic").main(["--output_dir", str(tmp_path)])
     assert after >= 0.8, (before, after)
     assert after - before >= 0.1, (before, after)
+    assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
+def test_the_distillation_demo_meets_its_mark(tmp_path):
+    """examples/distill_arithmetic.py with a quicker teacher (300 SFT steps: ~91% held out): the student, from the
+    GRPO demo's start (~52%), reaches 80% of the teacher's accuracy by distillation alone (~50 s on 2 cores)."""
+    results = load_example("distill_arithmetic").main(["--output_dir", str(tmp_path), "--teacher_sft_steps", "300",
+                                                       "--max_steps", "150"])
+    assert results["teacher"] >= 0.85 and results["before"] < 0.8 * results["teacher"], results
+    assert results["distillation"] is not None, results["distillation_curve"]  # reached 80% of the teacher's
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
 
 

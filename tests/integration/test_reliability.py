@@ -34,7 +34,7 @@ def complete_checkpoints(out):
                   and os.path.isfile(os.path.join(out, d, "trainer_state.json"))) if os.path.isdir(out) else []
 
 
-@pytest.mark.parametrize("method", ["sft", "rloo", "dpo", "reward", "kto"])
+@pytest.mark.parametrize("method", ["sft", "rloo", "distill", "dpo", "reward", "kto"])
 def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(method, tiny_model_dir, tmp_path):
     job = start(method, tiny_model_dir, tmp_path, 40, "--step_sleep", "0.2")
     deadline = time.time() + 120

@@ -26,7 +26,7 @@ def assert_identical(a, b):
         assert torch.equal(a[key], b[key]), f"{key} differs by {(a[key] - b[key]).abs().max().item()}"
 
 
-@pytest.mark.parametrize("method", ["sft", "grpo", "rloo", "dpo", "reward", "kto"])
+@pytest.mark.parametrize("method", ["sft", "grpo", "rloo", "distill", "dpo", "reward", "kto"])
 def test_resume_in_a_new_process_continues_exactly(method, tiny_model_dir, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(method, tiny_model_dir, straight, 6)

@@ -58,6 +58,17 @@ def test_rloo_on_the_colocated_engine(tmp_path):
     assert engine_processes(report["after_train"]) == []
 
 
+def test_distillation_on_the_colocated_engine(tmp_path):
+    """DistillationTrainer samples through the colocated engine: after every sync its greedy completions equal the
+    student's and its log-probs match the trainer's (learning is test_distillation.py's); the engine is gone after."""
+    report = job("distill", tmp_path)
+    diff = [r["sampling/sampling_logp_difference/mean"] for r in report["records"]]
+    assert len(diff) == 4 and all(d < IN_SYNC for d in diff), diff
+    assert all(r["equal"] for r in report["rounds"])
+    assert all(r["loss"] > 0 and "reward" not in r for r in report["records"])
+    assert engine_processes(report["after_train"]) == []
+
+
 def test_lora_sigterm_resume_and_crash(tmp_path):
     """LoRA merged into the engine (W + BA) keeps it equal to the policy; a SIGTERM stops the run with a
     checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too."""

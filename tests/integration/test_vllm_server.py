@@ -236,6 +236,32 @@ def job(out, *args) -> dict:
     return run_job(JOB, *args, out, report=os.path.join(out, "report.json"))
 
 
+def test_a_served_teacher_with_the_whole_vocabulary_is_the_local_teacher(client, server, tmp_path):
+    """The server holds a teacher (the tiny model moved by noise); distillation from it with loss_top_k = the
+    vocabulary size logs the same loss as from the same teacher held locally (vLLM's float32 log-probs against the
+    trainer's), and with loss_top_k=1 a smaller one (a coarser partition: a lower bound)."""
+    from trainers import DistillationConfig, DistillationTrainer
+
+    teacher = reference_model(server.model_dir, seed=7)
+    client.update_model_params(teacher)
+    vocabulary = teacher.config.vocab_size
+    rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]]
+    losses = {}
+    for name, extra in (("local", {}), ("served", {"teacher_model_server_url": server.url, "loss_top_k": vocabulary}),
+                        ("top-1", {"teacher_model_server_url": server.url, "loss_top_k": 1})):
+        args = DistillationConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8,
+                                  max_completion_length=6, learning_rate=1e-2, max_steps=1, beta=0.5,
+                                  logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, report_to="none",
+                                  **extra)
+        trainer = DistillationTrainer(model=server.model_dir, teacher_model=None if extra else teacher, args=args,
+                                      train_dataset=rows)
+        trainer.train()
+        losses[name] = trainer.state.log_history[0]["loss"]
+    print(f"\nserved teacher: losses {losses}")
+    assert losses["served"] == pytest.approx(losses["local"], rel=1e-4)
+    assert 0 < losses["top-1"] < losses["served"]
+
+
 def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, tmp_path):
     """24 GRPO steps of the digits task against the server: the reward rises as with the lean engine (and in
     colocate mode); after every step's weight push the server's greedy completions equal the policy's own and
@@ -265,6 +291,15 @@ def test_rloo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
     assert [r["equal"] for r in report["rounds"]] == [True] * 4
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"])
     assert all("kl" in r and "clip_ratio/region_mean" in r for r in report["records"])
+
+
+def test_distillation_in_server_mode_keeps_the_server_on_the_student(server, tmp_path):
+    """DistillationTrainer samples through the same server: after every step's weight push its greedy completions
+    equal the student's and its log-probs match the trainer's (learning is test_distillation.py's)."""
+    report = job(tmp_path, "distill", server.url, server.model_dir, free_port())
+    assert [r["equal"] for r in report["rounds"]] == [True] * 4
+    assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"])
+    assert all(r["loss"] > 0 and not any(key.startswith("reward") for key in r) for r in report["records"])
 
 
 def test_two_processes_share_the_server(server, tmp_path):

@@ -106,6 +106,20 @@ def trainer_for(out, mode, model_dir, reward=digits, **overrides):
         base.update(max_steps=4)
         return RLOOTrainer(model=model_dir, reward_funcs=reward, args=RLOOConfig(**{**base, **overrides}),
                            train_dataset=[{"prompt": p} for p in PROMPTS * 4])
+    if mode == "distill":  # DistillationTrainer on the colocated engine, from a teacher moved by seeded noise
+        from transformers import AutoModelForCausalLM
+
+        from trainers import DistillationConfig, DistillationTrainer
+
+        teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in teacher.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        base.pop("num_generations")
+        base.update(max_steps=4)
+        return DistillationTrainer(model=model_dir, teacher_model=teacher, args=DistillationConfig(**base),
+                                   train_dataset=[{"prompt": p} for p in PROMPTS * 4])
     args = GRPOConfig(**{**base, **overrides})
     return GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, peft_config=peft_config,
                        train_dataset=[{"prompt": p} for p in PROMPTS * 4])

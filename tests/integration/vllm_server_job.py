@@ -13,6 +13,8 @@ generation_kwargs), which the pytest process should not. Writes ``OUT/report.jso
     python tests/integration/vllm_server_job.py tools URL MODEL_DIR GROUP_PORT OUT
         2 steps of the tool loop (tests/integration/vllm_tool_rounds.py): the server continues every rollout after
         its tool result.
+    python tests/integration/vllm_server_job.py distill URL MODEL_DIR GROUP_PORT OUT
+        4 steps of DistillationTrainer sampling through the server (a local teacher): the same checks.
     python tests/integration/vllm_server_job.py die URL MODEL_DIR GROUP_PORT SERVER_PGID OUT
         the server is killed after step KILL_AFTER: the run stops with a VLLMServerError and a checkpoint, which a
         run without vLLM then resumes for one more step.
@@ -178,6 +180,28 @@ def tools(url, model_dir, group_port, out):
     return tool_report(trainer, trainer.backend)
 
 
+def distill(url, model_dir, group_port, out):
+    from transformers import AutoModelForCausalLM
+
+    from trainers import DistillationConfig, DistillationTrainer
+
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    args = DistillationConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=16,
+                              max_completion_length=8, learning_rate=1e-2, max_steps=4, logging_steps=1,
+                              save_strategy="no", disable_tqdm=True, seed=0, report_to="none", use_vllm=True,
+                              vllm_mode="server", vllm_server_base_url=url, vllm_group_port=group_port,
+                              vllm_server_timeout=10)
+    trainer = DistillationTrainer(model=model_dir, teacher_model=teacher, args=args,
+                                  train_dataset=[{"prompt": p} for p in PROMPTS * 4])
+    checks = Checks(trainer)
+    trainer.train()
+    return {"rounds": checks.rounds, "records": records(trainer)}
+
+
 def main():
     mode, url, model_dir, group_port, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[-1]
     name = "report.json"
@@ -190,6 +214,8 @@ def main():
         checks = Checks(trainer)
         trainer.train()
         report = {"rounds": checks.rounds, "records": records(trainer)}
+    elif mode == "distill":  # DistillationTrainer samples through the same server (a local teacher)
+        report = distill(url, model_dir, group_port, out)
     elif mode == "distributed":
         report = distributed(url, model_dir, group_port, out)
         name = f"report-{os.environ.get('RANK', '0')}.json"

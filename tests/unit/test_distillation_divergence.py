@@ -5,7 +5,12 @@ reverse KL and the generalized JSD, with and without a temperature; the same wha
 import pytest
 import torch
 
-from trainers.distillation.divergence import chunked_divergence, token_divergence
+from trainers.distillation.divergence import (
+    chunked_divergence,
+    chunked_support_divergence,
+    support_divergence,
+    token_divergence,
+)
 
 try:
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
@@ -106,9 +111,9 @@ def test_the_divergences_by_hand():
 
 
 def test_no_logits_are_kept_for_backward():
-    """What autograd keeps between forward and backward is the inputs (both models' hidden states and heads:
-    480 + 720 + 296 + 444 = 1,940 values here), never the chunks' logits (60 positions x a vocabulary of 37: another
-    2,220 values, in chunks of 4 positions)."""
+    """With no budget for kept gradients, what autograd keeps between forward and backward is the inputs (both
+    models' hidden states and heads: 480 + 720 + 296 + 444 = 1,940 values here) and the divergence (60), never the
+    chunks' logits (60 positions x a vocabulary of 37: another 2,220 values, in chunks of 4 positions)."""
     g = torch.Generator().manual_seed(0)
     student_hidden = torch.randn(60, 8, generator=g, requires_grad=True)
     student_weight = torch.randn(37, 8, generator=g, requires_grad=True)
@@ -121,6 +126,89 @@ def test_no_logits_are_kept_for_backward():
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         divergence, _ = chunked_divergence(student_hidden, student_weight, torch.randn(60, 12, generator=g),
-                                           torch.randn(37, 12, generator=g), 0.5, chunk=4)
+                                           torch.randn(37, 12, generator=g), 0.5, chunk=4, saved_bytes=0)
     divergence.sum().backward()
-    assert student_weight.grad is not None and 0 < sum(storages.values()) <= 1940
+    assert student_weight.grad is not None and 0 < sum(storages.values()) <= 2000
+
+
+# ---------------------------------------------------------------- a served teacher's support (top-k log-probs)
+
+
+def support_of(teacher_logits: torch.Tensor, k: int, sampled: torch.Tensor) -> tuple:
+    """What a served teacher gives: its top-k tokens and log-probs, then the sampled token's (valid unless it is
+    among the top k)."""
+    log_pt = teacher_logits.log_softmax(-1)
+    top_logps, top_ids = log_pt.topk(k, -1)  # [N, k]
+    ids = torch.cat([top_ids, sampled.unsqueeze(-1)], -1)
+    logps = torch.cat([top_logps, log_pt.gather(-1, sampled.unsqueeze(-1))], -1)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[:, k] = ~(top_ids == sampled.unsqueeze(-1)).any(-1)
+    return ids, logps, valid
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_support_of_the_whole_vocabulary_is_the_full_divergence_and_smaller_ones_a_lower_bound(beta):
+    student_hidden, teacher_hidden, student_weight, teacher_weight, student_bias, teacher_bias, mask = batch()
+    valid_rows = mask.bool()
+    hidden, teacher = student_hidden[valid_rows], teacher_hidden[valid_rows] @ teacher_weight.t() + teacher_bias
+    sampled = torch.arange(hidden.shape[0]) * 5 % 37
+    full, entropy = chunked_divergence(hidden, student_weight, teacher_hidden[valid_rows], teacher_weight, beta,
+                                       student_bias=student_bias, teacher_bias=teacher_bias)
+    for add_tail in (True, False):
+        exact, exact_entropy = chunked_support_divergence(hidden, student_weight, *support_of(teacher, 37, sampled),
+                                                          beta, student_bias=student_bias, add_tail=add_tail)
+        torch.testing.assert_close(exact, full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exact_entropy, entropy)
+    previous = torch.zeros_like(full)
+    for k in (1, 4, 16, 36):  # with the tail: merging outcomes never raises the divergence, nor does refining lower it
+        coarse, _ = chunked_support_divergence(hidden, student_weight, *support_of(teacher, k, sampled), beta,
+                                               student_bias=student_bias)
+        slack = 1e-4 * full + 1e-6  # float32 rounding (at k = 36 the partition is the full one)
+        assert bool((coarse <= full + slack).all()) and bool((coarse >= previous - slack).all()), k
+        previous = coarse
+    assert float(previous.sum()) > 0.9 * float(full.sum())
+
+
+def test_a_support_divergence_by_hand_and_its_gradient_is_finite():
+    """Vocabulary 3, the teacher's top-1 token 0 and the sampled token 1: outcomes {0, 1, rest = {2}}; and a
+    support of the whole vocabulary gives a finite gradient though the rest is empty."""
+    logits = torch.tensor([[1.0, 0.0, -1.0]], requires_grad=True)
+    teacher = torch.tensor([[0.7, 0.2, 0.1]]).log()
+    ids, valid = torch.tensor([[0, 1]]), torch.tensor([[True, True]])
+    log_ps = logits.log_softmax(-1)
+    got = support_divergence(log_ps, ids, teacher.gather(-1, ids), valid, 0.0)
+    p, q = teacher.exp()[0], log_ps.exp()[0]
+    assert float(got) == pytest.approx(float((p * (p.log() - q.log())).sum()), rel=1e-5)  # all 3 outcomes listed
+    one = support_divergence(log_ps, ids[:, :1], teacher[:, :1], valid[:, :1], 1.0)  # {0, rest}
+    rest_q, rest_p = 1 - q[0], 1 - p[0]
+    by_hand = q[0] * (q[0].log() - p[0].log()) + rest_q * (rest_q.log() - rest_p.log())
+    assert float(one) == pytest.approx(float(by_hand), rel=1e-5)
+    everything = support_divergence(log_ps, torch.tensor([[0, 1, 2]]), teacher, torch.ones(1, 3, dtype=torch.bool),
+                                    0.5)
+    everything.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+def test_no_positions_give_an_empty_divergence_in_the_graph():
+    weight = torch.randn(37, 8, requires_grad=True)
+    divergence, _ = chunked_divergence(torch.zeros(0, 8), weight, torch.zeros(0, 12), torch.randn(37, 12), 0.5)
+    divergence.sum().backward()
+    assert divergence.shape == (0,) and weight.grad is not None and float(weight.grad.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_gradients_made_again_in_backward_equal_the_kept_ones(beta):
+    """Past the budget (saved_bytes=0) backward makes each chunk's gradient again from both models' hidden states:
+    the same gradients as when they are kept."""
+    results = []
+    for saved_bytes in (0, 2**30):
+        student_hidden, teacher_hidden, student_weight, teacher_weight, student_bias, teacher_bias, _ = batch()
+        for tensor in (student_hidden, student_weight, student_bias):
+            tensor.requires_grad_(True)
+        divergence, _ = chunked_divergence(student_hidden.flatten(0, 1), student_weight, teacher_hidden.flatten(0, 1),
+                                           teacher_weight, beta, 0.7, student_bias, teacher_bias, chunk=3,
+                                           saved_bytes=saved_bytes)
+        (divergence * torch.arange(10.0)).sum().backward()  # a different weight per position
+        results.append([student_hidden.grad, student_weight.grad, student_bias.grad])
+    for made_again, kept in zip(*results):
+        torch.testing.assert_close(made_again, kept)

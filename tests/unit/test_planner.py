@@ -164,6 +164,24 @@ def test_rloo_is_planned_as_grpo_with_its_own_commands():
     assert "examples/rloo.py" in flags and "trainers rloo --config rloo.yaml" in flags
 
 
+def test_distillation_holds_its_teacher_sharded_under_zero3_even_with_lora():
+    """The teacher is a bf16 copy of its own shape (--teacher-size), partitioned under ZeRO-3 (with its head gathered
+    for a micro-batch), kept with LoRA; one completion per prompt; its own example and CLI command."""
+    plan = plan_for(model_size="1.5B", method="distill", teacher_size="7B", num_gpus=8, lora=True)
+    teacher = MODEL_SIZES["7B"]
+    assert plan.estimate_for("zero2").breakdown["teacher_model"] == 2 * teacher.num_parameters()
+    zero3 = plan.estimate_for("zero3").breakdown
+    assert zero3["teacher_model"] == 2 * teacher.num_parameters() // 8
+    assert zero3["teacher_head_copy"] == 2 * teacher.vocab_size * teacher.hidden_size
+    assert plan_for(model_size="1.5B", method="distill").estimate_for("zero2").breakdown["teacher_model"] == (
+        2 * MODEL_SIZES["1.5B"].num_parameters())  # no teacher given: the model's shape
+    flags = " ".join(plan.commands)
+    assert "examples/distillation.py" in flags and "trainers distill --config distillation.yaml" in flags
+    assert "--teacher_model_name_or_path TEACHER" in flags and "--num_generations" not in flags
+    with pytest.raises(ConfigError, match="--teacher"):
+        plan_for(model_size="1.5B", method="grpo", teacher_size="7B")
+
+
 def test_the_grpo_reference_model_is_a_copy_sharded_under_zero3_and_absent_with_lora():
     with_kl = plan_for(model_size="7B", num_gpus=8, beta=0.04, gradient_checkpointing=True)
     params = MODEL_SIZES["7B"].num_parameters()

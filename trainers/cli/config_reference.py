@@ -15,6 +15,7 @@ import inspect
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.configs import TrainingConfig
+from trainers.distillation.config import DistillationConfig
 from trainers.dpo.config import DPOConfig
 from trainers.grpo.config import GRPOConfig
 from trainers.kto.config import KTOConfig
@@ -24,7 +25,8 @@ from trainers.rloo.config import RLOOConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, RLOOConfig, DPOConfig, RewardConfig, KTOConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, RLOOConfig, DistillationConfig, DPOConfig, RewardConfig,
+                  KTOConfig)
 _BASE = TrainingConfig
 
 

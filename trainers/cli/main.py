@@ -1,5 +1,5 @@
-"""The ``trainers`` command: ``sft``, ``grpo``, ``rloo``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``, ``plan``,
-``report`` and ``env``.
+"""The ``trainers`` command: ``sft``, ``grpo``, ``rloo``, ``distill``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``,
+``plan``, ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
@@ -9,8 +9,8 @@
     trainers report outputs/grpo-tiny
     trainers env
 
-A run's YAML holds config fields (every SFTConfig / GRPOConfig / DPOConfig / RewardConfig /
-KTOConfig field) and the run keys below; a flag
+A run's YAML holds config fields (every SFTConfig / GRPOConfig / RLOOConfig / DistillationConfig / DPOConfig /
+RewardConfig / KTOConfig field) and the run keys below; a flag
 ``--field value`` overrides the same key of the YAML. See docs/cli.md.
 """
 
@@ -47,11 +47,13 @@ LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launc
 
 
 METHODS = {"sft": "Supervised fine-tuning", "grpo": "GRPO", "rloo": "RLOO (REINFORCE leave-one-out)",
+           "distill": "On-policy distillation (a student learns a teacher's distribution on its own completions)",
            "dpo": "DPO (preference pairs)",
            "reward": "Reward-model (preference pairs)", "kto": "KTO (completions labelled desirable or not)"}
 
 
 def config_class(method: str):
+    from trainers.distillation.config import DistillationConfig
     from trainers.dpo.config import DPOConfig
     from trainers.grpo.config import GRPOConfig
     from trainers.kto.config import KTOConfig
@@ -59,8 +61,8 @@ def config_class(method: str):
     from trainers.rloo.config import RLOOConfig
     from trainers.sft.config import SFTConfig
 
-    return {"grpo": GRPOConfig, "rloo": RLOOConfig, "dpo": DPOConfig, "reward": RewardConfig,
-            "kto": KTOConfig}.get(method, SFTConfig)
+    return {"grpo": GRPOConfig, "rloo": RLOOConfig, "distill": DistillationConfig, "dpo": DPOConfig,
+            "reward": RewardConfig, "kto": KTOConfig}.get(method, SFTConfig)
 
 
 def run_keys(method: str) -> dict[str, str]:
@@ -165,6 +167,11 @@ def run_training(method: str, options: dict) -> None:
         trainer = (GRPOTrainer if method == "grpo" else RLOOTrainer)(
             model=model, reward_funcs=rewards, args=args, train_dataset=train, eval_dataset=evaluation,
             peft_config=peft_config)
+    elif method == "distill":  # the teacher: teacher_model_name_or_path or teacher_model_server_url
+        from trainers import DistillationTrainer
+
+        trainer = DistillationTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                                      peft_config=peft_config)
     elif method == "dpo":
         from trainers import DPOTrainer
 

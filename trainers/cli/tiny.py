@@ -245,6 +245,9 @@ EMBEDDED_DEFAULTS = {
     "rloo": {"output_dir": "outputs/rloo-tiny", "per_device_train_batch_size": 16, "num_generations": 4,
              "max_completion_length": 8, "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5,
              "save_strategy": "no"},
+    # a random tiny student and a random, wider teacher (built too): the divergence falls
+    "distill": {"output_dir": "outputs/distill-tiny", "per_device_train_batch_size": 16, "max_completion_length": 8,
+                "learning_rate": 1e-3, "max_steps": 20, "logging_steps": 5, "save_strategy": "no", "beta": 0.0},
     "dpo": {"output_dir": "outputs/dpo-tiny", "per_device_train_batch_size": 16, "learning_rate": 3e-3,
             "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
     "reward": {"output_dir": "outputs/reward-tiny", "per_device_train_batch_size": 16, "learning_rate": 1e-3,
@@ -253,7 +256,7 @@ EMBEDDED_DEFAULTS = {
             "max_steps": 40, "logging_steps": 10, "save_strategy": "no"},
 }
 EMBEDDED_MODELS = {"sft": {"hidden_size": 128, "num_layers": 4}, "grpo": {"hidden_size": 64, "num_layers": 2},
-                   "rloo": {"hidden_size": 64, "num_layers": 2},
+                   "rloo": {"hidden_size": 64, "num_layers": 2}, "distill": {"hidden_size": 64, "num_layers": 2},
                    "dpo": {"hidden_size": 64, "num_layers": 2}, "reward": {"hidden_size": 64, "num_layers": 2},
                    "kto": {"hidden_size": 64, "num_layers": 2}}
 
@@ -263,15 +266,21 @@ def embedded_default(method: str, overrides: dict) -> tuple[str, dict]:
     (``overrides`` win). Returns (model path, config fields)."""
     fields = {**EMBEDDED_DEFAULTS[method], **overrides}
     model = save_tiny_model(os.path.join(fields["output_dir"], "tiny-model"), **EMBEDDED_MODELS[method])
+    if method == "distill" and not (fields.get("teacher_model_name_or_path") or fields.get("teacher_model_server_url")):
+        fields["teacher_model_name_or_path"] = save_tiny_model(os.path.join(fields["output_dir"], "tiny-teacher"),
+                                                               hidden_size=128, num_layers=2)
     return model, fields
 
 
 def embedded_rows(method: str) -> list[dict]:
     """The embedded default's training rows: digit reversal (SFT pairs, GRPO prompts with answers, DPO and
-    reward-model preferences of the reversal over a copy, or KTO's: the reversal desirable, the copy not)."""
+    reward-model preferences of the reversal over a copy, KTO's: the reversal desirable, the copy not; distillation's
+    prompts with the reversal as their completion)."""
     if method in ("dpo", "reward"):
         return as_preference_rows(reverse_digits_rows(512, seed=1))
     if method == "kto":
         return [{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
                 for row in as_preference_rows(reverse_digits_rows(256, seed=1)) for side in ("chosen", "rejected")]
+    if method == "distill":  # prompts with a completion each: lmbda < 1 trains some rounds on them
+        return as_sft_rows(reverse_digits_rows(256, seed=1))
     return as_sft_rows(reverse_digits_rows(2000, seed=1)) if method == "sft" else reverse_digits_rows(256, seed=1)

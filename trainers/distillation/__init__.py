@@ -1,2 +1,7 @@
-"""On-policy distillation (TRL 1.16's DistillationTrainer): its divergence (``divergence.py``) so far; the trainer on
-GRPO's rollout stage is issue 46's next step."""
+"""On-policy distillation (TRL 1.16's DistillationTrainer): the config, the trainer on GRPO's rollout stage, the
+teacher (local or served) and the divergence."""
+
+from trainers.distillation.config import DistillationConfig
+from trainers.distillation.trainer import DistillationTrainer
+
+__all__ = ["DistillationConfig", "DistillationTrainer"]

@@ -207,6 +207,38 @@ class VLLMClient:
             "logprob_token_ids": token_ids,
         }
 
+    def get_sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 100,
+                              temperature: float = 1.0) -> dict[str, list]:
+        """The served model's log-probs of given token sequences (prompt + completion) at each completion
+        position, without generating (vLLM's prompt log-probs), as TRL's ``VLLMClient.get_sequence_logprobs``:
+        ``logprobs`` / ``logprob_token_ids`` [row][position][top_logprobs] by descending probability (padded with
+        -inf / 0), ``actual_logprobs`` / ``actual_token_ids`` [row][position][1] for the token in the sequence.
+        The log-probs are at temperature 1: vLLM applies no sampling processors to prompt log-probs."""
+        if temperature != 1.0:
+            raise VLLMServerError(f"get_sequence_logprobs(temperature={temperature}): vLLM computes prompt log-probs "
+                                  f"from the raw logits, so only temperature 1.0 is available from a server.")
+        body = {"model": self.model, "prompt": [list(map(int, s)) for s in sequences], "max_tokens": 1,
+                "temperature": 1.0, "prompt_logprobs": top_logprobs}
+        choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda choice: choice["index"])
+        if len(choices) != len(sequences):
+            raise VLLMServerError(f"The vLLM server at {self.base_url} returned {len(choices)} answers for "
+                                  f"{len(sequences)} sequences.")
+        out: dict[str, list] = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": [], "actual_token_ids": []}
+        for choice, sequence, start in zip(choices, sequences, prompt_lengths):
+            rows = [[], [], [], []]
+            for position in range(start, len(sequence)):
+                given = choice["prompt_logprobs"][position] or {}
+                ranked = sorted(given.items(), key=lambda item: item[1]["rank"])[:top_logprobs]
+                values = [_finite_or_minus_inf(item["logprob"]) for _, item in ranked]
+                rows[0].append(values + [-math.inf] * (top_logprobs - len(values)))
+                rows[1].append([int(token) for token, _ in ranked] + [0] * (top_logprobs - len(ranked)))
+                actual = given.get(str(sequence[position]))
+                rows[2].append([-math.inf if actual is None else _finite_or_minus_inf(actual["logprob"])])
+                rows[3].append([int(sequence[position])])
+            for key, values in zip(out, rows):
+                out[key].append(values)
+        return out
+
     # ---- weights ----
 
     def init_communicator(self, device: torch.device | str | int | None = None) -> None:
@@ -342,6 +374,10 @@ def parse_logprobs(choices_logprobs: list[dict | None]) -> tuple[list | None, li
         values.append(row_values)
         token_ids.append(row_ids)
     return values, token_ids
+
+
+def _finite_or_minus_inf(value: float | None) -> float:
+    return -math.inf if value is None or math.isnan(value) else float(value)
 
 
 def _sortable(value: float | None) -> float:

@@ -16,6 +16,14 @@ IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "seq
 GENERATION_ENGINES = ("auto", "lean", "hf")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
+# GRPO's loss, advantage and importance-sampling options: what RLOOConfig and DistillationConfig do not take
+GRPO_LOSS_OPTIONS = (
+    "loss_type", "scale_rewards", "multi_objective_aggregation", "importance_sampling_level", "delta",
+    "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold", "use_bias_correction_kl",
+    "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+    "entropy_target", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
 
 
 @reject_unknown_options
@@ -286,6 +294,12 @@ class GRPOConfig(TrainingConfig):
         check_field(self.token_budget is None or self.padding_free, name, "token_budget", self.token_budget,
                     "a token budget packs the micro-batch's completions into one row: set padding_free=True too")
         # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
+
+    @property
+    def reference_kl(self) -> float:
+        """The weight of the KL to the reference model (beta): 0 loads none. DistillationConfig's beta means
+        something else (its divergence), and its reference_kl is 0."""
+        return self.beta
 
     @property
     def clip_high(self) -> float:

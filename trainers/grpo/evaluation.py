@@ -57,7 +57,7 @@ def evaluation_stats(trainer: Any) -> Stats:
         values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
         sums += torch.nan_to_num(values).sum(0)
         counts += (~torch.isnan(values)).sum(0)
-    names = ["reward"] + [f"rewards/{r.name}/mean" for r in trainer.rewards]
+    names = (["reward"] if trainer.rewards else []) + [f"rewards/{r.name}/mean" for r in trainer.rewards]
     for i, name in enumerate(names):  # functions of one name pool their values
         total, count = pooled.get(name, (0.0, 0))
         pooled[name] = (total + sums[i], count + counts[i])
@@ -80,7 +80,7 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     padded = trainer.stage.pad(scored.samples)
     loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
     rollout = padded.rollout(loss_mask, torch.zeros(n)).to(device)
-    if args.beta > 0:
+    if args.reference_kl > 0:
         rollout = dataclasses.replace(rollout, ref_logps=trainer.scorer.reference_logprobs(rollout))
     # this batch's own groups; a companion batch, unscored, gets rewards of 0 (it weighs nothing, and reports the
     # same names as the others, which the caller sums over processes)

@@ -22,12 +22,15 @@ def round_metrics(rewards: torch.Tensor, rewards_per_func: torch.Tensor, reward_
 
     rewards: [N] weighted sums; rewards_per_func: [N, F] (NaN where a function returned None); std_in_use: the
     std the advantages were scaled by (per group, or the batch's); lengths, truncated: [N] completion lengths
-    and whether each hit max_completion_length."""
-    zero = torch.isclose(std_in_use, torch.zeros_like(std_in_use))  # a NaN std (one scored completion) is not zero
-    metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
-               "frac_reward_zero_std": float(zero.float().mean()),
-               "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-               "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean())}
+    and whether each hit max_completion_length. No reward functions: the completion metrics only."""
+    metrics = {}
+    if reward_names:  # without reward functions (distillation), no reward metrics
+        zero = torch.isclose(std_in_use, torch.zeros_like(std_in_use))  # a NaN std (one scored completion): not 0
+        metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
+                   "frac_reward_zero_std": float(zero.float().mean())}
+    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                    "completions/max_length": float(lengths.max()),
+                    "completions/clipped_ratio": float(truncated.mean())})
     terminated = lengths[truncated == 0]  # the completions that ended with EOS; TRL logs 0 when none did
     terminated = terminated if len(terminated) else torch.zeros(1)
     metrics.update({"completions/mean_terminated_length": float(terminated.mean()),

@@ -263,6 +263,8 @@ def call_rewards(rewards: list[Reward], prompts: list, completions: list, comple
     logs = logs if logs is not None else RewardLogs()
     hooks = {"log_metric": logs.log_metric, "log_extra": logs.log_extra, **(extra or {})}
     n = len(completions)
+    if not rewards:  # a trainer without rewards (distillation)
+        return torch.zeros(n, 0)
 
     def caller(reward: Reward):
         def call(rows: slice):
@@ -305,13 +307,13 @@ def call_rewards(rewards: list[Reward], prompts: list, completions: list, comple
     return scores
 
 
-def reward_sources(reward_funcs, reward_processing_classes, has_environments: bool) -> tuple[list, list]:
+def reward_sources(reward_funcs, reward_processing_classes, may_be_empty: bool) -> tuple[list, list]:
     """GRPOTrainer's reward arguments, checked: (one spec per reward function, one tokenizer or None each). As in
-    TRL, one tokenizer given alone is a list of one, for a single reward function; an environment_factory may own
-    the reward (its get_reward), so reward_funcs may be empty then."""
+    TRL, one tokenizer given alone is a list of one, for a single reward function. ``may_be_empty``: an
+    environment_factory may own the reward (its get_reward), and distillation needs none."""
     specs = (list(reward_funcs) if isinstance(reward_funcs, (list, tuple))
              else [] if reward_funcs is None else [reward_funcs])
-    if not specs and not has_environments:
+    if not specs and not may_be_empty:
         raise ConfigError("No reward source provided: reward_funcs is empty; give at least one reward function.")
     if reward_processing_classes is None:
         tokenizers = [None] * len(specs)

@@ -147,7 +147,7 @@ class RolloutStage:
         loss_mask, _ = loss_mask_of(model_tokens, truncated, None, start, args)  # before dynamic sampling
         rollout = padded.rollout(loss_mask, torch.zeros(n)).to(acc.device)  # its advantages: below
         old = self.scorer.old_logprobs(rollout) if self.need_old_logps else None
-        ref = self.scorer.reference_logprobs(rollout) if args.beta > 0 else None
+        ref = self.scorer.reference_logprobs(rollout) if args.reference_kl > 0 else None
         rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
         adv = self.advantages(rewards_per_func, rollout)
         loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)

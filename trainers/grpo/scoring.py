@@ -118,7 +118,7 @@ class LogProbScorer:
         mask = batch.loss_mask  # [B, C]
         silent = mask.sum(-1) == 0  # [B]: no loss tokens
         idle = silent.clone()  # [B]: rows whose loss gradient is zero
-        if self.args.beta == 0 and not self.entropy_bonus:
+        if self.args.reference_kl == 0 and not self.entropy_bonus:
             idle |= batch.advantages == 0
             if batch.sampler_weights is not None and self.args.loss_type not in FOLDS_SAMPLER_WEIGHTS:
                 idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction

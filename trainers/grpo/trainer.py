@@ -80,6 +80,7 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
     # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
     ddp_defaults = {"broadcast_buffers": False}
     EVAL_STATE = ("eval_rows", "eval_prompt_ids", "eval_given")
+    needs_rewards = True  # GRPO learns from rewards only (DistillationTrainer from its teacher)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -102,8 +103,8 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         self.policy_sampler: PolicyBackend | None = None  # the policy itself (trainer.generate: a rollout_func's)
         self._vllm: Backend | None = None  # with use_vllm: TRL's trainer.vllm_generation
         self.stage: RolloutStage | None = None  # the rollout stage, built with the backend
-        self._reward_specs, self._reward_tokenizers = reward_sources(reward_funcs, reward_processing_classes,
-                                                                     environment_factory is not None)
+        self._reward_specs, self._reward_tokenizers = reward_sources(
+            reward_funcs, reward_processing_classes, environment_factory is not None or not self.needs_rewards)
         self._model_source = model
         self._rounds: dict[int, Rollout] = {}  # the rounds the current step trains on, by round index
         self._round_metrics: list[dict] = []  # one per round built since the last optimizer step
@@ -280,7 +281,7 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
                 f"logits are scaled or soft-capped after the head, a hook watches the head, or a PEFT adapter on it "
                 f"is not plain LoRA). Set padding_free=False.")
         self.ref_model = None
-        if args.beta > 0 and not self.is_peft:  # with PEFT the reference is the base model, adapters disabled
+        if args.reference_kl > 0 and not self.is_peft:  # with PEFT the reference: the base model, adapters off
             source = self._model_source
             self.ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
                               if isinstance(source, str) else copy.deepcopy(model))

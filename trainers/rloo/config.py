@@ -4,20 +4,13 @@ advantage options (TRL's RLOOConfig has none of them: a value for one is refused
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from trainers.errors import ConfigError
-from trainers.grpo.config import GRPOConfig
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.grpo.config import GRPO_LOSS_OPTIONS, GRPOConfig
+from trainers.options import check_field, opt, refuse_not_taken, reject_unknown_options
 
 # GRPOConfig's options that TRL 1.16's RLOOConfig does not have: RLOO's loss, advantage and KL are its own
-GRPO_ONLY = ("loss_type", "scale_rewards", "multi_objective_aggregation", "importance_sampling_level", "delta",
-             "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-             "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold", "use_bias_correction_kl",
-             "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
-             "entropy_target", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-             "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+GRPO_ONLY = GRPO_LOSS_OPTIONS
 
 
 @reject_unknown_options
@@ -46,13 +39,8 @@ class RLOOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for option in GRPO_ONLY:
-            if getattr(self, option) != defaults[option]:
-                raise ConfigError(
-                    f"{name} has no option `{option}` (GRPO's; TRL's RLOOConfig has none): RLOO's advantage is the "
-                    f"leave-one-out baseline and its loss the clipped sequence ratio (docs/rloo.md). Use GRPOConfig "
-                    f"for it.")
+        refuse_not_taken(self, "(GRPO's; TRL's RLOOConfig has none): RLOO's advantage is the leave-one-out baseline "
+                               "and its loss the clipped sequence ratio (docs/rloo.md). Use GRPOConfig for it.")
         clip = self.reward_clip_range
         if clip is not None:
             check_field(isinstance(clip, (tuple, list)) and len(clip) == 2 and float(clip[0]) <= float(clip[1]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainers.cli.planner.shapes import GB, SAMPLING, ModelShape, PlanInputs
+from trainers.cli.planner.shapes import GB, SAMPLING, ModelShape, PlanInputs, teacher_shape
 from trainers.cli.templates import shipped_templates
 from trainers.output_head import chunk_positions, kept_positions
 
@@ -282,15 +282,21 @@ def model_state_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy,
 
 
 def reference_model_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy, n: int) -> int:
-    """The frozen reference of GRPO (beta > 0), DPO and KTO: a bf16 copy (trainers/distributed.py
-    prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under zero3_offload). With LoRA
-    the reference is the base with adapters disabled: no copy."""
-    has_reference = inputs.method in ("dpo", "kto") or (inputs.method in SAMPLING and inputs.beta > 0)
-    if not has_reference or inputs.lora:
+    """The frozen reference of GRPO (beta > 0), DPO and KTO, or distillation's teacher: a bf16 copy
+    (trainers/distributed.py prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under
+    zero3_offload). With LoRA the reference is the base with adapters disabled: no copy (a teacher is its own
+    model whatever the student trains)."""
+    if inputs.method == "distill":
+        frozen = teacher_shape(inputs, shape)
+    elif inputs.method in ("dpo", "kto") or (inputs.method in SAMPLING and inputs.beta > 0):
+        frozen = None if inputs.lora else shape
+    else:
+        frozen = None
+    if frozen is None:
         return 0
     element = precision_of(strategy, inputs.uses_bf16).compute
     sharded = strategy.kind == "deepspeed" and strategy.zero_stage == 3
-    return shape.num_parameters() * element // (n if sharded else 1)
+    return frozen.num_parameters() * element // (n if sharded else 1)
 
 
 def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strategy) -> dict[str, int]:
@@ -322,6 +328,10 @@ def training_transients(shape: ModelShape, inputs: PlanInputs, strategy: Strateg
         else:
             gathered = zero3_live_elements(shape)
         parts["gathered_layers"] = gathered * p.compute
+    if inputs.method == "distill" and strategy.kind == "deepspeed" and strategy.zero_stage == 3:
+        # the teacher's head, gathered and copied for the micro-batch (trainers/distillation/teacher.py)
+        teacher = teacher_shape(inputs, shape)
+        parts["teacher_head_copy"] = teacher.vocab_size * teacher.hidden_size * p.compute
     if strategy.shards_gradients:
         # Backward produces each layer's full gradients before reduce-scatter hands every rank its shard.
         trainable_layer = (shape.lora_parameters(inputs.lora_r) // shape.num_layers if inputs.lora
@@ -359,7 +369,7 @@ def estimate(shape: ModelShape, inputs: PlanInputs, template: Template) -> Templ
     if strategy.offload_params and not inputs.on_cpu:
         host += reference
     elif reference:
-        static["reference_model"] = reference
+        static["teacher_model" if inputs.method == "distill" else "reference_model"] = reference
     # Within a phase everything is summed, gradients and activations included although backward frees
     # activations as it creates gradients: an upper bound on GPUs (exact with gradient accumulation, where the
     # previous micro-batch's gradients live through the next forward), and what RSS shows on CPU, where glibc

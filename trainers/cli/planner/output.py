@@ -26,6 +26,9 @@ def describe(plan: Plan) -> str:
     lengths = (f"prompt {i.max_prompt_length} + completion {i.max_completion_length} tokens, "
                f"{i.num_generations} generations, beta {i.beta:g}" if i.method in SAMPLING
                else f"max_length {i.max_length}")
+    if i.method == "distill":
+        lengths = (f"prompt {i.max_prompt_length} + completion {i.max_completion_length} tokens, teacher "
+                   f"{i.teacher or i.teacher_size or 'of the model' + chr(39) + 's shape'}")
     return (f"{what}; {i.num_gpus} {unit}; {'bf16' if i.uses_bf16 else 'fp32'}; per-device batch "
             f"{i.per_device_batch}; {lengths}; gradient checkpointing {'on' if i.gradient_checkpointing else 'off'}")
 
@@ -119,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", metavar="PATH", type=_model_path, help=_help("model"))
     source.add_argument("--model-size", type=_model_size, metavar="SIZE", help=_help("model_size"))
     parser.add_argument("--method", choices=list(METHODS), default="grpo", help=_help("method"))
+    parser.add_argument("--teacher", metavar="PATH", type=_model_path, default=None, help=_help("teacher"))
+    parser.add_argument("--teacher-size", type=_model_size, metavar="SIZE", default=None, help=_help("teacher_size"))
     parser.add_argument("--lora", action="store_true", help=_help("lora"))
     parser.add_argument("--lora-r", type=int, default=16, help=_help("lora_r"))
     parser.add_argument("--num-gpus", type=int, default=1, help=_help("num_gpus"))

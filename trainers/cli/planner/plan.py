@@ -97,11 +97,15 @@ def suggestions(shape: ModelShape, inputs: PlanInputs, templates: list[Template]
 def trainer_flags(inputs: PlanInputs) -> list[str]:
     """The config flags that reproduce the planned set-up (same names for examples/*.py and `trainers`)."""
     flags = ["--per_device_train_batch_size", str(inputs.per_device_batch)]
-    if inputs.method in SAMPLING:
+    if inputs.method == "distill":  # one completion per prompt; beta is the divergence, not a reference's KL
+        flags += ["--max_completion_length", str(inputs.max_completion_length),
+                  "--teacher_model_name_or_path", inputs.teacher or "TEACHER"]
+    elif inputs.method in SAMPLING:
         flags += ["--num_generations", str(inputs.num_generations),
                   "--max_completion_length", str(inputs.max_completion_length)]
         if inputs.beta:
             flags += ["--beta", str(inputs.beta)]
+    if inputs.method in SAMPLING:
         if not inputs.ds3_gather_for_generation:
             flags += ["--ds3_gather_for_generation", "false"]
         if inputs.token_budget is not None:
@@ -125,16 +129,17 @@ def launch_commands(inputs: PlanInputs, template: Template, num_processes: int) 
     processes = [] if template.strategy.kind == "single" else ["--num_processes", str(num_processes)]
     model = inputs.model or "PATH"
     flags = trainer_flags(inputs)
-    accelerate = ["accelerate", "launch", "--config_file", config, *processes, f"examples/{inputs.method}.py",
+    example = "distillation" if inputs.method == "distill" else inputs.method  # examples/<example>.py and .yaml
+    accelerate = ["accelerate", "launch", "--config_file", config, *processes, f"examples/{example}.py",
                   "--model", model, *flags]
-    trainers = ["trainers", inputs.method, "--config", f"{inputs.method}.yaml", "--model", model,
+    trainers = ["trainers", inputs.method, "--config", f"{example}.yaml", "--model", model,
                 "--accelerate_config", template.name if shipped else template.path, *processes, *flags]
     return [" ".join(accelerate), " ".join(trainers)]
 
 
 def plan_notes(inputs: PlanInputs) -> list[str]:
     notes = []
-    if inputs.method in SAMPLING:
+    if inputs.method in ("grpo", "rloo"):
         generation_batch = inputs.per_device_batch * inputs.num_gpus * inputs.steps_per_generation
         if generation_batch % inputs.num_generations:
             notes.append(f"per_device_batch x num_gpus x steps_per_generation = {generation_batch} is not a multiple "

@@ -124,8 +124,9 @@ def shape_from_folder(path: str) -> ModelShape:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-METHODS = ("grpo", "rloo", "sft", "dpo", "reward", "kto")
-SAMPLING = ("grpo", "rloo")  # the methods that generate: planned alike (RLOO runs on GRPO's rollout stage)
+METHODS = ("grpo", "rloo", "distill", "sft", "dpo", "reward", "kto")
+# the methods that generate: planned alike (RLOO and distillation run on GRPO's rollout stage)
+SAMPLING = ("grpo", "rloo", "distill")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -139,8 +140,12 @@ class PlanInputs:
 
     model: str | None = _opt(None, "Local model folder; its config.json gives the shape (exclusive with --model-size).")
     model_size: str | None = _opt(None, f"A size from the built-in table: {', '.join(MODEL_SIZES)}.")
-    method: str = _opt("grpo", "grpo, rloo, sft, dpo, reward or kto (max_length applies to all but grpo and rloo; "
-                               "dpo and reward forward chosen and rejected together: per_device_batch counts pairs).")
+    method: str = _opt("grpo", "grpo, rloo, distill, sft, dpo, reward or kto (max_length applies to all but grpo, "
+                               "rloo and distill; dpo and reward forward chosen and rejected together: "
+                               "per_device_batch counts pairs).")
+    teacher: str | None = _opt(None, "distill: the teacher's local folder (default: a teacher of the model's shape).")
+    teacher_size: str | None = _opt(None, "distill: the teacher's size from the built-in table (exclusive with "
+                                          "--teacher).")
     lora: bool = _opt(False, "Train a LoRA adapter on all linear layers instead of every weight.")
     lora_r: int = _opt(16, "LoRA rank (with lora).")
     num_gpus: int = _opt(1, "GPUs (processes) in all; with --device cpu, processes.")
@@ -185,7 +190,12 @@ def validate(inputs: PlanInputs) -> None:
         ("--num-gpus", inputs.num_gpus, inputs.num_gpus > 0, "a positive integer"),
         ("--gpu-memory", inputs.gpu_memory, inputs.gpu_memory > 0, "a positive number of GB"),
         ("--per-device-batch", inputs.per_device_batch, inputs.per_device_batch > 0, "a positive integer"),
-        ("--num-generations", inputs.num_generations, inputs.num_generations >= 2, "at least 2"),
+        ("--num-generations", inputs.num_generations, inputs.method == "distill" or inputs.num_generations >= 2,
+         "at least 2"),
+        ("--teacher", inputs.teacher, inputs.teacher is None or inputs.teacher_size is None,
+         "given alone: --teacher and --teacher-size both name the teacher"),
+        ("--teacher", inputs.teacher or inputs.teacher_size, inputs.method == "distill"
+         or (inputs.teacher is None and inputs.teacher_size is None), "given with --method distill only"),
         ("--max-completion-length", inputs.max_completion_length, inputs.max_completion_length > 0, "positive"),
         ("--max-prompt-length", inputs.max_prompt_length, inputs.max_prompt_length > 0, "positive"),
         ("--max-length", inputs.max_length, inputs.max_length > 0, "positive"),
@@ -203,3 +213,10 @@ def validate(inputs: PlanInputs) -> None:
 def resolve_shape(inputs: PlanInputs) -> ModelShape:
     validate(inputs)
     return shape_from_folder(inputs.model) if inputs.model else shape_from_size(inputs.model_size)
+
+
+def teacher_shape(inputs: PlanInputs, student: ModelShape) -> ModelShape:
+    """distill: the teacher's shape (--teacher or --teacher-size; default: the student's)."""
+    if inputs.teacher:
+        return shape_from_folder(inputs.teacher)
+    return shape_from_size(inputs.teacher_size) if inputs.teacher_size else student

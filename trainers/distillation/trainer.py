@@ -1,0 +1,179 @@
+"""DistillationTrainer: TRL 1.16's on-policy distillation on GRPO's rollout stage. Everything that samples (the lean
+engine, HF generate, vLLM colocated or as a server, a rollout_func, tools and environments) is GRPOTrainer's,
+with one completion per prompt and no rewards; what distillation changes is the loss (``compute_loss``: the
+per-token divergence from the teacher, trainers/distillation/teacher.py) and where a round's completions come
+from with ``lmbda`` < 1 (``build_round``: some rounds take the dataset's completions instead of sampling). The
+trainer's arguments are TRL's DistillationTrainer's, in its order, then GRPOTrainer's rollout_func and
+environment_factory."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from trainers import distributed as dist
+from trainers import health
+from trainers.data import chat_ids, is_conversational
+from trainers.distillation.config import DistillationConfig
+from trainers.distillation.teacher import (
+    LocalTeacher,
+    ServedTeacher,
+    check_vocabularies,
+    chunkable,
+    student_divergence,
+)
+from trainers.errors import ConfigError, DatasetFormatError
+from trainers.generation.sampling import Samples
+from trainers.generation.vllm_client import VLLMClient
+from trainers.grpo.advantages import RoundAdvantages, combine_rewards
+from trainers.grpo.batch import MicroBatch, Rollout
+from trainers.grpo.metrics import round_metrics
+from trainers.grpo.rollout import loss_mask_of
+from trainers.grpo.trainer import GRPOTrainer
+from trainers.losses import BatchCounts
+from trainers.modeling import load_causal_lm
+from trainers.output_head import plan_head
+from trainers.samplers import group_slots
+from trainers.stats import Stats
+
+
+class DistillationTrainer(GRPOTrainer):
+    """Distills ``teacher_model`` (a folder, Hub id or model with the student's vocabulary; or
+    ``args.teacher_model_name_or_path``, or a served teacher: ``args.teacher_model_server_url``) into ``model``
+    on the student's own completions of ``train_dataset``'s prompts."""
+
+    config_class = DistillationConfig
+    _tag_names = ("trainers", "distillation")
+    needs_rewards = False
+    HEALTH_RULES = health.RULES  # the shared rules (non-finite steps); GRPO's judge rewards, KL and exploration
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        self._teacher_source = teacher_model
+        self.teacher_model: torch.nn.Module | None = None  # TRL's attribute: the prepared local teacher
+        self.teacher: LocalTeacher | ServedTeacher | None = None
+        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
+                         optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory)
+
+    # ------------------------------------------------------------------ data and the teacher
+
+    def prepare_data(self, train_dataset, eval_dataset) -> None:
+        args = self.args
+        source, url = self._teacher_source or args.teacher_model_name_or_path, args.teacher_model_server_url
+        if source is None and url is None:
+            raise ConfigError("DistillationTrainer needs a teacher: the teacher_model argument, "
+                              "DistillationConfig.teacher_model_name_or_path, or a served teacher "
+                              "(DistillationConfig.teacher_model_server_url).")
+        if source is not None and url is not None:
+            raise ConfigError("DistillationTrainer: give a local teacher (teacher_model / teacher_model_name_or_path) "
+                              "or a served one (teacher_model_server_url), not both.")
+        if args.teacher_model_init_kwargs and not isinstance(source, str):
+            raise ConfigError("DistillationConfig.teacher_model_init_kwargs applies when the teacher is loaded from "
+                              "a name; the teacher_model given is already built.")
+        super().prepare_data(train_dataset, eval_dataset)
+        if args.lmbda < 1.0:  # off-policy rounds train on the dataset's completions: every row needs one
+            self._check_completions(self.train_rows, "train_dataset")
+
+    def _check_completions(self, rows: list[dict] | None, name: str) -> None:
+        for index, row in enumerate(rows or []):  # a stream's rows: checked as each round reads them
+            if not isinstance(row.get("completion"), (str, list)):
+                raise DatasetFormatError(
+                    f"{name} row {index} has no 'completion' (a string, or a list of assistant messages): with "
+                    f"lmbda={self.args.lmbda} < 1 some rounds train on the dataset's completions (off-policy). Add "
+                    f"the column, or set lmbda=1.0 (on-policy only).")
+
+    def after_load(self, model) -> None:
+        super().after_load(model)
+        args, source = self.args, self._teacher_source or self.args.teacher_model_name_or_path
+        if source is None:  # a served teacher
+            return
+        kwargs = dict(args.teacher_model_init_kwargs or {})
+        if isinstance(source, str) and args.teacher_model_revision is not None:
+            kwargs.setdefault("revision", args.teacher_model_revision)
+        self.teacher_model = load_causal_lm(source, kwargs if isinstance(source, str) else None,
+                                            args.trust_remote_code)
+        check_vocabularies(model, self.teacher_model)
+
+    def after_prepare(self) -> None:
+        super().after_prepare()
+        args = self.args
+        if self.teacher_model is not None:
+            self.teacher_model = dist.prepare_frozen(self.accelerator, self.teacher_model)
+            self.teacher = LocalTeacher(self.accelerator, self.teacher_model)
+        else:
+            client = VLLMClient(base_url=args.teacher_model_server_url, connection_timeout=args.vllm_server_timeout)
+            self.teacher = ServedTeacher(client, args.loss_top_k)
+        # the chunked divergence where both heads are plain linear ones (a served teacher has none), else full logits
+        self.student_head = plan_head(self.unwrapped_model)
+        self.chunked = chunkable(self.student_head) and (isinstance(self.teacher, ServedTeacher)
+                                                         or chunkable(self.teacher.plan))
+
+    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
+                         over_processes: bool = True) -> RoundAdvantages:
+        """No advantages: the teacher's distribution is the signal. An environment's reward, if any, is logged."""
+        n = rewards_per_func.shape[0]
+        return RoundAdvantages(combine_rewards(rewards_per_func, self.reward_weights), torch.zeros(n),
+                               torch.zeros(n, dtype=torch.bool), torch.ones(n))
+
+    def build_round(self, round_index: int) -> Rollout:
+        """GRPO's round (the student samples), or with ``lmbda`` < 1, for the rounds drawn off-policy, the dataset's
+        own completions of the round's prompts."""
+        if self.on_policy(round_index):
+            return super().build_round(round_index)
+        prompts = self.prompt_batches.batch(round_index)
+        slots = group_slots(list(range(len(prompts))), 1, self.accelerator.num_processes,
+                            self.accelerator.process_index)
+        rows = [prompts[i].row for i in slots]
+        if self.prompt_sampler is None:  # a stream: its rows are checked as they are read
+            self._check_completions(rows, "train_dataset")
+        completions = [self._completion_ids(row, prompts[i].ids) for row, i in zip(rows, slots)]
+        samples = Samples([prompts[i].ids for i in slots], completions)
+        padded, acc = self.stage.pad(samples), self.accelerator
+        loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, self.args)
+        rollout = padded.rollout(loss_mask, torch.zeros(len(rows))).to(acc.device)
+        lengths = acc.gather(padded.model_tokens.sum(1).to(acc.device)).float().cpu()
+        truncated = acc.gather(padded.truncated.float().to(acc.device)).cpu()
+        none = torch.zeros(len(lengths), 0)
+        self._round_metrics.append(round_metrics(torch.zeros(len(lengths)), none, [], torch.ones(1), lengths,
+                                                 truncated))
+        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=rollout, samples=samples,
+                                   metrics=self._round_metrics[-1])
+        return rollout
+
+    def on_policy(self, round_index: int) -> bool:
+        """Whether round ``round_index`` samples from the student: drawn with probability lmbda from the seed and
+        the index alone (the same on every process, and after a resume)."""
+        lmbda = self.args.lmbda
+        return lmbda >= 1.0 or random.Random(f"{self.args.seed}/{round_index}").random() < lmbda
+
+    def _completion_ids(self, row: dict, prompt_ids: list[int]) -> list[int]:
+        """A dataset completion as the student would have written it after ``prompt_ids``: text and its EOS, or the
+        assistant messages as the chat template renders them after the prompt; at most max_completion_length."""
+        tokenizer, limit = self.processing_class, self.args.max_completion_length
+        completion = row["completion"]
+        if is_conversational(row["prompt"]):
+            full = chat_ids(tokenizer, list(row["prompt"]) + list(completion), **(self.args.chat_template_kwargs or {}))
+            if full[:len(prompt_ids)] != prompt_ids:
+                raise DatasetFormatError("The chat template renders prompt + completion with a different start than "
+                                         "the prompt alone, so the completion's tokens cannot be told apart.")
+            ids = full[len(prompt_ids):]
+        else:
+            ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return ids[:limit]
+
+    # ------------------------------------------------------------------ loss
+
+    def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
+        """The divergence from the teacher at every loss token, summed and divided by the step's loss tokens (every
+        micro-batch and process): TRL's normalization. The student's entropy as a statistic."""
+        args = self.args
+        keep = batch.loss_mask > 0  # [B, C]
+        view = self.teacher.view(batch, keep, self.chunked)
+        with self.accelerator.autocast():
+            divergence, entropy = student_divergence(model, self.student_head if self.chunked else None, batch, keep,
+                                                     view, args.beta, args.temperature, args.loss_add_tail)  # [N]
+        loss = divergence.sum() / max(counts.tokens, 1.0)
+        stats: Stats = {"entropy": (entropy.sum(), float(entropy.numel()))}
+        return loss, stats
