@@ -208,3 +208,19 @@ def test_errors_before_training(tiny_model_dir, teacher_dir, tmp_path):
     wider = save_tiny_model(str(tmp_path / "other-vocab"), hidden_size=64, num_layers=2, vocab_size=300)
     with pytest.raises(ConfigError, match="vocab_size 259 but the teacher model has vocab_size 300"):
         DistillationTrainer(model=tiny_model_dir, teacher_model=wider, train_dataset=PROMPTS, args=config(tmp_path))
+
+
+def test_a_lora_student_trains_its_adapter_only(tiny_model_dir, teacher_dir, tmp_path):
+    """With peft_config the student's adapter learns (its head is the base model's plain linear one, so the
+    divergence stays chunked) and the base weights do not move."""
+    from peft import LoraConfig
+
+    trainer = DistillationTrainer(model=tiny_model_dir, teacher_model=teacher_dir, train_dataset=PROMPTS,
+                                  args=config(tmp_path, max_steps=3, beta=0.0),
+                                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    moved = {name for name in before if not torch.equal(before[name], after[name].detach())}
+    assert moved and all("lora_" in name for name in moved), sorted(moved)
+    assert trainer.chunked and all(r["loss"] > 0 for r in step_records(trainer))

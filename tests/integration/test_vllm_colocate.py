@@ -90,12 +90,14 @@ def test_lora_sigterm_resume_and_crash(tmp_path):
 def test_two_processes_each_with_an_engine(tmp_path, template):
     """DDP and ZeRO-3 (weights gathered one module at a time for the sync), bf16 mixed precision as the templates
     set it: each process's engine equals its policy after every step; shutting the engines down leaves the run's
-    own process group working."""
+    own process group working. A probe whose greedy completion differs only where the policy's two largest logits
+    tie (within 1e-4: float rounding in either implementation decides) counts as equal."""
     launch(template, JOB, "distributed", str(tmp_path), timeout=600)
     for rank in (0, 1):
         with open(os.path.join(tmp_path, f"report-{rank}.json")) as f:
             report = json.load(f)
-        assert [r["step"] for r in report["rounds"]] == [0, 1, 2] and all(r["equal"] for r in report["rounds"])
+        assert [r["step"] for r in report["rounds"]] == [0, 1, 2]
+        assert all(r["equal"] or r["equal_but_ties"] for r in report["rounds"]), report["rounds"]
         # the trainer's log-probs come from its bf16 autocast forward, the engine's from float32 weights
         assert all(r["sampling/sampling_logp_difference/mean"] < 5e-3 for r in report["records"]), report["records"]
         after = report["after_train"]

@@ -284,6 +284,17 @@ def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, t
     assert report["eval_reward"] > 0.3 and not report["closed_after_evaluate"]
 
 
+def test_a_server_mode_run_repeats_exactly_with_its_seed(server, tmp_path):
+    """Each completion is sampled with its own seed (from the run's seed, the step and the row): two runs with one
+    seed against the same server (each pushes its initial weights) sample the same tokens and end with the same
+    weights, however the server batches them; another seed samples others; a group's completions still differ."""
+    report = job(tmp_path, "repeat", server.url, server.model_dir, free_port())
+    first, again, other = report["weights"]
+    assert first == again and first != other
+    assert report["completions"][0] == report["completions"][1] != report["completions"][2]
+    assert all(report["groups_vary"])
+
+
 def test_rloo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
     """RLOOTrainer samples through the same server: after every step's weight push its greedy completions equal the
     policy's, its log-probs match the trainer's, and RLOO's round metrics are logged."""

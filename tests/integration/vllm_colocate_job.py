@@ -58,7 +58,25 @@ class Checks(TrainerCallback):
         engine, _ = trainer.vllm_generation.generate(self.probe_ids, greedy)
         policy = trainer.generate(self.probe_ids, greedy)  # the policy itself (the lean engine), float32
         self.rounds.append({"step": state.global_step, "equal": engine == policy, "children": child_processes(),
-                            "logprobs_given": not any(math.isnan(v) for row in samples.logprobs for v in row)})
+                            "logprobs_given": not any(math.isnan(v) for row in samples.logprobs for v in row),
+                            "tie_gaps": tie_gaps(trainer.unwrapped_model, self.probe_ids, engine, policy)})
+        self.rounds[-1]["equal_but_ties"] = all(gap < 1e-4 for gap in self.rounds[-1]["tie_gaps"])
+
+
+@torch.no_grad()
+def tie_gaps(model, prompts, engine, policy) -> list[float]:
+    """Where the engine's greedy completion first differs from the policy's: the gap between the policy's two
+    largest logits there (a near tie, which float rounding in either implementation may decide), one per probe
+    that differs."""
+    gaps = []
+    for prompt, ours, theirs in zip(prompts, policy, engine):
+        if ours == theirs:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        logits = model(torch.tensor([prompt + ours[:at]])).logits[0, -1].float()
+        top = logits.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+    return gaps
 
 
 class SyncOff(VLLMColocate):

@@ -13,6 +13,8 @@ generation_kwargs), which the pytest process should not. Writes ``OUT/report.jso
     python tests/integration/vllm_server_job.py tools URL MODEL_DIR GROUP_PORT OUT
         2 steps of the tool loop (tests/integration/vllm_tool_rounds.py): the server continues every rollout after
         its tool result.
+    python tests/integration/vllm_server_job.py repeat URL MODEL_DIR GROUP_PORT OUT
+        three 4-step runs (seeds 0, 0, 1): the two with seed 0 end with the same weights.
     python tests/integration/vllm_server_job.py distill URL MODEL_DIR GROUP_PORT OUT
         4 steps of DistillationTrainer sampling through the server (a local teacher): the same checks.
     python tests/integration/vllm_server_job.py die URL MODEL_DIR GROUP_PORT SERVER_PGID OUT
@@ -180,6 +182,28 @@ def tools(url, model_dir, group_port, out):
     return tool_report(trainer, trainer.backend)
 
 
+def repeat(url, model_dir, group_port, out):
+    """Three 4-step runs against the server: seeds 0, 0 and 1. Each first pushes its initial weights; every
+    completion is sampled with its own seed (trainers/generation/vllm_common.py row_seeds)."""
+    report = {"weights": [], "groups_vary": []}
+    for seed in (0, 0, 1):
+        completions = []
+
+        class Completions(TrainerCallback):
+            def on_rollout_end(self, args, state, control, samples=None, **kwargs):
+                completions.append(samples.completion_ids)
+
+        trainer = trainer_for(url, model_dir, group_port, os.path.join(out, f"seed{seed}-{len(report['weights'])}"),
+                              max_steps=4, seed=seed)
+        trainer.add_callback(Completions())
+        trainer.train()
+        report["weights"].append([float(p.detach().double().sum()) for p in trainer.model.parameters()])
+        # a group's 8 completions (one prompt's) are not copies of one another
+        report["groups_vary"].append(all(len({tuple(c) for c in round_[:8]}) > 1 for round_ in completions))
+        report.setdefault("completions", []).append(completions)
+    return report
+
+
 def distill(url, model_dir, group_port, out):
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +238,8 @@ def main():
         checks = Checks(trainer)
         trainer.train()
         report = {"rounds": checks.rounds, "records": records(trainer)}
+    elif mode == "repeat":
+        report = repeat(url, model_dir, group_port, out)
     elif mode == "distill":  # DistillationTrainer samples through the same server (a local teacher)
         report = distill(url, model_dir, group_port, out)
     elif mode == "distributed":

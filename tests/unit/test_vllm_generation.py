@@ -66,3 +66,42 @@ def test_use_vllm_without_vllm_is_a_clear_error_before_the_model_loads(tiny_mode
         GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, use_vllm=True),
                     train_dataset=[{"prompt": "a"}])
+
+
+def test_a_groups_rows_become_one_seeded_request_for_n_completions():
+    """Rows of one prompt with consecutive seeds: one request for n completions from the first seed (vLLM seeds its
+    n with s, s + 1, ...); a new prompt or a break in the seeds starts another; the requests keep the rows' order."""
+    from trainers.generation.vllm_remote import seeded_requests
+
+    rows = [[1, 2]] * 3 + [[3]] * 2 + [[1, 2]]
+    assert seeded_requests(rows, [10, 11, 12, 13, 14, 15]) == [([[1, 2]], 3, 10), ([[3]], 2, 13), ([[1, 2]], 1, 15)]
+    assert seeded_requests(rows[:2], [10, 20]) == [([[1, 2]], 1, 10), ([[1, 2]], 1, 20)]
+    assert seeded_requests([], []) == []
+
+
+def test_row_seeds_follow_the_run_seed_the_step_and_the_call(tiny_model_dir):
+    """The seeds depend on the run's seed, the step of the last weight sync and the calls since, nothing else: the
+    same for the same place in a run, others elsewhere, consecutive within a call."""
+    from types import SimpleNamespace
+
+    from trainers.generation.vllm_common import VLLMBackend
+
+    class NoEngine(VLLMBackend):  # the seed bookkeeping only: no engine, no weights
+        def _push_weights(self, batches):
+            pass
+
+    def backend(seed):
+        context = SimpleNamespace(accelerator=SimpleNamespace(process_index=0), eos_ids=frozenset({2}))
+        return NoEngine(SimpleNamespace(context=context, config=SimpleNamespace(seed=seed), sampling=None, policy=None))
+
+    def seeds_of(engine):
+        engine.sync_weights(0)
+        first, second = engine.row_seeds(3), engine.row_seeds(3)
+        engine.sync_weights(1)
+        return first, second, engine.row_seeds(3)
+
+    a, b, other = seeds_of(backend(0)), seeds_of(backend(0)), seeds_of(backend(1))
+    assert a == b and a != other
+    first, second, after_sync = a
+    assert first[1] == first[0] + 1 and len({first[0], second[0], after_sync[0]}) == 3
+    assert all(0 <= seed + 8 < 2**31 for seed in first + second + after_sync)

@@ -197,7 +197,7 @@ class VLLMColocate(VLLMBackend):
         self.llm.sleep(level=2)
         self._sleeping = True
 
-    def _generate(self, prompt_ids: list[list[int]], kwargs: dict) -> tuple[list, list]:
+    def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         from vllm import SamplingParams as VLLMSamplingParams
 
         if self.llm is None:
@@ -210,8 +210,9 @@ class VLLMColocate(VLLMBackend):
         if self._sleeping:  # level 2 discarded the weights: they come back from the policy
             super().sync_weights(None)
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                                    sampling_params=VLLMSamplingParams(**kwargs), use_tqdm=False)
+        params = [VLLMSamplingParams(**kwargs, seed=seed) for seed in seeds]  # one per row: its own seed
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
+                                    use_tqdm=False)
         if self.config.vllm_enable_sleep_mode:
             self._sleep()
         completions = [list(out.outputs[0].token_ids) for out in outputs]

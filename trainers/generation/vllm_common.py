@@ -11,6 +11,7 @@ W + BA computed per module (the policy's weights are not touched); under ZeRO-3 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator
 
@@ -174,6 +175,9 @@ class VLLMBackend:
         self.inputs = inputs
         self.context, self.config = inputs.context, inputs.config
         self._synced_step: int | None = None  # the optimizer step whose weights the engine holds
+        # where sampling is in the run, for its seeds (row_seeds): the optimizer step the last sync was for, and the
+        # generate calls since
+        self._step, self._calls = 0, 0
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self) -> None:
@@ -199,15 +203,31 @@ class VLLMBackend:
         """The engine's weights := the policy's after optimizer step ``step``, unless it holds them already
         (TRL's _last_loaded_step); ``step=None`` (TRL's ``sync_weights()``): now, whatever it holds. Every process
         calls it (gathers under ZeRO-3)."""
+        if step is not None and step != self._step:
+            self._step, self._calls = step, 0
         if step is None or step != self._synced_step:
             self._push_weights(policy_weights(self.context.accelerator, self.inputs.policy))
             self._synced_step = step
+
+    def row_seeds(self, rows: int) -> list[int]:
+        """One sampling seed per row of this process's next generate call, so that a run samples the same tokens
+        again whatever else the engine is doing (batching, other requests, a fresh server): consecutive seeds from a
+        base drawn from the run's seed, the optimizer step of the last weight sync, the calls since and the process.
+        A row's completions differ from its neighbours' (another seed), and a request for n copies of one prompt
+        with seed s samples with s, s + 1, ... (vLLM's parallel sampling), the same seeds as n requests."""
+        self._calls += 1
+        where = f"{self.config.seed}/{self._step}/{self._calls}/{self.context.accelerator.process_index}"
+        base = int.from_bytes(hashlib.sha256(where.encode()).digest()[:4], "big") >> 2  # room for + rows below 2^31
+        return [base + i for i in range(rows)]
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt (its token ids, ending with an EOS unless max_new_tokens cut it) and the
         engine's log-prob of each of its tokens (NaN where it gave none). Every process calls it together."""
-        return self._generate(prompt_ids, vllm_sampling_kwargs(params, set(self.context.eos_ids)))
+        kwargs = vllm_sampling_kwargs(params, set(self.context.eos_ids))
+        given = kwargs.pop("seed", None)  # generation_kwargs' seed: every call's rows from it (as TRL's n from it)
+        seeds = self.row_seeds(len(prompt_ids)) if given is None else [given + i for i in range(len(prompt_ids))]
+        return self._generate(prompt_ids, kwargs, seeds)
 
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         """Completions and the engine's log-probs of them, each cut after its first EOS (as the policy's)."""
@@ -217,7 +237,10 @@ class VLLMBackend:
         return Samples(prompt_ids, cut, [values[:len(ids)] for values, ids in zip(logprobs, cut)],
                        finished=[ended(ids, eos_ids) for ids in cut])
 
-    def _generate(self, prompt_ids: list[list[int]], kwargs: dict) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int] | None
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """Completions of ``prompt_ids`` sampled with ``kwargs`` (vllm.SamplingParams'), row i with seed
+        ``seeds[i]``."""
         raise NotImplementedError
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:

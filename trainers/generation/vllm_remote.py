@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -16,6 +17,22 @@ from trainers import distributed as dist
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend
+
+
+MAX_CONCURRENT_REQUESTS = 16  # a round's requests in flight at once (vLLM batches them together)
+
+
+def seeded_requests(prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[list[int]], int, int]]:
+    """The requests for ``prompt_ids`` (rows, in order), as (prompts, n, seed): one per run of rows with the same
+    prompt and consecutive seeds, for n completions of that prompt from its first seed. Their completions, in
+    request order, are the rows in order."""
+    requests: list[tuple[list[list[int]], int, int]] = []
+    for ids, seed in zip(prompt_ids, seeds):
+        if requests and requests[-1][0][0] == ids and requests[-1][2] + requests[-1][1] == seed:
+            requests[-1] = (requests[-1][0], requests[-1][1] + 1, requests[-1][2])
+        else:
+            requests.append(([ids], 1, seed))
+    return requests
 
 
 class VLLMRemote(VLLMBackend):
@@ -79,28 +96,43 @@ class VLLMRemote(VLLMBackend):
         # every process gets the VLLMServerError: the trainer answers it with a checkpoint, written together
         dist.raise_together(self.context.accelerator, error, shared=(VLLMServerError,))
 
-    def _generate(self, prompt_ids: list[list[int]], kwargs: dict) -> tuple[list, list]:
-        """Every process's prompts in one request from the main process; each process gets its own rows back."""
+    def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
+        """Every process's prompts from the main process; each process gets its own rows back. A run of rows with
+        one prompt and consecutive seeds (a group's completions) is one request for n completions with the first
+        seed (vLLM seeds the n with s, s + 1, ...); the requests are sent together."""
         acc = self.context.accelerator
-        everyone = dist.gather_objects(acc, [prompt_ids])  # [process][row]
+        everyone = dist.gather_objects(acc, [(prompt_ids, seeds)])  # [process] -> (rows, their seeds)
         answer, error = None, None
         if acc.is_main_process:
             try:
                 options = {k: v for k, v in kwargs.items() if k in ("n", "repetition_penalty", "temperature", "top_p",
                                                                     "top_k", "min_p", "max_tokens", "logprobs")}
                 extra = {k: v for k, v in kwargs.items() if k not in options}
-                out = self.vllm_client.generate(
-                    prompts=[ids for part in everyone for ids in part], **options,
-                    structured_outputs_regex=self.config.vllm_structured_outputs_regex,
-                    generation_kwargs=extra)
-                logprobs = out["logprobs"] or [[[math.nan]] * len(ids) for ids in out["completion_ids"]]
-                answer = (out["completion_ids"],
-                          [[math.nan if top[0] is None else top[0] for top in row] for row in logprobs])
+                requests = seeded_requests([ids for part, _ in everyone for ids in part],
+                                           [seed for _, part in everyone for seed in part])
+
+                def send(request: tuple[list[list[int]], int, int]) -> dict:
+                    prompts, n, seed = request
+                    return self.vllm_client.generate(
+                        prompts=prompts, **{**options, "n": n},
+                        structured_outputs_regex=self.config.vllm_structured_outputs_regex,
+                        generation_kwargs={**extra, "seed": seed})
+
+                with ThreadPoolExecutor(max_workers=max(1, min(len(requests), MAX_CONCURRENT_REQUESTS))) as pool:
+                    outs = list(pool.map(send, requests))
+                completions, logprobs = [], []  # the rows in order: the requests' completions in order
+                for out in outs:
+                    completions += out["completion_ids"]
+                    given = out["logprobs"] or [None] * len(out["completion_ids"])  # None: the server gave none
+                    logprobs += [[math.nan] * len(ids) if row is None else
+                                 [math.nan if top[0] is None else top[0] for top in row]
+                                 for ids, row in zip(out["completion_ids"], given)]
+                answer = (completions, logprobs)
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error, shared=(VLLMServerError,))  # as in _push_weights
         completions, logprobs = dist.broadcast_object(acc, answer)
-        start = sum(len(part) for part in everyone[:acc.process_index])
+        start = sum(len(part) for part, _ in everyone[:acc.process_index])
         mine = slice(start, start + len(prompt_ids))
         return completions[mine], logprobs[mine]
 
