@@ -95,6 +95,20 @@ def child_processes(pid: int | None = None) -> list[str]:
     return children
 
 
+def noisy_model(model_dir: str, seed: int = 0, scale: float = 0.3):
+    """The model in ``model_dir`` (float32, eval mode) with every weight moved by seeded noise of ``scale``: a teacher
+    or reference whose outputs differ from the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return model.eval()
+
+
 def digits(completions, **kwargs) -> list[float]:
     """A reward: the fraction of digit characters, learnable from scratch in a few dozen steps."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]

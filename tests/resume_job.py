@@ -22,7 +22,7 @@ from trainers import (DistillationConfig, DistillationTrainer, DPOConfig, DPOTra
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.conftest
-from tests.conftest import digits  # noqa: E402
+from tests.conftest import digits, noisy_model  # noqa: E402
 
 
 def build(method, model, out, total, save_steps, extra):
@@ -41,7 +41,7 @@ def build(method, model, out, total, save_steps, extra):
                        args=config(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
     if method == "distill":
-        return DistillationTrainer(model=model, teacher_model=noisy_copy(model),
+        return DistillationTrainer(model=model, teacher_model=noisy_model(model),
                                    train_dataset=[{**row, "completion": "123"} for row in rows],
                                    args=DistillationConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                                            max_completion_length=6, lmbda=0.5, **common))
@@ -49,18 +49,6 @@ def build(method, model, out, total, save_steps, extra):
     return trainer(model=model, reward_funcs=digits, train_dataset=rows,
                    args=config(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                                steps_per_generation=2, **common))
-
-
-def noisy_copy(model_dir: str):
-    """The model with every weight moved by seeded noise: a teacher that differs from the student."""
-    from transformers import AutoModelForCausalLM
-
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in teacher.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return teacher
 
 
 def main():

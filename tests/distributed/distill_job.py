@@ -13,10 +13,12 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from trainers import DistillationConfig, DistillationTrainer
 from trainers.distributed import gathered_parameters, zero_stage
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
+from tests.conftest import noisy_model  # noqa: E402
 
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 
@@ -24,11 +26,7 @@ PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 def save_teacher(model_dir: str, output_dir: str) -> str:
     """The model with its weights moved by seeded noise, saved (each process its own copy) before any trainer: once
     a ZeRO-3 trainer exists, from_pretrained partitions what it loads, and the noise would miss the weights."""
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in teacher.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    teacher = noisy_model(model_dir)
     path = os.path.join(output_dir, f"teacher-{os.environ.get('RANK', '0')}")
     teacher.save_pretrained(path)
     return path

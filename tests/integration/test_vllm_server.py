@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, launch, rank_reports, run_job
+from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, run_job
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMClient
@@ -132,14 +132,7 @@ def client(server):
 
 def reference_model(model_dir, seed: int):
     """The tiny model with every weight moved by noise: outputs far from the served model's."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return model.eval()
+    return noisy_model(model_dir, seed, scale=0.5)
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import scripted_first_turn, tool_report, tool_trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
-from tests.conftest import child_processes, digits  # noqa: E402
+from tests.conftest import child_processes, digits, noisy_model  # noqa: E402
 
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat"]
@@ -125,15 +125,9 @@ def trainer_for(out, mode, model_dir, reward=digits, **overrides):
         return RLOOTrainer(model=model_dir, reward_funcs=reward, args=RLOOConfig(**{**base, **overrides}),
                            train_dataset=[{"prompt": p} for p in PROMPTS * 4])
     if mode == "distill":  # DistillationTrainer on the colocated engine, from a teacher moved by seeded noise
-        from transformers import AutoModelForCausalLM
-
         from trainers import DistillationConfig, DistillationTrainer
 
-        teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for parameter in teacher.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        teacher = noisy_model(model_dir)
         base.pop("num_generations")
         base.update(max_steps=4)
         return DistillationTrainer(model=model_dir, teacher_model=teacher, args=DistillationConfig(**base),

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_tool_rounds import scripted_first_turn, tool_report, tool_trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
-from tests.conftest import digits  # noqa: E402
+from tests.conftest import digits, noisy_model  # noqa: E402
 
 PROMPTS = ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]
 PROBES = ["abc", "hello", "12", "the cat", "xyz", "sat on", "7", "q"]
@@ -205,15 +205,9 @@ def repeat(url, model_dir, group_port, out):
 
 
 def distill(url, model_dir, group_port, out):
-    from transformers import AutoModelForCausalLM
-
     from trainers import DistillationConfig, DistillationTrainer
 
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in teacher.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    teacher = noisy_model(model_dir)
     args = DistillationConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=16,
                               max_completion_length=8, learning_rate=1e-2, max_steps=4, logging_steps=1,
                               save_strategy="no", disable_tqdm=True, seed=0, report_to="none", use_vllm=True,

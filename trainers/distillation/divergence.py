@@ -104,10 +104,11 @@ class DivergenceHead(torch.autograd.Function):
         entropy = torch.empty_like(divergence)
         kept_rows = kept_positions(N, V, chunk, saved_bytes) if any(ctx.needs_input_grad[:3]) else 0
         kept = torch.empty((kept_rows, V), device=student_hidden.device, dtype=torch.float32)
+        weight = student_weight.to(dtype)  # the product's dtype, cast once per pass (not per chunk)
         for start in range(0, N, chunk):
             rows = slice(start, start + chunk)
-            log_ps, log_pt = _chunk_log_probs(student_hidden[rows], student_weight, student_bias, teacher_hidden[rows],
-                                              teacher_weight, teacher_bias, temperature, dtype)
+            log_ps, log_pt = _chunk_log_probs(student_hidden[rows], weight, student_bias, teacher_hidden[rows],
+                                              teacher_weight, teacher_bias, temperature)
             ps = log_ps.exp()
             entropy[rows] = -(ps * log_ps).sum(-1)
             if beta == 1.0:  # KL(ps || pt) = -H(ps) - E_ps[log pt]
@@ -140,9 +141,8 @@ class DivergenceHead(torch.autograd.Function):
             if start < kept.shape[0]:
                 grad = kept[rows]
             else:
-                log_ps, log_pt = _chunk_log_probs(student_hidden[rows], student_weight, student_bias,
-                                                  teacher_hidden[rows], teacher_weight, teacher_bias, ctx.temperature,
-                                                  ctx.dtype)
+                log_ps, log_pt = _chunk_log_probs(student_hidden[rows], weight, student_bias, teacher_hidden[rows],
+                                                  teacher_weight, teacher_bias, ctx.temperature)
                 grad = divergence_gradient(log_ps, log_pt, divergence[rows], ctx.beta)
             grad = grad.mul_(grad_divergence[rows].unsqueeze(1) / ctx.temperature)  # [c, V]: d loss / d logits
             if grad_hidden is not None:
@@ -156,10 +156,11 @@ class DivergenceHead(torch.autograd.Function):
 
 
 def _chunk_log_probs(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
-                     temperature: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both models' log-probabilities [c, V] float32 at one chunk of positions (no gradient)."""
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' log-probabilities [c, V] float32 at one chunk of positions (no gradient); each product in its
+    head's dtype (the student's already cast to the product's)."""
     with torch.no_grad():
-        log_ps = _logits(student_hidden.to(dtype), student_weight.to(dtype), student_bias, temperature)
+        log_ps = _logits(student_hidden, student_weight, student_bias, temperature)
         log_pt = _logits(teacher_hidden, teacher_weight, teacher_bias, temperature)
         return log_ps.log_softmax(-1), log_pt.log_softmax(-1)
 
