@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from compare_trl import REPO, ROWS, build_models, run
+
+sys.path.insert(0, REPO)
+from trainers.generation.local_server import free_port, start_local_server  # noqa: E402
 
 SAMPLERS = {  # name -> (framework, config fields for ours)
     "trl": ("trl", None),
@@ -32,50 +33,6 @@ SAMPLERS = {  # name -> (framework, config fields for ours)
     "server": ("ours", {"use_vllm": True, "vllm_mode": "server"}),
 }
 ROW_NAMES = ["grpo-tiny-64", "grpo-tiny-256", "grpo-small-64", "grpo-small-256"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, workdir: str) -> tuple[subprocess.Popen, str, float]:
-    """`trainers vllm-serve` for ``model`` (float32, eager, as colocate starts its engine on CPU); -> the process,
-    its URL and the seconds until it answered."""
-    sys.path.insert(0, REPO)
-    from trainers.errors import VLLMServerError
-    from trainers.generation.vllm_client import VLLMClient
-
-    port = free_port()
-    log = open(os.path.join(workdir, f"server-{port}.log"), "w")
-    command = [sys.executable, "-m", "trainers.cli.main", "vllm-serve", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--max_model_len", "1024", "--enforce_eager",
-               "--cpu_kvcache_space", "1", "--log_level", "warning"]
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({process.returncode}); see {log.name}")
-        try:
-            VLLMClient(url, connection_timeout=0).close()
-            return process, url, time.perf_counter() - started
-        except VLLMServerError:
-            time.sleep(0.5)
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def main():
@@ -93,7 +50,7 @@ def main():
         model, method, options, steps, warmup = ROWS[name]
         server = None
         if "server" in cli.samplers:
-            server = start_server(models[model], cli.workdir)
+            server = start_local_server(models[model], os.path.join(cli.workdir, f"server-{name}.log"))
         try:
             runs = {s: [] for s in cli.samplers}
             for repeat in range(cli.repeats):
@@ -104,7 +61,7 @@ def main():
                     if extra is not None:
                         extra = dict(extra)
                         if sampler == "server":
-                            extra["vllm_server_base_url"] = server[1]
+                            extra["vllm_server_base_url"] = server.url
                             extra["vllm_group_port"] = free_port()
                         row_options["ours_extra"] = json.dumps(extra)
                     result = run(framework, models[model], method, row_options, steps, cli.workdir)
@@ -113,9 +70,9 @@ def main():
                           f"built in {result['build_s']:.1f} s, peak {result['peak_mb']:.0f} MB", flush=True)
         finally:
             if server is not None:
-                stop_server(server[0])
+                server.stop()
         steps_s = {s: [statistics.median(r["step_times"][warmup:]) for r in rs] for s, rs in runs.items()}
-        table.append({"name": name, "steps": steps_s, "server_start_s": server[2] if server else None,
+        table.append({"name": name, "steps": steps_s, "server_start_s": server.startup_seconds if server else None,
                       "build_s": {s: [r["build_s"] for r in rs] for s, rs in runs.items()},
                       "peak_mb": {s: [r["peak_mb"] for r in rs] for s, rs in runs.items()}})
     header = ["row"] + [f"{s} s/step" for s in cli.samplers] + [f"{s}/TRL" for s in cli.samplers if s != "trl"] \

@@ -23,7 +23,6 @@ vocabulary as one more outcome: docs/distillation.md). docs/distillation.md has 
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ from transformers import TrainerCallback
 
 from trainers import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.cli.tiny import save_tiny_model
+from trainers.generation.local_server import start_local_server
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_arithmetic as demo  # noqa: E402  (examples/grpo_arithmetic.py)
@@ -86,35 +86,6 @@ def build_teacher(start: str, train: list[dict], output_dir: str, steps: int, se
     return output_dir
 
 
-def start_teacher_server(teacher: str, output_dir: str, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
-    """`trainers vllm-serve` for the teacher on a free port (``extra``: more flags for vLLM); returns the process
-    and its URL once it answers."""
-    import socket
-
-    from trainers.errors import VLLMServerError
-    from trainers.generation.vllm_client import VLLMClient
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(output_dir, "teacher-server.log"), "w")
-    command = [sys.executable, "-m", "trainers.cli.main", "vllm-serve", "--model", teacher, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--max_model_len", "64", "--enforce_eager",
-               "--cpu_kvcache_space", "1", *extra]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, started = f"http://127.0.0.1:{port}", time.time()
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the teacher's server exited; see {log.name}")
-        try:
-            VLLMClient(url, connection_timeout=0)
-            break
-        except VLLMServerError:
-            time.sleep(1)
-    print(f"   teacher served at {url} (started in {time.time() - started:.0f} s)", flush=True)
-    return process, url
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/distill-arithmetic")
@@ -159,8 +130,10 @@ def main(argv=None):
     if cli.serve_teacher:
         # the server takes a core of its own: with 2 cores, a trainer on both stalls it (docs/distillation.md);
         # it gets token ids only, so it needs no tokenizer
-        server, url = start_teacher_server(teacher, cli.output_dir, extra=("--skip-tokenizer-init",))
-        served = {"teacher_model_server_url": url, "loss_top_k": cli.loss_top_k}
+        server = start_local_server(teacher, os.path.join(cli.output_dir, "teacher-server.log"), max_model_len=64,
+                                   extra=("--skip-tokenizer-init",))
+        print(f"   teacher served at {server.url} (started in {server.startup_seconds:.0f} s)", flush=True)
+        served = {"teacher_model_server_url": server.url, "loss_top_k": cli.loss_top_k}
         torch.set_num_threads(max(1, threads - 1))
     try:
         print("3. on-policy distillation" + (f" (the teacher served, top-{cli.loss_top_k})" if server else ""),
@@ -176,8 +149,7 @@ def main(argv=None):
         trainer.save_model(os.path.join(cli.output_dir, "final"))
     finally:
         if server is not None:
-            os.killpg(server.pid, 15)
-            server.wait(timeout=60)
+            server.stop()
             torch.set_num_threads(threads)
     results = {"before": before, "teacher": teacher_accuracy, "mark": mark, "distillation": distilled.reached,
                "distillation_curve": distilled.curve}

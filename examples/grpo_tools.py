@@ -1,6 +1,7 @@
 """A tiny model learns through RL to call a tool for what it cannot do in its head: multiply 3-digit numbers.
 
     python examples/grpo_tools.py            # no network, no GPU; ~2 minutes on 2 CPU cores (docs/grpo.md)
+    python examples/grpo_tools.py --vllm_server [--async_generation]   # sampling from a vLLM server it starts
 
 1. Generate problems ("What is 123 * 456?") and split them: held out for the final score, validation, training.
 2. Build a tiny Qwen2 and a tokenizer whose chat template renders tools (Qwen2.5's Hermes <tool_call> form with
@@ -23,6 +24,7 @@ import os
 import random
 import time
 
+import torch
 from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
@@ -31,6 +33,7 @@ from trainers.agents.parsing import parse_turn
 from trainers.agents.rendering import tool_schemas, tool_turn_ids, toolbox
 from trainers.agents.runner import ToolRunner
 from trainers.cli.tiny import build_task_tokenizer, build_tokenizer, save_tiny_model
+from trainers.generation.local_server import start_local_server
 
 
 def multiply(a: int, b: int) -> int:
@@ -212,6 +215,12 @@ def main(argv=None):
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--held_out", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm_server", action="store_true",
+                        help="Sample from a vLLM server this script starts on the warm-started model (on one CPU "
+                             "core, the trainer on the others; needs vLLM: bash scripts/setup.sh vllm).")
+    parser.add_argument("--async_generation", action="store_true",
+                        help="With the server: sample ahead of training (docs/grpo.md, 'Asynchronous generation').")
+    parser.add_argument("--max_staleness", type=int, default=1, help="With --async_generation: the bound.")
     cli = parser.parse_args(argv)
 
     started = time.time()
@@ -229,13 +238,34 @@ def main(argv=None):
     print(f"   held-out after SFT (greedy): accuracy {before[0]:.1%}, tool calls per problem {before[1]:.2f}  "
           f"({time.time() - started:.0f} s)", flush=True)
 
-    print(f"3. GRPO with tools=[multiply]: {cli.grpo_steps} steps, exact-answer reward", flush=True)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact_answer, train_dataset=train,
-                          tools=TOOLS, args=GRPOConfig(**grpo_settings(
-                              cli.output_dir, cli.grpo_steps, cli.learning_rate, cli.num_generations, cli.seed)))
-    rl_started = time.time()
-    trainer.train()
-    rl_seconds = time.time() - rl_started
+    settings = grpo_settings(cli.output_dir, cli.grpo_steps, cli.learning_rate, cli.num_generations, cli.seed)
+    server, threads, cores = None, torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+    if cli.vllm_server or cli.async_generation:  # the warm start, saved and served on the last core
+        start = os.path.join(cli.output_dir, "warm-start")
+        model.save_pretrained(start)
+        tokenizer.save_pretrained(start)
+        server = start_local_server(start, os.path.join(cli.output_dir, "server.log"), max_model_len=512,
+                                    cores=cores[-1:])
+        print(f"   the warm start served at {server.url} (started in {server.startup_seconds:.0f} s)", flush=True)
+        os.sched_setaffinity(0, cores[:-1] or cores)
+        torch.set_num_threads(max(1, len(cores) - 1))
+        settings.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        if cli.async_generation:
+            settings.update(async_generation=True, max_staleness=cli.max_staleness)
+    mode = ("asynchronous, bound " + str(cli.max_staleness)) if cli.async_generation else \
+        "vLLM server" if server else "the lean engine"
+    print(f"3. GRPO with tools=[multiply]: {cli.grpo_steps} steps, exact-answer reward ({mode})", flush=True)
+    try:
+        trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact_answer,
+                              train_dataset=train, tools=TOOLS, args=GRPOConfig(**settings))
+        rl_started = time.time()
+        trainer.train()
+        rl_seconds = time.time() - rl_started
+    finally:
+        if server is not None:
+            server.stop()
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
     logged = [r for r in trainer.state.log_history if "tools/call_frequency" in r and "loss" in r]  # steps
     for record in logged:
         print(f"   step {record['step']:3d}: reward {record['reward']:.2f}, "

@@ -380,6 +380,21 @@ def load_full_state_dict(accelerator: Accelerator, model: torch.nn.Module, state
             model.load_state_dict(state_dict)
 
 
+class ThisProcess:
+    """An accelerator's view of this process alone: the verbs below see one process and do no collectives, so
+    code written for every process together (a tool loop, a backend's sampling) runs in a background thread of
+    one process (GRPO's asynchronous producer, trainers/grpo/async_rounds.py). ``process_index`` stays the real
+    one (sampling seeds derive from it)."""
+
+    num_processes = 1
+    is_main_process = True
+    is_local_main_process = True
+
+    def __init__(self, accelerator: Accelerator):
+        self.process_index = accelerator.process_index
+        self.device = accelerator.device
+
+
 def gather_objects(accelerator: Accelerator, objects: list) -> list:
     """Concatenate a list of picklable objects from every process, in rank order."""
     if accelerator.num_processes == 1:

@@ -35,6 +35,11 @@ class VLLMServerError(RolloutError):
     names its URL."""
 
 
+class GenerationError(RolloutError):
+    """Generation ahead of training (GRPOConfig.async_generation) failed: the producer raised, or made no progress
+    within heartbeat_stale_after_s; the message names the round and the cause."""
+
+
 class CheckpointError(TrainersError):
     """A checkpoint is missing, incomplete or unreadable."""
 

@@ -95,6 +95,14 @@ class Scripted(PolicyBackend):
         return Samples(prompt_ids, completions)
 
 
+class ScriptedAhead(Scripted):
+    """Scripted, able to sample ahead of training (async_generation): its producer is the same script (with
+    ``then`` given it reads nothing of the weights)."""
+
+    def producer(self):
+        return copy.copy(self)
+
+
 class Recording(TrainerCallback):
     """Records each round's Rollout (on_rollout_end: ``rounds``), each tool loop's Episode (on_episode_end:
     ``episodes``) and the loop's wall time (``loop_seconds``: from the round's first turn to its episode's end)."""
@@ -657,3 +665,34 @@ def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
     assert torch.all(grad[model_tokens] != 0)
     unmasked, _ = gradients(unmask_tool_turn=True)
     assert torch.all(unmasked[tool_tokens & moving[:, None]] != 0)
+
+
+def test_tools_and_environments_sampled_ahead_train_as_synchronously(model_dir, tmp_path):
+    """async_generation: the tool loop runs in the producer thread (a tool runner of its own) and the
+    environments' rewards in the trainer's. With a scripted model (its rollouts do not depend on the weights), 4
+    steps with bound 1 train to the synchronous run's weights, with its rewards; the round sampled ahead takes
+    other environment instances, so none is reset before its round's rewards are computed."""
+
+    def first(index, text):
+        return call("buy", item="apple", qty=index % 4 + 1)
+
+    def run(name, **options):
+        register_backend("scripted_ahead", lambda inputs: ScriptedAhead(inputs, first))
+        recorder = Recorder()
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=[recorder], environment_factory=Shop,
+                              train_dataset=SHOP_ROWS, args=config(tmp_path / name, max_steps=4,
+                                                                   generation_backend="scripted_ahead", **options))
+        trainer.train()
+        return trainer, recorder
+
+    Shop.made = 0
+    sync, sync_rewards = run("sync")
+    made, Shop.made = Shop.made, 0
+    ahead, ahead_rewards = run("ahead", async_generation=True, max_staleness=1)
+    for a, b in zip(sync.model.parameters(), ahead.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [r["rewards/Shop/mean"] for r in step_records(ahead)] == [r["rewards/Shop/mean"] for r in step_records(sync)]
+    # each round's environments, when its rewards were computed, held that round's purchases
+    assert [s["bought"] for s in ahead_rewards.states] == [s["bought"] for s in sync_rewards.states]
+    assert all(s["bought"] == [("apple", j % 4 + 1)] for j, s in enumerate(ahead_rewards.states[:8]))
+    assert made == 8 and Shop.made == 16  # ahead: a second set of instances while the first round is scored

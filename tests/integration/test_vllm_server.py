@@ -87,6 +87,12 @@ def stop(process: subprocess.Popen) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    yield from serve(tmp_path_factory)
+
+
+def serve(tmp_path_factory):
+    """A `trainers vllm-serve` server on a tiny model for the test module (a generator: the fixture's body, which
+    test_vllm_async.py starts for itself too); stopped, with every process it started, at the end."""
     python = vllm_python()
     if python is None:
         pytest.skip("vLLM is not installed here (scripts/setup.sh installs it; or set TRAINERS_VLLM_PYTHON to a "

@@ -540,9 +540,14 @@ def test_environments_probe_and_pool():
     assert [tool.__name__ for tool in environments.tools_for(None)] == ["multiply", "buy"]
     first = environments.take([None] * 3)
     assert Shop.made == 3  # the probe is reused
+    environments.give_back(first)  # the round is scored
     second = environments.take([None] * 2)
-    assert second == first[:2] and all(a is b for a, b in zip(second, first))
-    assert environments.take([None] * 4)[:3] == first and Shop.made == 4
+    assert all(a is b for a, b in zip(second, first[:2]))  # given back: reused, in their order
+    # while `second` is held (a round sampled ahead of one not yet scored): other instances, never its own
+    held = environments.take([None] * 2)
+    assert held[0] is first[2] and Shop.made == 4 and not any(h is s for h in held for s in second)
+    environments.give_back(second + held)
+    assert environments.take([None] * 4) == second + held and Shop.made == 4
     box = environments.toolbox_of(first[1])
     assert list(box) == ["multiply", "buy"]
     assert box["buy"]("apple", 2) == "bought 2 apple" and first[1].bought == [("apple", 2)]

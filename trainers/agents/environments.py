@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,9 @@ class Environments:
             raise ConfigError("environment_factory: an empty dict; give {name: factory} for each environment")
         self._factories = factories
         self._standalone = list(standalone_tools)
-        self._pool: dict[Any, list] = {}
+        self._pool: dict[Any, list] = {}  # every instance made, by environment
+        self._free: dict[Any, list] = {}  # the instances no round holds, in the order they are taken again
+        self._lock = threading.Lock()  # rounds are taken and given back from two threads (asynchronous GRPO)
         self._tools: dict[Any, list[Callable]] = {}
         for name, make in factories.items():
             where = f"environment_factory[{name!r}]" if self.multi else "environment_factory"
@@ -45,6 +48,7 @@ class Environments:
             self._tools[name] = self._standalone + _methods(instance)
             toolbox(self._tools[name])  # names must be unique
             self._pool[name] = [instance]
+            self._free[name] = [instance]
 
     def _check(self, name: Any, index: int | None = None) -> None:
         if name not in self._factories:
@@ -59,18 +63,30 @@ class Environments:
         return list(self._tools[name])
 
     def take(self, names: list) -> list:
-        """One instance per rollout (``names[i]``: rollout i's environment), reusing the pool; it grows only
-        when a round needs more instances of an environment than were ever made. The caller resets them."""
+        """One instance per rollout (``names[i]``: rollout i's environment), reusing the instances no round holds;
+        the pool grows only when the rounds held at once need more of an environment than were ever made. The
+        caller resets them, and gives them back (``give_back``) once the round's rewards are computed: a round
+        sampled ahead of training (asynchronous GRPO) never resets the instances of one not yet scored."""
         for index, name in enumerate(names):
             self._check(name, index)
-        taken, used = [], {}
-        for name in names:
-            index = used.get(name, 0)
-            if index == len(self._pool[name]):
-                self._pool[name].append(self._factories[name]())
-            used[name] = index + 1
-            taken.append(self._pool[name][index])
+        taken = []
+        with self._lock:
+            for name in names:
+                if not self._free[name]:
+                    made = self._factories[name]()
+                    self._pool[name].append(made)
+                    self._free[name].append(made)
+                taken.append(self._free[name].pop(0))
         return taken
+
+    def give_back(self, instances: list) -> None:
+        """A scored round's instances are free again, in its order (the next round takes them in that order)."""
+        with self._lock:
+            for instance in instances:
+                for name, pool in self._pool.items():
+                    if any(instance is made for made in pool):
+                        self._free[name].append(instance)
+                        break
 
     def toolbox_of(self, instance: Any) -> dict[str, Callable]:
         """The standalone tools and the instance's bound methods, by name."""

@@ -27,6 +27,7 @@ request), a process with nothing left to sample keeping the others company with 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -281,6 +282,18 @@ class ToolLoop:
             else:
                 high = share
         return best[0], best[1], len(results)
+
+    def give_back(self, episode: Episode) -> None:
+        """The episode's environments are free for another round (its rewards are computed)."""
+        if self.environments is not None and episode.environments is not None:
+            self.environments.give_back(episode.environments)
+
+    def twin(self) -> ToolLoop:
+        """This loop's tools and environments with a tool runner of its own, for rounds sampled in another thread
+        (GRPO's asynchronous producer)."""
+        twin = copy.copy(self)
+        twin.runner = None
+        return twin
 
     def close(self) -> None:
         if self.runner is not None:

@@ -17,6 +17,7 @@ from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.configs import TrainingConfig
 from trainers.distillation.config import DistillationConfig
 from trainers.dpo.config import DPOConfig
+from trainers.grpo.asynchronous import AsyncGRPOConfig
 from trainers.grpo.config import GRPOConfig
 from trainers.kto.config import KTOConfig
 from trainers.options import describe_constraints
@@ -25,8 +26,8 @@ from trainers.rloo.config import RLOOConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, RLOOConfig, DistillationConfig, DPOConfig, RewardConfig,
-                  KTOConfig)
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, AsyncGRPOConfig, RLOOConfig, DistillationConfig, DPOConfig,
+                  RewardConfig, KTOConfig)
 _BASE = TrainingConfig
 
 

@@ -275,7 +275,7 @@ class VLLMClient:
         """One weight update of several ``update_named_params`` calls (e.g. one per gathered module): the server
         reloads layer-wise as the tensors arrive and finishes once, then drops its prefix cache."""
         self.init_communicator()
-        self._post("/start_weight_update")
+        self._start_weight_update()
         self._in_update = True
         try:
             yield
@@ -283,6 +283,17 @@ class VLLMClient:
             self._in_update = False
         self._post("/finish_weight_update")
         self.reset_prefix_cache()
+
+    def _start_weight_update(self) -> None:
+        """Open the server's weight update. One left open by a transfer that failed half-way (this run's, or a
+        trainer that died mid-transfer) is closed first, its partial weights to be overwritten by this update."""
+        try:
+            self._post("/start_weight_update")
+        except VLLMServerError as error:
+            if "weight update is already active" not in str(error):
+                raise
+            self._post("/finish_weight_update")
+            self._post("/start_weight_update")
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's

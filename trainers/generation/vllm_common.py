@@ -203,11 +203,17 @@ class VLLMBackend:
         """The engine's weights := the policy's after optimizer step ``step``, unless it holds them already
         (TRL's _last_loaded_step); ``step=None`` (TRL's ``sync_weights()``): now, whatever it holds. Every process
         calls it (gathers under ZeRO-3)."""
-        if step is not None and step != self._step:
-            self._step, self._calls = step, 0
+        if step is not None:
+            self.seed_position(step)
         if step is None or step != self._synced_step:
             self._push_weights(policy_weights(self.context.accelerator, self.inputs.policy))
             self._synced_step = step
+
+    def seed_position(self, step: int) -> None:
+        """Sampling from here on is for optimizer step ``step`` (its rows' seeds derive from it and the calls since):
+        the weight sync says so; GRPO's asynchronous producer says so for each round, whatever weights it has."""
+        if step != self._step:
+            self._step, self._calls = step, 0
 
     def row_seeds(self, rows: int) -> list[int]:
         """One sampling seed per row of this process's next generate call, so that a run samples the same tokens

@@ -7,6 +7,7 @@ part in the weight gathers (ZeRO-3) and get their rows back. A server that fails
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,33 @@ def seeded_requests(prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple
     return requests
 
 
+def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None
+                        ) -> tuple[list[list[int]], list[list[float]]]:
+    """The completions of ``prompt_ids`` (row i with seed ``seeds[i]``, vllm.SamplingParams ``kwargs``) and their
+    log-probs (NaN where the server gave none), from the server behind ``client``: a run of rows with one prompt and
+    consecutive seeds (a group's completions) is one request for n completions with the first seed (vLLM seeds the
+    n with s, s + 1, ...); the requests are sent together."""
+    options = {k: v for k, v in kwargs.items() if k in ("n", "repetition_penalty", "temperature", "top_p", "top_k",
+                                                        "min_p", "max_tokens", "logprobs")}
+    extra = {k: v for k, v in kwargs.items() if k not in options}
+    requests = seeded_requests(prompt_ids, seeds)
+
+    def send(request: tuple[list[list[int]], int, int]) -> dict:
+        prompts, n, seed = request
+        return client.generate(prompts=prompts, **{**options, "n": n}, structured_outputs_regex=regex,
+                               generation_kwargs={**extra, "seed": seed})
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(requests), MAX_CONCURRENT_REQUESTS))) as pool:
+        outs = list(pool.map(send, requests))
+    completions, logprobs = [], []  # the rows in order: the requests' completions in order
+    for out in outs:
+        completions += out["completion_ids"]
+        given = out["logprobs"] or [None] * len(out["completion_ids"])  # None: the server gave none
+        logprobs += [[math.nan] * len(ids) if row is None else [math.nan if top[0] is None else top[0] for top in row]
+                     for ids, row in zip(out["completion_ids"], given)]
+    return completions, logprobs
+
+
 class VLLMRemote(VLLMBackend):
     """A `trainers vllm-serve` server; ``.vllm_client`` (TRL's ``trainer.vllm_generation.vllm_client``) on the
     main process. Built on every process, together: the client is checked against the served model and the
@@ -57,13 +85,27 @@ class VLLMRemote(VLLMBackend):
             try:
                 from trainers.generation.vllm_client import VLLMClient
 
-                self.vllm_client = VLLMClient(
-                    base_url=args.vllm_server_base_url, host=args.vllm_server_host, server_port=args.vllm_server_port,
-                    group_port=args.vllm_group_port, connection_timeout=args.vllm_server_timeout)
+                self.vllm_client = self._new_client()
                 self.vllm_client.check_server(self._model_name())
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error)
+
+    def _new_client(self):
+        from trainers.generation.vllm_client import VLLMClient
+
+        args = self.config
+        return VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
+                          server_port=args.vllm_server_port, group_port=args.vllm_group_port,
+                          connection_timeout=args.vllm_server_timeout, transfer_timeout=args.weight_sync_timeout,
+                          request_timeout=args.request_timeout)
+
+    def producer(self) -> ServerSampler:
+        """A sampler for this process alone, for GRPO's asynchronous producer thread (trainers/grpo/async_rounds.py):
+        its own client, its own rows, no collectives, no weights (this backend pushes them)."""
+        inputs = dataclasses.replace(self.inputs, context=dataclasses.replace(
+            self.context, accelerator=dist.ThisProcess(self.context.accelerator)))
+        return ServerSampler(inputs, self._new_client())
 
     def sync_weights(self, step: int | None = None) -> None:
         if self._closed:  # closed at the end of a train() call, used again (evaluate, a rollout function)
@@ -97,37 +139,16 @@ class VLLMRemote(VLLMBackend):
         dist.raise_together(self.context.accelerator, error, shared=(VLLMServerError,))
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
-        """Every process's prompts from the main process; each process gets its own rows back. A run of rows with
-        one prompt and consecutive seeds (a group's completions) is one request for n completions with the first
-        seed (vLLM seeds the n with s, s + 1, ...); the requests are sent together."""
+        """Every process's prompts from the main process (``request_completions``); each process gets its own rows
+        back."""
         acc = self.context.accelerator
         everyone = dist.gather_objects(acc, [(prompt_ids, seeds)])  # [process] -> (rows, their seeds)
         answer, error = None, None
         if acc.is_main_process:
             try:
-                options = {k: v for k, v in kwargs.items() if k in ("n", "repetition_penalty", "temperature", "top_p",
-                                                                    "top_k", "min_p", "max_tokens", "logprobs")}
-                extra = {k: v for k, v in kwargs.items() if k not in options}
-                requests = seeded_requests([ids for part, _ in everyone for ids in part],
-                                           [seed for _, part in everyone for seed in part])
-
-                def send(request: tuple[list[list[int]], int, int]) -> dict:
-                    prompts, n, seed = request
-                    return self.vllm_client.generate(
-                        prompts=prompts, **{**options, "n": n},
-                        structured_outputs_regex=self.config.vllm_structured_outputs_regex,
-                        generation_kwargs={**extra, "seed": seed})
-
-                with ThreadPoolExecutor(max_workers=max(1, min(len(requests), MAX_CONCURRENT_REQUESTS))) as pool:
-                    outs = list(pool.map(send, requests))
-                completions, logprobs = [], []  # the rows in order: the requests' completions in order
-                for out in outs:
-                    completions += out["completion_ids"]
-                    given = out["logprobs"] or [None] * len(out["completion_ids"])  # None: the server gave none
-                    logprobs += [[math.nan] * len(ids) if row is None else
-                                 [math.nan if top[0] is None else top[0] for top in row]
-                                 for ids, row in zip(out["completion_ids"], given)]
-                answer = (completions, logprobs)
+                answer = request_completions(self.vllm_client, [ids for part, _ in everyone for ids in part],
+                                             [seed for _, part in everyone for seed in part], kwargs,
+                                             self.config.vllm_structured_outputs_regex)
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error, shared=(VLLMServerError,))  # as in _push_weights
@@ -142,3 +163,21 @@ class VLLMRemote(VLLMBackend):
         if self.vllm_client is not None:
             client, self.vllm_client = self.vllm_client, None
             client.close()
+
+
+class ServerSampler(VLLMBackend):
+    """The generating half of ``VLLMRemote`` for one process: its own ``client``, its own rows, no collectives
+    (``inputs``' accelerator is ``dist.ThisProcess``). Weights are not its business: ``VLLMRemote`` pushes them."""
+
+    def __init__(self, inputs: BackendInputs, client):
+        super().__init__(inputs)
+        self.client = client
+
+    def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
+        return request_completions(self.client, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex)
+
+    def sync_weights(self, step: int | None = None) -> None:
+        raise RuntimeError("ServerSampler.sync_weights: the trainer's VLLMRemote pushes the weights.")
+
+    def close(self) -> None:
+        self.client.close()

@@ -14,6 +14,8 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 GENERATION_ENGINES = ("auto", "lean", "hf")
+# options that only asynchronous generation reads (weight_sync_timeout and request_timeout serve server mode too)
+ASYNC_OPTIONS = ("max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 # GRPO's loss, advantage and importance-sampling options: what RLOOConfig and DistillationConfig do not take
@@ -262,6 +264,37 @@ class GRPOConfig(TrainingConfig):
         None, "Deprecated in TRL: sets vllm_importance_sampling_clip_max (with a FutureWarning).", ge=0, finite=True
     )
 
+    # Asynchronous generation (docs/grpo.md, "Asynchronous generation"; the names of TRL's experimental
+    # AsyncGRPOConfig, whose scripts port to AsyncGRPOConfig / AsyncGRPOTrainer below)
+    async_generation: bool = opt(
+        False, "Generate rounds ahead of training: a producer thread on each process samples the next rounds from the "
+        "vLLM server (vllm_mode='server') with the weights the server has, while the trainer trains on earlier ones. "
+        "Each round is generated within max_staleness weight syncs of the step that trains on it; the sampler's "
+        "log-probs correct for the lag (vllm_importance_sampling_correction). max_staleness=0 is the synchronous run.")
+    max_staleness: int = opt(
+        4, "async_generation: the most weight syncs a round may lag behind the policy that trains on it (the "
+        "producer waits rather than generate a staler one; 0: the synchronous run, exactly).", ge=0)
+    max_inflight_tasks: int = opt(
+        -1, "async_generation: generation requests in flight to the server at once, per process (-1: a round's "
+        "groups, up to 16).", ge=-1)
+    queue_maxsize: int = opt(
+        1024, "async_generation: completions generated ahead and not yet trained on, per process, at most (at least "
+        "one round is always allowed).", ge=1)
+    weight_sync_steps: int = opt(
+        1, "async_generation: push the policy's weights to the server every this many optimizer steps (a weight "
+        "sync is one version; staleness counts them).", ge=1)
+    weight_sync_timeout: int = opt(
+        1800, "Server mode: seconds a weight transfer to the vLLM server may wait before it is an error (the run "
+        "stops with a checkpoint instead of hanging).", gt=0)
+    request_timeout: int = opt(
+        600, "Server mode: seconds a request to the vLLM server may wait for its answer before it is an error.", gt=0)
+    heartbeat_stale_after_s: float = opt(
+        300.0, "async_generation: seconds the trainer waits for a round while the producer shows no progress before "
+        "it stops the run (with a checkpoint), naming the round.", gt=0)
+    fork_threshold_tokens: int = opt(
+        1024, "Accepted from TRL's AsyncGRPOConfig; no effect here: the tool loop appends the tokens it sampled and "
+        "the tool results' tokens, never re-tokenizing a conversation, so there is no drift to fork on.", ge=0)
+
     def __post_init__(self):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of, type(self).__name__)
         if isinstance(self.scale_rewards, bool):  # TRL accepts booleans: True -> "group", False -> "none".
@@ -293,7 +326,22 @@ class GRPOConfig(TrainingConfig):
                     "vllm_mode='server'")
         check_field(self.token_budget is None or self.padding_free, name, "token_budget", self.token_budget,
                     "a token budget packs the micro-batch's completions into one row: set padding_free=True too")
+        self._check_async(name)
         # Divisibility of the batch sizes by num_generations needs the process count: checked by the trainer.
+
+    def _check_async(self, name: str) -> None:
+        if not self.async_generation:
+            for option in ASYNC_OPTIONS:
+                default = type(self).__dataclass_fields__[option].default
+                check_field(getattr(self, option) == default, name, option, getattr(self, option),
+                            "it applies to asynchronous generation: set async_generation=True too, or leave it out")
+            return
+        check_field(self.use_vllm or self.generation_backend is not None, name, "async_generation", True,
+                    "generation runs ahead of training only in an engine apart from the policy: set use_vllm=True "
+                    "with vllm_mode='server' (or a generation_backend whose backend has producer())")
+        check_field(not self.use_vllm or self.vllm_mode == "server", name, "vllm_mode", self.vllm_mode,
+                    "the colocated engine shares this process and its device with training, so generating ahead "
+                    "overlaps nothing; start `trainers vllm-serve` and set vllm_mode='server'")
 
     @property
     def reference_kl(self) -> float:

@@ -45,6 +45,29 @@ from trainers.stats import Extreme, reduce_extremes, reduce_pairs
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """This process's completions of a round, before scoring: what the backend (or the tool loop) returned, the
+    rows' dataset prompts, the completions decoded (or the tool loop's messages), and the tool loop's episode."""
+
+    samples: Samples
+    prompts: list
+    completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
+    episode: Episode | None = None
+
+
+def sample_rows(backend: Backend, tool_loop: ToolLoop | None, tokenizer, rows: list[dict],
+                prompt_ids: list[list[int]], params: SamplingParams, eos_ids: set[int], accelerator) -> Sampled:
+    """One completion per row through ``backend`` (with tools, ``tool_loop`` over it), decoded. Every process of
+    ``accelerator`` calls it together (``dist.ThisProcess``: this process alone, GRPO's asynchronous producer)."""
+    if tool_loop is not None:  # several turns, tool calls between them (trainers/agents/tool_loop.py)
+        episode = tool_loop.run(backend, rows, prompt_ids, params, eos_ids=eos_ids, accelerator=accelerator)
+        return Sampled(episode.samples, episode.prompts, episode.messages, episode)
+    samples = backend.sample([row["prompt"] for row in rows], prompt_ids, params)
+    prompts, completions = decode(tokenizer, rows, samples.completion_ids)
+    return Sampled(samples, prompts, completions)
+
+
+@dataclass(frozen=True)
 class Scored:
     """This process's completions of a round (or an evaluation batch), decoded and scored."""
 
@@ -89,31 +112,32 @@ class RolloutStage:
         self.other_sampler = not isinstance(backend, PolicyBackend)
 
     def sample_and_score(self, rows: list[dict], prompt_ids: list[list[int]], params: SamplingParams | None = None,
-                         score: bool = True) -> Scored:
+                         score: bool = True, sampled: Sampled | None = None) -> Scored:
         """Sample one completion per row through the backend (with tools, the tool loop over it), decode it,
         and (with ``score``) call the reward functions. ``score=False`` on a process that only keeps the others
-        company in the collectives (evaluation's last batch). The backend holds this step's weights already
+        company in the collectives (evaluation's last batch). ``sampled``: the rows sampled already (GRPO's
+        asynchronous producer), scored here. The backend holds this step's weights already
         (``Backend.sync_weights``, called by the trainer before a round)."""
-        params, acc = params or self.sampling, self.accelerator
-        episode = None
-        if self.tool_loop is not None:  # several turns, tool calls between them (trainers/agents/tool_loop.py)
-            episode = self.tool_loop.run(self.backend, rows, prompt_ids, params, eos_ids=self.eos_ids,
-                                         accelerator=acc)
-            samples, prompts, completions = episode.samples, episode.prompts, episode.messages
-            if self.on_episode is not None:
-                self.on_episode(episode)
-        else:
-            samples = self.backend.sample([row["prompt"] for row in rows], prompt_ids, params)
-            prompts, completions = decode(self.tokenizer, rows, samples.completion_ids)
+        acc = self.accelerator
+        if sampled is None:
+            sampled = sample_rows(self.backend, self.tool_loop, self.tokenizer, rows, prompt_ids,
+                                  params or self.sampling, self.eos_ids, acc)
+        episode, samples = sampled.episode, sampled.samples
+        if episode is not None and self.on_episode is not None:
+            self.on_episode(episode)
         logs, rewards, error = RewardLogs(), None, None
         if score:
             try:  # user code: a failure on one process must stop all of them
                 environments = episode.environments if episode is not None else None
-                rewards = self.score_completions(rows, prompts, completions, samples, logs, environments)
+                rewards = self.score_completions(rows, sampled.prompts, sampled.completions, samples, logs,
+                                                 environments)
             except Exception as caught:
                 error = caught
+        if episode is not None and self.tool_loop is not None:
+            self.tool_loop.give_back(episode)  # scored: its environments may serve another round
         dist.raise_together(acc, error)
-        return Scored(samples, prompts, completions, rewards, logs, episode.counts if episode is not None else None)
+        return Scored(samples, sampled.prompts, sampled.completions, rewards, logs,
+                      episode.counts if episode is not None else None)
 
     def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,
                           logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
@@ -134,10 +158,11 @@ class RolloutStage:
         return pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids)
 
     @torch.no_grad()
-    def build(self, rows: list[dict], prompt_ids: list[list[int]]) -> Round:
-        """The rollout stage for this process's ``rows`` of one round (module docstring)."""
+    def build(self, rows: list[dict], prompt_ids: list[list[int]], sampled: Sampled | None = None) -> Round:
+        """The rollout stage for this process's ``rows`` of one round (module docstring); ``sampled``: its
+        completions sampled already (GRPO's asynchronous producer, trainers/grpo/async_rounds.py)."""
         args, acc = self.args, self.accelerator
-        scored = self.sample_and_score(rows, prompt_ids)
+        scored = self.sample_and_score(rows, prompt_ids, sampled=sampled)
         samples = scored.samples
         rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
         n, start = len(rows), acc.process_index * len(rows)

@@ -28,17 +28,18 @@ from trainers import distributed as dist
 from trainers import health
 from trainers.agents.tool_loop import ToolLoop, ToolOptions
 from trainers.base import BaseTrainer
-from trainers.errors import ConfigError, VLLMServerError
-from trainers.generation.backend import BACKENDS, Backend, BackendInputs, PolicyBackend, build_backend
-from trainers.generation.sampling import GenerationContext, SamplingParams
-from trainers.generation.user_rollout import RolloutFuncBackend
-from trainers.generation.vllm_common import VLLMBackend, check_vllm_here
+from trainers.errors import ConfigError, GenerationError, VLLMServerError
+from trainers.generation.backend import BACKENDS, Backend, PolicyBackend
+from trainers.generation.sampling import SamplingParams
+from trainers.generation.vllm_common import check_vllm_here
 from trainers.grpo import evaluation
 from trainers.grpo.advantages import RoundAdvantages, round_advantages
+from trainers.grpo.async_rounds import AsyncRounds
 from trainers.grpo import health as grpo_health
 from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_micro_batches, round_shape
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.entropy_control import EntropyControl
+from trainers.grpo.generation_lifetime import GenerationLifetime
 from trainers.grpo.metrics import policy_loss_stats, write_completions
 from trainers.grpo.objectives import (
     OBJECTIVES,
@@ -66,7 +67,7 @@ from trainers.streaming import is_stream, refuse_dispatch_batches
 
 
 @add_config_attributes
-class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
+class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
     """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
     "overlong"), ``module:function`` strings, or reward models (folders, Hub ids or instances). ``rollout_func``
     replaces the trainer's sampling (trainers/generation/user_rollout.py). Arguments in TRL's order. The trainer's
@@ -91,6 +92,9 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         if rollout_func is not None and (tools or environment_factory):
             raise ConfigError("GRPOTrainer: a rollout_func runs its own episodes; pass tools/environment_factory "
                               "(the trainer's tool loop) or a rollout_func, not both.")
+        if rollout_func is not None and getattr(args, "async_generation", False):
+            raise ConfigError("GRPOConfig: async_generation=True samples in a producer thread of its own; a "
+                              "rollout_func runs the trainer's code, so it cannot run there. Give one of them.")
         # TRL's tool calling: built with the tokenizer (prepare_data); trainers/agents/tool_loop.py
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise ConfigError(f"tools must be a list of functions, got {type(tools).__name__}.")
@@ -103,6 +107,7 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         self.policy_sampler: PolicyBackend | None = None  # the policy itself (trainer.generate: a rollout_func's)
         self._vllm: Backend | None = None  # with use_vllm: TRL's trainer.vllm_generation
         self.stage: RolloutStage | None = None  # the rollout stage, built with the backend
+        self.async_rounds: AsyncRounds | None = None  # async_generation: the backend, rounds sampled ahead
         self._reward_specs, self._reward_tokenizers = reward_sources(
             reward_funcs, reward_processing_classes, environment_factory is not None or not self.needs_rewards)
         self._model_source = model
@@ -189,7 +194,9 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         self._rounds = {index: self._rounds[index] for index in needed if index in self._rounds}
         position, built = self.prompt_batches.state(), []  # a stream's position before this step's rounds
         try:
-            if any(index not in self._rounds for index in needed):
+            if self.async_rounds is not None:
+                self._generate_ahead(step, needed)
+            elif any(index not in self._rounds for index in needed):
                 # the weight sync: an engine apart from the policy (vLLM) gets the weights of the optimizer step
                 # just done (nothing when it holds them: a round built for this step already, or evaluation's)
                 self.backend.sync_weights(step)
@@ -197,21 +204,38 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
                 if index not in self._rounds:
                     self._rounds[index] = self.build_round(index)
                     built.append(index)
-        except VLLMServerError:
+        except (VLLMServerError, GenerationError):
             # the run stops with a checkpoint of the step before (train()): its data position must not count
             # this step's prompts as read, or the resumed run would skip them (a stream is read in order)
             self._rounds = {index: rollout for index, rollout in self._rounds.items() if index not in built}
             self.prompt_batches.restore(position)
             raise
 
-    def build_round(self, round_index: int) -> Rollout:
-        """Generation round ``round_index`` on this process (trainers/grpo/rollout.py); its metrics and
-        completions wait for the step's log."""
-        prompts = self.prompt_batches.batch(round_index)  # the round's prompts, the same on every process
+    def _first_step(self, round_index: int) -> int:
+        """The first optimizer step that trains on generation round ``round_index``."""
+        micro_steps = self.steps_per_generation * self.args.num_iterations
+        return round_index * micro_steps // self.args.gradient_accumulation_steps
+
+    def _my_rows(self, prompts: list) -> tuple[list[dict], list[list[int]]]:
+        """This process's rows of a round's ``prompts`` (the same on every process): its contiguous share."""
         slots = group_slots(list(range(len(prompts))), self.args.num_generations, self.accelerator.num_processes,
                             self.accelerator.process_index)
-        built = self.stage.build([prompts[i].row for i in slots], [prompts[i].ids for i in slots])
-        self._round_metrics.append(built.metrics)
+        return [prompts[i].row for i in slots], [prompts[i].ids for i in slots]
+
+    def on_policy(self, round_index: int) -> bool:
+        """Whether round ``round_index`` samples from the policy (DistillationTrainer's lmbda draws some rounds
+        from the dataset instead)."""
+        return True
+
+    def build_round(self, round_index: int) -> Rollout:
+        """Generation round ``round_index`` on this process (trainers/grpo/rollout.py); its metrics and
+        completions wait for the step's log. With async_generation its completions come from the producer."""
+        rows, ids = self._my_rows(self.prompt_batches.batch(round_index))  # the same prompts on every process
+        sampled, lag = None, {}
+        if self.async_rounds is not None:
+            sampled, lag = self.async_rounds.take(round_index, self._first_step(round_index))
+        built = self.stage.build(rows, ids, sampled=sampled)
+        self._round_metrics.append(built.metrics | lag)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
         self.callback_handler.fire("rollout_end", round_index=round_index, rollout=built.rollout, samples=built.samples,
@@ -302,6 +326,8 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
                                     self.per_process_train_batch_size, self.entropy_control is not None,
                                     self.router_aux_loss_coef)
         self.backend = self._choose_backend()
+        if args.async_generation:  # the backend seen through the producer's pipeline (trainers/grpo/async_rounds.py)
+            self.backend = self._generate_asynchronously(self.backend)
         self.stage = RolloutStage(self.backend, self.tool_loop, self.rewards, self.reward_weights, self.scorer, args,
                                   self.accelerator, self.processing_class, self.eos_ids, self.sampling,
                                   self.need_old_logps, lambda: self.state,
@@ -317,71 +343,6 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         args = self.args
         return round_advantages(rewards_per_func, self.reward_weights, num_generations, args.scale_rewards,
                                 args.multi_objective_aggregation)
-
-    def _choose_backend(self) -> Backend:
-        """The one place the generation backend is chosen (trainers/generation/backend.py): generation_backend
-        when given, else a user's rollout_func (over vLLM with use_vllm, as TRL's), vLLM (use_vllm), or the
-        policy itself (the lean engine or HF generate). Last in setting up: vLLM's engine takes the prepared
-        policy's weights (gathered under ZeRO-3)."""
-        args = self.args
-        context = GenerationContext(self.accelerator, self.processing_class.pad_token_id, frozenset(self.eos_ids),
-                                    engine=args.generation_engine, gather_for_generation=args.ds3_gather_for_generation,
-                                    pad_to_multiple_of=args.pad_to_multiple_of)
-        lengths = self.prompt_lengths()
-        inputs = BackendInputs(context, self.unwrapped_model, self.model_wrapped, self.processing_class, args,
-                               self.per_process_train_batch_size * self.steps_per_generation,
-                               max(lengths) if lengths else None, self.sampling)
-        self.policy_sampler = PolicyBackend(inputs)
-        if args.generation_backend is not None:
-            backend = build_backend(args.generation_backend, inputs)
-            self._vllm = backend if isinstance(backend, VLLMBackend) else None  # trainer.vllm_generation
-            return backend
-        if args.use_vllm:
-            self._vllm = build_backend(f"vllm_{args.vllm_mode}", inputs)
-        if self.rollout_func is not None:  # TRL's contract: rollout_func(prompts, trainer)
-            return RolloutFuncBackend(lambda prompts: self.rollout_func(prompts, self), inputs, engine=self._vllm)
-        return self._vllm or self.policy_sampler
-
-    # ------------------------------------------------------------------ the generation backend's lifetime
-
-    def train(self, resume_from_checkpoint: bool | str | None = None):
-        """BaseTrainer.train; the generation backend is closed when it returns, fails or is stopped by a
-        signal (a vLLM engine starts again if generation is needed later: evaluate, a rollout function)."""
-        try:
-            return super().train(resume_from_checkpoint)
-        except VLLMServerError as error:  # every process has it (raise_together's shared): they stop together
-            raise self._stopped_by_server(error) from error
-        finally:
-            self.close_generation()
-
-    def _stopped_by_server(self, error: VLLMServerError) -> VLLMServerError:
-        """The vLLM server failed mid-run (it died, or stopped answering): a resumable checkpoint of the last
-        optimizer step (the failed round's prompts are not counted as read, see prepare_step), and the error to
-        raise, which says where it is. No checkpoint before the first step: there is nothing to resume."""
-        self.run_log.close()
-        step = self.state.global_step
-        if step == 0:
-            where = "No optimizer step was done, so no checkpoint was written."
-        else:
-            path = self._checkpoint_now()
-            where = (f"Training stopped after step {step}; checkpoint written to {path}. Restart the server and "
-                     f"resume with trainer.train(resume_from_checkpoint=True) (or --resume_from_checkpoint true).")
-        if self.accelerator.is_main_process:
-            logger.error(f"{error} {where}")
-        return VLLMServerError(f"{error} {where}")
-
-    def end(self) -> None:
-        self.close_generation()
-        super().end()
-
-    def close_generation(self) -> None:
-        """The end of the backend's lifetime (a vLLM engine shut down, a server's client closed) and of the tool
-        loop's threads; idempotent. Used again later (evaluate, a rollout function), each starts anew."""
-        for backend in (self.backend, self._vllm):
-            if backend is not None:
-                backend.close()
-        if self.tool_loop is not None:
-            self.tool_loop.close()
 
     # ------------------------------------------------------------------ loss
 
@@ -444,6 +405,8 @@ class GRPOTrainer(GRPOPrompts, TRLAttributes, BaseTrainer):
         rounds, self._round_metrics = self._round_metrics, []
         for name in dict.fromkeys(name for m in rounds for name in m):
             metrics[name] = sum(m[name] for m in rounds if name in m) / sum(name in m for m in rounds)
+        if self.async_rounds is not None:  # the pipeline's waits and syncs since the last step
+            metrics.update(self.async_rounds.step_metrics())
         if self.entropy_control is not None:
             self.entropy_control.update(metrics.pop("entropy_bonus/entropy"))
             metrics["entropy_coef"] = self.entropy_control.coef

@@ -1,0 +1,152 @@
+"""Asynchronous against synchronous GRPO with the placement held fixed: a `trainers vllm-serve` server on one CPU
+core, the trainer on the other, the GRPO demo's task (examples/grpo_arithmetic.py: its SFT warm start, its
+settings), the same steps, one after the other in this process.
+
+    python benchmarks/async_grpo.py                      # 800 steps each, about 10 minutes on 2 cores
+    python benchmarks/async_grpo.py --steps 200 --bounds 1 2
+
+Reported per run: seconds per optimizer step (median, and the whole run), the trainer's idle time (synchronous: the
+time it waits for the server's completions, measured around the backend's sample; asynchronous: the time it
+waits for a round, perf/rollout_wait_s, and for a producer to finish its round before a weight push), the
+server's idle time (synchronous: the step minus its sampling; asynchronous: the producer's wait for weights or
+room, rollout/backpressure_s), and held-out greedy accuracy every --eval_every steps (evaluation is not timed).
+Nothing else may run on the machine meanwhile (two jobs on two cores stall each other: ../shared/NOTES.md).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from grpo_arithmetic import MODEL_SHAPE, exact_answer, greedy_accuracy, grpo_settings, make_splits, warm_up  # noqa: E402
+
+from trainers import GRPOConfig, GRPOTrainer  # noqa: E402
+from trainers.cli.tiny import save_tiny_model  # noqa: E402
+from trainers.generation.backend import register_backend  # noqa: E402
+from trainers.generation.local_server import free_port, start_local_server  # noqa: E402
+from trainers.generation.vllm_remote import VLLMRemote  # noqa: E402
+
+SERVER_CORE, TRAINER_CORE = 1, 0
+
+
+class TimedServer(VLLMRemote):
+    """The server backend, timing its sampling (the synchronous trainer's wait for completions)."""
+
+    sampling_seconds = push_seconds = 0.0
+
+    def sync_weights(self, step=None):
+        started = time.perf_counter()
+        try:
+            super().sync_weights(step)
+        finally:
+            TimedServer.push_seconds += time.perf_counter() - started
+
+    def sample(self, prompts, prompt_ids, params):
+        started = time.perf_counter()
+        try:
+            return super().sample(prompts, prompt_ids, params)
+        finally:
+            TimedServer.sampling_seconds += time.perf_counter() - started
+
+
+register_backend("timed_server", TimedServer)
+
+
+class Record(TrainerCallback):
+    """Per step: its time, the sampling time (synchronous) or the pipeline's metrics (asynchronous); held-out
+    accuracy every ``every`` steps, outside the step times."""
+
+    def __init__(self, held_out, every):
+        self.held_out, self.every, self.steps, self.accuracy, self.trainer = held_out, every, [], {}, None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "step_time" in logs:
+            self.steps.append({**logs, "sampling_s": TimedServer.sampling_seconds, "push_s": TimedServer.push_seconds})
+            TimedServer.sampling_seconds = TimedServer.push_seconds = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            trainer = self.trainer
+            self.accuracy[state.global_step] = greedy_accuracy(trainer.unwrapped_model, trainer.processing_class,
+                                                               self.held_out)
+
+
+def run(start: str, train_rows, held_out, url: str, steps: int, every: int, bound: int | None) -> dict:
+    fields = grpo_settings(tempfile.mkdtemp(prefix="async-grpo-"), steps=steps)
+    fields.update(logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                  vllm_group_port=free_port())
+    if bound is None:
+        fields.update(use_vllm=False, generation_backend="timed_server")
+    else:
+        fields.update(async_generation=True, max_staleness=bound)
+    record = Record(held_out, every)
+    trainer = GRPOTrainer(model=start, reward_funcs=exact_answer, train_dataset=train_rows,
+                          args=GRPOConfig(**fields), callbacks=[record])
+    record.trainer = trainer
+    record.accuracy[0] = greedy_accuracy(trainer.unwrapped_model, trainer.processing_class, held_out)
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    trainer.end()
+    rows = record.steps[1:]  # the first step pays the first round and the server's warm-up
+    step = statistics.median(r["step_time"] for r in rows)
+    if bound is None:
+        trainer_idle = statistics.mean(r["sampling_s"] for r in rows)
+        server_idle = statistics.mean(r["step_time"] - r["sampling_s"] for r in rows)
+        push = statistics.mean(r["push_s"] for r in rows)
+    else:
+        trainer_idle = statistics.mean(r["perf/rollout_wait_s"] + r["perf/weight_sync_wait_s"] for r in rows)
+        server_idle = statistics.mean(r["rollout/backpressure_s"] for r in rows)
+        push = statistics.mean(r["perf/weight_sync_s"] - r["perf/weight_sync_wait_s"] for r in rows)
+    return {"name": "sync" if bound is None else f"async, bound {bound}", "step": step, "wall": wall,
+            "trainer_idle": trainer_idle, "server_idle": server_idle, "push": push, "accuracy": record.accuracy,
+            "staleness": statistics.mean(r.get("sample/staleness_mean", 0.0) for r in rows),
+            "reward": statistics.mean(r["reward"] for r in record.steps[-50:])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--eval_every", type=int, default=100)
+    parser.add_argument("--bounds", type=int, nargs="+", default=[1])
+    parser.add_argument("--workdir", default=None)
+    cli = parser.parse_args()
+    workdir = cli.workdir or tempfile.mkdtemp(prefix="async-grpo-bench-")
+    os.sched_setaffinity(0, {TRAINER_CORE})
+    torch.set_num_threads(1)
+
+    held_out, validation, train_rows = make_splits()
+    start = os.path.join(workdir, "start")
+    if not os.path.isdir(start):  # the demo's SFT warm start (about half right), saved for the server
+        base = save_tiny_model(os.path.join(workdir, "base"), **MODEL_SHAPE)
+        model, tokenizer = warm_up(base, train_rows, validation, os.path.join(workdir, "sft"), 0.45)
+        model.save_pretrained(start)
+        tokenizer.save_pretrained(start)
+    server = start_local_server(start, os.path.join(workdir, "server.log"), max_model_len=512, cores=[SERVER_CORE])
+    print(f"server up in {server.startup_seconds:.0f} s on core {SERVER_CORE}", flush=True)
+    try:
+        results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound)
+                   for bound in [None] + cli.bounds]
+    finally:
+        server.stop()
+    sync = results[0]["step"]
+    print(f"\n| run | s/step (median) | vs sync | whole run | trainer idle / step | server idle / step | "
+          f"weight push / step | mean staleness | held-out accuracy every {cli.eval_every} steps | "
+          f"reward, last 50 steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        curve = " ".join(f"{100 * r['accuracy'][s]:.1f}" for s in sorted(r["accuracy"]))
+        print(f"| {r['name']} | {r['step']:.3f} | {sync / r['step']:.2f}x | {r['wall']:.0f} s | "
+              f"{r['trainer_idle']:.3f} s | {r['server_idle']:.3f} s | {r['push']:.3f} s | {r['staleness']:.2f} | "
+              f"{curve} | {r['reward']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

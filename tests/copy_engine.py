@@ -1,0 +1,83 @@
+"""A generation backend apart from the policy, for asynchronous GRPO's tests without a vLLM server: a copy of the
+policy's weights (updated only by ``sync_weights``) that samples with seeded generators and returns its log-probs,
+as vLLM does. Registered as ``copy_engine``; ``producer()`` samples one process's rows alone, sharing the copy.
+
+``CopyEngine.fail_at`` / ``stall_at`` (class attributes, for one test at a time): the producer's sampler raises, or
+sleeps for an hour, on its n-th round (counted from 1 per producer). ``CopyEngine.pushes`` records the steps of
+every weight push, and ``CopyEngine.versions`` the (first step, weights step) of every round a producer sampled."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+
+import torch
+
+from trainers import distributed as dist
+from trainers.generation.backend import register_backend
+from trainers.generation.sampling import Samples, ended
+
+
+class CopyEngine:
+    fail_at: int | None = None
+    stall_at: int | None = None
+    pushes: list[int] = []
+    versions: list[tuple[int, int]] = []
+
+    def __init__(self, inputs, engine: torch.nn.Module | None = None, accelerator=None, producing: bool = False):
+        self.inputs, self.config = inputs, inputs.config
+        self.accelerator = accelerator or inputs.context.accelerator
+        self.engine = engine if engine is not None else copy.deepcopy(inputs.policy).eval().requires_grad_(False)
+        self.producing, self.rounds = producing, 0
+        self._step, self._calls, self._weights = 0, 0, 0
+
+    def seed_position(self, step: int) -> None:
+        if step != self._step:
+            self._step, self._calls = step, 0
+        if self.producing:  # a producer's new round
+            self.rounds += 1
+            CopyEngine.versions.append((step, CopyEngine._held))
+            if self.rounds == CopyEngine.fail_at:
+                raise RuntimeError(f"copy_engine: failing on round {self.rounds}, as the test asked")
+            if self.rounds == CopyEngine.stall_at:
+                time.sleep(3600)
+
+    def sync_weights(self, step: int | None = None) -> None:
+        if step is not None:
+            self.seed_position(step)
+        self.engine.load_state_dict(self.inputs.policy.state_dict())
+        CopyEngine._held = step
+        CopyEngine.pushes.append(step)
+
+    @torch.no_grad()
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params) -> Samples:
+        self._calls += 1
+        where = f"{self.config.seed}/{self._step}/{self._calls}/{self.accelerator.process_index}"
+        base = int.from_bytes(hashlib.sha256(where.encode()).digest()[:4], "big")
+        eos = set(self.inputs.context.eos_ids)
+        completions, logprobs = [], []
+        for row, ids in enumerate(prompt_ids):
+            generator = torch.Generator().manual_seed(base + row)
+            tokens, values = [], []
+            for _ in range(params.max_new_tokens):
+                logits = self.engine(torch.tensor([ids + tokens])).logits[0, -1].float() / params.temperature
+                logp = torch.log_softmax(logits, -1)
+                token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                tokens.append(token)
+                values.append(float(logp[token]))
+                if token in eos:
+                    break
+            completions.append(tokens)
+            logprobs.append(values)
+        return Samples(prompt_ids, completions, logprobs, finished=[ended(c, eos) for c in completions])
+
+    def producer(self) -> CopyEngine:
+        return CopyEngine(self.inputs, self.engine, dist.ThisProcess(self.accelerator), producing=True)
+
+    def close(self) -> None:
+        pass
+
+
+CopyEngine._held = None
+register_backend("copy_engine", CopyEngine)

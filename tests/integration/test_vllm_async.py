@@ -1,0 +1,90 @@
+"""Asynchronous GRPO (async_generation) against a real vLLM server: `trainers vllm-serve` started once for this
+module (as tests/integration/test_vllm_server.py starts it), the runs in their own processes
+(tests/integration/vllm_async_job.py). Bound 0 is the synchronous run exactly; bound 1 learns the digits task with
+every round one step stale; two processes under ZeRO-3 each sample their own rows; a server stopped mid-run
+(SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within the stated timeouts with a
+checkpoint. The tests run in file order: the last one kills the server."""
+
+import os
+
+import pytest
+
+from tests.conftest import free_port, launch, rank_reports, run_job
+from tests.integration.test_vllm_server import group_members, serve
+
+pytestmark = pytest.mark.slow
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_async_job.py")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve(tmp_path_factory)
+
+
+def job(out, mode, server, *extra) -> dict:
+    return run_job(JOB, mode, server.url, server.model_dir, str(free_port()), str(out), *map(str, extra),
+                   report=os.path.join(out, "report.json"))
+
+
+def test_bound_zero_is_the_synchronous_run(server, tmp_path):
+    """max_staleness=0: every round sampled with the weights of the step that trains on it, by the same seeds, so
+    4 asynchronous steps end with the synchronous run's weights, bit for bit."""
+    report = job(tmp_path, "exact", server)
+    assert report["async"] == report["sync"]
+    assert [r["sample/staleness_max"] for r in report["records"]] == [0.0] * 4
+
+
+def test_bound_one_learns_with_every_round_one_step_stale(server, tmp_path):
+    """24 steps of the digits task with max_staleness=1 (AsyncGRPOTrainer, TRL's argument order): the reward rises
+    as in the synchronous run (test_vllm_server.py), each round after the first sampled one step before the step
+    that trains on it, its lag seen by the sampler's log-probs."""
+    report = job(tmp_path, "learn", server)
+    records = report["records"]
+    rewards = [r["reward"] for r in records]
+    print(f"\nasync GRPO, bound 1, 24 steps: {report['seconds']:.1f} s; rewards {[round(r, 2) for r in rewards]}")
+    assert rewards[0] < 0.1 and sum(rewards[-4:]) / 4 > 0.5, rewards
+    assert [r["sample/staleness_max"] for r in records] == [0.0] + [1.0] * 23
+    for name in ("sample/staleness_mean", "sample/rollout_queue_size", "perf/rollout_wait_s",
+                 "rollout/backpressure_s", "perf/weight_sync_s", "perf/weight_sync_wait_s"):
+        assert all(name in r for r in records), name
+    # one optimizer step of lag: the sampler's log-probs differ from the policy's that trains on them
+    assert sum(r["sampling/sampling_logp_difference/mean"] for r in records[1:]) / 23 > 1e-3
+
+
+def test_two_processes_under_zero3_sample_their_own_rows(server, tmp_path):
+    """2 processes, ZeRO-3, max_staleness=1: each process's producer sends its own rows; the weights are pushed by
+    the main process from both processes' shards; both processes end with the same weights and metrics."""
+    launch("zero3", JOB, "zero3", server.url, server.model_dir, str(free_port()), str(tmp_path), timeout=600)
+    reports = rank_reports(tmp_path)
+    assert [r["is_main_process"] for r in reports] == [True, False]
+    assert reports[0]["weights"] == reports[1]["weights"]
+    for report in reports:
+        assert [r["sample/staleness_max"] for r in report["records"]] == [0.0] + [1.0] * 5
+    assert [r["reward"] for r in reports[0]["records"]] == [r["reward"] for r in reports[1]["records"]]
+
+
+def test_a_stalled_server_stops_the_run_with_a_checkpoint_that_resumes(server, tmp_path):
+    """The server is stopped (SIGSTOP) after step 2, in the middle of the producer's next round: with
+    request_timeout=5 and weight_sync_timeout=5 the run stops within seconds, naming the server, with a checkpoint
+    of step 2; the server continues and the checkpoint resumes asynchronously."""
+    report = job(tmp_path, "stall", server, server.process.pid)
+    print(f"\nserver stopped after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
+    assert report["error_type"] in ("VLLMServerError", "GenerationError"), report
+    assert server.url in report["error"] or "producer" in report["error"], report["error"]
+    assert "Training stopped after step 2; checkpoint written to" in report["error"]
+    assert report["steps_done"] == 2 and "checkpoint-2" in report["checkpoints"]
+    assert report["seconds_to_stop"] < 60
+    assert report["resumed_steps"] == [1, 2, 3, 4]
+
+
+def test_a_killed_server_stops_the_run_with_a_checkpoint(server, tmp_path):
+    """The server is killed after step 2: the producer's requests and the next weight push fail, and every
+    process stops with a VLLMServerError naming the server and a checkpoint of step 2."""
+    report = job(tmp_path, "die", server, server.process.pid)
+    print(f"\nserver killed after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
+    assert report["error_type"] == "VLLMServerError" and server.url in report["error"], report
+    assert "Training stopped after step 2; checkpoint written to" in report["error"]
+    assert report["steps_done"] == 2 and "checkpoint-2" in report["checkpoints"]
+    assert report["seconds_to_stop"] < 60
+    assert group_members(server.process.pid) == []

@@ -1,0 +1,314 @@
+"""Asynchronous generation (GRPOConfig.async_generation): GRPO's rounds sampled ahead of training.
+
+    trainer thread (every process together)                 producer thread (one per process, its own rows)
+    -----------------------------------------------         ---------------------------------------------------
+    prepare_step(t): sync_weights(t) every                   waits for a fed round the engine's weights may
+      weight_sync_steps (producers paused between              sample: version // N >= first_step(r) // N - k
+      their rounds, so no round mixes weights)               samples it (the tool loop over it) through the
+    feed(r): round r's rows, read in order          ---->      backend's producer(): its own client, no
+    take(r): waits for them, checks the bound       <----      collectives; tags it with the version it used
+    the rest of the rollout stage (rewards, old log-probs, advantages) as in a synchronous round
+
+(N: weight_sync_steps; k: max_staleness; a version is the optimizer step whose weights the engine holds.) A round
+is never generated staler than the bound: the producer waits instead, so nothing is generated to be thrown away;
+``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
+the step that trains on it, by the same seeds: the synchronous run, exactly. The lag is corrected by the sampler's
+log-probs (vllm_importance_sampling_correction, off_policy_mask_threshold), as for any sampler apart from the policy.
+
+Never hangs: the producer's requests time out (request_timeout), a weight push times out (weight_sync_timeout),
+and a trainer that waits for a round while the producer shows no progress for heartbeat_stale_after_s stops. A
+failure is raised on every process together (``GenerationError``, or the server's ``VLLMServerError``) and the trainer
+answers it with a checkpoint. Rounds fed but not trained on are discarded when the producer stops; a checkpoint
+records the data position before the first of them (``ReadAhead``), so a resumed run generates them again.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainers import distributed as dist
+from trainers.errors import GenerationError, VLLMServerError
+from trainers.grpo.rollout import Sampled, sample_rows
+from trainers.logs import logger
+
+POLL_SECONDS = 0.5  # how often a waiting side looks at the clock (a stop, a stalled producer)
+
+
+@dataclass(frozen=True)
+class Work:
+    """A round for the producer: this process's rows of it, and the first optimizer step that trains on it."""
+
+    round_index: int
+    first_step: int
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A round the producer sampled, with the version (optimizer step) of the weights it sampled with."""
+
+    round_index: int
+    version: int
+    sampled: Sampled
+
+
+class ReadAhead:
+    """GRPO's prompt batches read ahead of training (``read``), handed to the trainer in order (``batch``). A
+    checkpoint's data position (``state``) is the one before the first round read but not yet handed out: a
+    resumed run reads those rounds again and the producer generates them anew."""
+
+    def __init__(self, batches):
+        self.inner = batches
+        self._ahead: dict[int, tuple[Any, list]] = {}  # round -> (the position before it, its prompts)
+
+    def read(self, round_index: int) -> list:
+        before = self.inner.state()
+        prompts = self.inner.batch(round_index)
+        self._ahead[round_index] = (before, prompts)
+        return prompts
+
+    def batch(self, round_index: int) -> list:
+        if round_index not in self._ahead:  # not read ahead (the synchronous path): read now
+            self.read(round_index)
+        return self._ahead.pop(round_index)[1]
+
+    def state(self):
+        return self._ahead[min(self._ahead)][0] if self._ahead else self.inner.state()
+
+    def restore(self, state) -> None:
+        self._ahead.clear()
+        self.inner.restore(state)
+
+    def rewind(self) -> None:
+        """Forget the rounds read ahead: the next read is the first of them again."""
+        if self._ahead:
+            self.restore(self.state())
+
+    def __getattr__(self, name: str):  # the rest of the batches' interface (validate, steps_per_epoch, ...)
+        return getattr(self.inner, name)
+
+
+class AsyncRounds:
+    """The generation backend of an asynchronous run: the trainer's ``backend`` (weight pushes, evaluation's
+    sampling) and a producer thread on this process over ``backend.producer()`` (module docstring). Built once the
+    backend is; ``start`` begins a run's producer, ``close`` ends it (and the backend's lifetime). Every process
+    calls ``sync_weights``, ``take`` and ``step_metrics`` together, in the same order."""
+
+    def __init__(self, backend, tool_loop_factory, tokenizer, eos_ids: set[int], sampling, accelerator, args):
+        if not callable(getattr(backend, "producer", None)):
+            raise GenerationError(f"async_generation=True: the generation backend {type(backend).__name__} cannot "
+                                  f"sample ahead of training (it has no producer()); use use_vllm=True with "
+                                  f"vllm_mode='server'.")
+        self.backend, self.tool_loop_factory = backend, tool_loop_factory
+        self.tokenizer, self.eos_ids, self.sampling = tokenizer, eos_ids, sampling
+        self.accelerator, self.args = accelerator, args
+        self.every, self.bound = args.weight_sync_steps, args.max_staleness
+        self._cond = threading.Condition()
+        self._generating = threading.Lock()  # held by the producer while it samples a round
+        self._thread: threading.Thread | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._work: collections.deque[Work] = collections.deque()
+        self._done: dict[int, Generated] = {}
+        self._fed: set[int] = set()  # rounds fed and not taken yet
+        self._version: int | None = None  # the step whose weights the engine holds (None: not pushed this run)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._progress = time.monotonic()  # the producer's heartbeat: its last round done, or its last wait
+        self._waiting_rows = 0  # rows generated or in generation, not yet taken
+        # since the last step_metrics: the trainer's wait for rounds, the producer's idle time, the weight syncs' time
+        # and the part of it spent waiting for the producer to finish a round
+        self._trainer_wait = self._producer_idle = self._sync_seconds = self._sync_wait = 0.0
+
+    # ------------------------------------------------------------------ the backend interface (trainer thread)
+
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params):
+        """Sampling in the trainer's thread (evaluation): the backend's own, with every process."""
+        return self.backend.sample(prompts, prompt_ids, params)
+
+    def sync_weights(self, step: int) -> None:
+        """The engine gets the weights of optimizer step ``step``, between the producers' rounds: each process's
+        producer finishes the round it is sampling, all processes meet, the backend pushes, the producers go on
+        with the new version."""
+        if self._version == step:
+            return
+        started = time.monotonic()
+        timeout = self.args.request_timeout + self.args.weight_sync_timeout
+        paused = self._generating.acquire(timeout=timeout)
+        self._sync_wait += time.monotonic() - started
+        error = None if paused else GenerationError(
+            f"async_generation: the producer did not finish its round within {timeout} s (request_timeout + "
+            f"weight_sync_timeout), so the weights of step {step} could not be pushed.")
+        try:
+            dist.raise_together(self.accelerator, error, shared=(GenerationError,))
+            self.accelerator.wait_for_everyone()  # no process's producer is sampling now
+            self.backend.sync_weights(step)
+            with self._cond:
+                self._version = step
+                self._cond.notify_all()
+        finally:
+            if paused:
+                self._generating.release()
+        self._sync_seconds += time.monotonic() - started
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` pushes the policy's weights (every weight_sync_steps, and a run's first)."""
+        return self._version is None or step % self.every == 0
+
+    def close(self) -> None:
+        """Stop the producer (a round in flight is abandoned) and end the backend's lifetime. Idempotent."""
+        self._stop_producer()
+        self.backend.close()
+
+    # ------------------------------------------------------------------ the pipeline (trainer thread)
+
+    def start(self) -> None:
+        """A run's producer thread, over a fresh producer sampler (rounds fed from here on)."""
+        self._stop_producer()
+        self._reset()
+        sampler, tool_loop = self.backend.producer(), self.tool_loop_factory()
+        self._thread = threading.Thread(target=self._produce, args=(sampler, tool_loop, self._stop),
+                                        name="grpo-async-producer", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def horizon(self, step: int) -> int:
+        """The last optimizer step whose rounds may be fed at step ``step``: those the next weight sync lets the
+        producer sample."""
+        return (step // self.every + 1 + self.bound) * self.every - 1
+
+    def feed(self, work: Work) -> None:
+        with self._cond:
+            self._fed.add(work.round_index)
+            self._work.append(work)
+            self._cond.notify_all()
+
+    def take(self, round_index: int, first_step: int) -> tuple[Sampled, dict[str, float]]:
+        """Round ``round_index``'s rows on this process, once the producer has them, and its staleness metrics
+        (over every process). Raises the producer's error (on every process together), or GenerationError when
+        it shows no progress for heartbeat_stale_after_s."""
+        started, error, generated = time.monotonic(), None, None
+        stale_after = self.args.heartbeat_stale_after_s
+        with self._cond:
+            if round_index not in self._done and round_index not in self._fed:
+                raise RuntimeError(f"AsyncRounds.take({round_index}): that round was never fed to the producer.")
+            while round_index not in self._done and self._error is None:
+                quiet = time.monotonic() - self._progress
+                if quiet > stale_after:
+                    self._error = GenerationError(
+                        f"async_generation: round {round_index} (for optimizer step {first_step}) is not ready and "
+                        f"the producer has shown no progress for {quiet:.0f} s (heartbeat_stale_after_s="
+                        f"{stale_after:g}); the engine holds the weights of step {self._version}.")
+                    break
+                self._cond.wait(timeout=POLL_SECONDS)
+            error = self._error
+            if error is None:
+                generated = self._done.pop(round_index)
+                self._fed.discard(round_index)
+                self._waiting_rows -= len(generated.sampled.samples.completion_ids)
+            waiting = self._waiting_rows
+        self._trainer_wait += time.monotonic() - started
+        dist.raise_together(self.accelerator, error, shared=(GenerationError, VLLMServerError))
+        staleness = first_step // self.every - generated.version // self.every
+        acc = self.accelerator
+        total = dist.all_reduce_sum(acc, torch.tensor([float(staleness), float(waiting)], device=acc.device))
+        peak = dist.all_reduce_max(acc, torch.tensor([float(staleness)], device=acc.device)).item()
+        if peak > self.bound:  # the producer's gate makes this impossible: a bug, never trained on silently
+            raise GenerationError(f"async_generation: round {round_index} was sampled {peak:g} weight syncs before "
+                                  f"step {first_step}, beyond max_staleness={self.bound}.")
+        staleness_sum, waiting_sum = total.tolist()
+        return generated.sampled, {"sample/staleness_mean": staleness_sum / acc.num_processes,
+                                   "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum}
+
+    def step_metrics(self) -> dict[str, float]:
+        """Since the last call, the most over processes: the trainer's wait for rounds (perf/rollout_wait_s), the
+        producer's idle time (rollout/backpressure_s: waiting for weights, room or work), the weight syncs' time
+        (perf/weight_sync_s) and the part of it spent waiting for a producer to finish its round
+        (perf/weight_sync_wait_s)."""
+        with self._cond:
+            values = [self._trainer_wait, self._producer_idle, self._sync_seconds, self._sync_wait]
+            self._trainer_wait = self._producer_idle = self._sync_seconds = self._sync_wait = 0.0
+        acc = self.accelerator
+        peak = dist.all_reduce_max(acc, torch.tensor(values, dtype=torch.float64, device=acc.device)).tolist()
+        return dict(zip(("perf/rollout_wait_s", "rollout/backpressure_s", "perf/weight_sync_s",
+                         "perf/weight_sync_wait_s"), peak))
+
+    def _stop_producer(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+            abandoned = len(self._work) + len(self._done)
+        thread.join(timeout=self.args.request_timeout)
+        if thread.is_alive():  # stuck in a request to a server that does not answer: it dies with the process
+            logger.warning("async_generation: the producer thread is still in a request; it is left behind.")
+        if abandoned and self.accelerator.is_main_process:
+            logger.info(f"async_generation: {abandoned} round(s) generated ahead were not trained on; a resumed run "
+                        f"generates them again.")
+
+    # ------------------------------------------------------------------ the producer (its own thread)
+
+    def _eligible(self) -> Work | None:
+        """The next fed round, if the engine's weights may sample it and there is room for it (under _cond)."""
+        if not self._work or self._version is None:
+            return None
+        work = self._work[0]
+        if self._version // self.every < work.first_step // self.every - self.bound:
+            return None  # too stale: wait for a newer version
+        if self._waiting_rows and self._waiting_rows + len(work.rows) > self.args.queue_maxsize:
+            return None  # no room until the trainer takes a round
+        return work
+
+    def _produce(self, sampler, tool_loop, stop: threading.Event) -> None:
+        local, work = dist.ThisProcess(self.accelerator), None
+        try:
+            while not stop.is_set():
+                idle = time.monotonic()
+                with self._cond:
+                    while not stop.is_set() and (work := self._eligible()) is None:
+                        self._progress = time.monotonic()  # alive: waiting for weights, room or work
+                        self._cond.wait(timeout=POLL_SECONDS)
+                    if stop.is_set():
+                        return
+                    self._work.popleft()
+                    self._waiting_rows += len(work.rows)
+                    self._producer_idle += time.monotonic() - idle
+                with self._generating:
+                    with self._cond:
+                        version = self._version  # newer than when it was eligible, perhaps: still within the bound
+                    if hasattr(sampler, "seed_position"):  # seeds by the step the round is for, as a synchronous run
+                        sampler.seed_position(work.first_step)
+                    sampled = sample_rows(sampler, tool_loop, self.tokenizer, work.rows, work.prompt_ids,
+                                          self.sampling, self.eos_ids, local)
+                with self._cond:
+                    self._done[work.round_index] = Generated(work.round_index, version, sampled)
+                    self._progress = time.monotonic()
+                    self._cond.notify_all()
+        except BaseException as caught:  # the trainer raises it on every process, with a checkpoint
+            error = caught
+            if not isinstance(caught, (GenerationError, VLLMServerError)):
+                where = f"round {work.round_index}" if work is not None else "its first round"
+                logger.error(f"async_generation: the producer failed sampling {where}", exc_info=caught)
+                error = GenerationError(f"async_generation: the producer failed sampling {where}: "
+                                        f"{type(caught).__name__}: {caught}")
+                error.__cause__ = caught
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+        finally:
+            sampler.close()
+            if tool_loop is not None:
+                tool_loop.close()
