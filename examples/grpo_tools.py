@@ -221,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--async_generation", action="store_true",
                         help="With the server: sample ahead of training (docs/grpo.md, 'Asynchronous generation').")
     parser.add_argument("--max_staleness", type=int, default=1, help="With --async_generation: the bound.")
+    parser.add_argument("--warm_start", help="Skip the SFT warm-up: RL from this saved model (with its tokenizer), "
+                                             "e.g. OUTPUT_DIR/warm-start of an earlier --vllm_server run.")
     cli = parser.parse_args(argv)
 
     started = time.time()
@@ -230,10 +232,17 @@ def main(argv=None):
     print(f"1. tiny model built offline; {len(train)} training / {len(validation)} validation / "
           f"{len(held_out)} held-out problems", flush=True)
 
-    print(f"2. SFT warm-up: transcripts that call the tool, then {cli.mix_steps} steps on transcripts of which "
-          f"{cli.call_share:.0%} call", flush=True)
-    model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.call_share,
-                               cli.warmup_target, cli.max_sft_steps, cli.mix_steps, seed=cli.seed)
+    if cli.warm_start:  # a warm start saved before (a --vllm_server run saves its own in OUTPUT_DIR/warm-start)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"2. the SFT warm start from {cli.warm_start}", flush=True)
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(cli.warm_start), AutoTokenizer.from_pretrained(
+            cli.warm_start)
+    else:
+        print(f"2. SFT warm-up: transcripts that call the tool, then {cli.mix_steps} steps on transcripts of which "
+              f"{cli.call_share:.0%} call", flush=True)
+        model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.call_share,
+                                   cli.warmup_target, cli.max_sft_steps, cli.mix_steps, seed=cli.seed)
     before = greedy_eval(model, tokenizer, held_out)
     print(f"   held-out after SFT (greedy): accuracy {before[0]:.1%}, tool calls per problem {before[1]:.2f}  "
           f"({time.time() - started:.0f} s)", flush=True)
@@ -244,6 +253,7 @@ def main(argv=None):
         start = os.path.join(cli.output_dir, "warm-start")
         model.save_pretrained(start)
         tokenizer.save_pretrained(start)
+        model = start  # the trainer loads it from there: the server checks it serves the trainer's model
         server = start_local_server(start, os.path.join(cli.output_dir, "server.log"), max_model_len=512,
                                     cores=cores[-1:])
         print(f"   the warm start served at {server.url} (started in {server.startup_seconds:.0f} s)", flush=True)

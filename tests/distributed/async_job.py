@@ -7,14 +7,16 @@ Runs 4 steps synchronously, then with max_staleness=0 (the same weights), then w
 evaluation every 2 steps (each evaluation's weight push waits for both producers).
 """
 
+import importlib
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.*
 from tests.conftest import digits  # noqa: E402
-from tests.copy_engine import CopyEngine  # noqa: E402,F401 (registers copy_engine)
 from trainers import GRPOConfig, GRPOTrainer  # noqa: E402
+
+importlib.import_module("tests.copy_engine")  # registers the copy_engine backend
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"]]
 

@@ -79,12 +79,9 @@ class VLLMRemote(VLLMBackend):
 
     def _connect(self) -> None:
         """The client, on the main process, checked against the served model. Every process calls it."""
-        args, acc = self.config, self.context.accelerator
-        error = None
+        acc, error = self.context.accelerator, None
         if acc.is_main_process:
             try:
-                from trainers.generation.vllm_client import VLLMClient
-
                 self.vllm_client = self._new_client()
                 self.vllm_client.check_server(self._model_name())
             except Exception as caught:

@@ -6,7 +6,9 @@ One optimizer step, as the base loop runs it (trainers/base.py):
    the rollout stage builds each generation round the step trains on that is not built yet
    (``RolloutStage``, trainers/grpo/rollout.py): ``generation_batch_size / num_generations`` prompts (identically on every
    process), each repeated ``num_generations`` times, this process's contiguous share sampled, scored, its
-   advantages computed from every process's rewards, kept as a typed ``Rollout`` (trainers/grpo/batch.py).
+   advantages computed from every process's rewards, kept as a typed ``Rollout`` (trainers/grpo/batch.py). With
+   async_generation the rounds are sampled ahead by a producer thread (trainers/grpo/async_rounds.py, fed and
+   synced by grpo/generation_lifetime.py) and ``build_round`` takes each one's completions from it.
 2. ``micro_batch``: a slice of the round (a ``MicroBatch``). A round serves ``steps_per_generation`` micro-steps,
    ``num_iterations`` times over. With token_budget, ``step_batches`` regroups a step's slices by tokens.
 3. ``compute_loss``: the policy's log-probs (``LogProbScorer``, trainers/grpo/scoring.py), the objective of ``loss_type``
