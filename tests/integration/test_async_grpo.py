@@ -233,6 +233,7 @@ def test_async_grpo_config_takes_trls_options_and_defaults():
     (the TrainingArguments ones are GRPOConfig's, and so are all of GRPOConfig's)."""
     import dataclasses
 
+    pytest.importorskip("trl.experimental.async_grpo")  # the bench extra installs TRL
     from trl.experimental.async_grpo import AsyncGRPOConfig as TRLConfig
     from trl.trainer.base_config import _BaseConfig
 
