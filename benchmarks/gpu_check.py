@@ -1,0 +1,257 @@
+"""The prepared GPU check (issue 48): one call on a lent GPU machine runs the package on CUDA and writes one report.
+
+    bash benchmarks/gpu_check.sh                       # on the GPU machine (installs the carried wheels first)
+    python benchmarks/gpu_check.py --dry-run --out D   # here, on CPU: the same parts, tiny, GPU-only ones skipped
+
+Parts, each in its own process with its own time limit, so a failure or a hang in one does not stop the rest:
+
+    runs       SFT and GRPO a few steps on a tiny model (bf16 on CUDA): finite losses, a save and an exact resume,
+               the lean engine's greedy tokens against HF generate's, vLLM colocated if vLLM's CUDA build is there
+    rows       benchmarks/compare_trl.py --gpu: a Qwen2.5-0.5B-shaped model, ours and TRL's on the same card
+               (SFT tokens/s, MFU, peak memory; GRPO s/step, generated tokens/s, peak memory)
+    templates  accelerate_configs/fsdp2.yaml and single_gpu.yaml, one process, a few SFT steps each
+    profile    where a GRPO step's time goes: sampling, the weight sync, the rest (scoring, backward, optimizer)
+
+Writes OUT/gpu_check.json and OUT/gpu_check.md (a table naming the card, for docs/benchmarks.md's "GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("runs", "rows", "templates", "profile")
+LIMITS = {"runs": 90, "rows": 240, "templates": 60, "profile": 90}  # seconds each: 8 minutes in all at most
+
+
+# ---------------------------------------------------------------------------------------------- the parts
+
+
+def part_runs(device: str, out: str) -> dict:
+    """Tiny SFT and GRPO on ``device``: finite losses, an exact resume, lean against HF greedy, vLLM colocated."""
+    import torch
+
+    from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trainers.cli.tiny import save_tiny_model
+    from trainers.generation.sampling import SamplingParams, generate
+
+    cuda = device == "cuda"
+    model = save_tiny_model(os.path.join(out, "tiny"), hidden_size=128, num_layers=2)
+    common = dict(logging_steps=1, disable_tqdm=True, seed=0, report_to="none", bf16=cuda, use_cpu=not cuda)
+    details: dict = {}
+    sft = SFTTrainer(model=model, train_dataset=[{"prompt": "12+3=", "completion": "15"}] * 32, args=SFTConfig(
+        output_dir=os.path.join(out, "sft"), per_device_train_batch_size=8, max_steps=4, save_strategy="no",
+        learning_rate=1e-3, **common))
+    sft.train()
+    details["sft_losses"] = [r["loss"] for r in sft.state.log_history if "loss" in r]
+    details["sft_finite"] = all(math.isfinite(v) for v in details["sft_losses"])
+
+    def grpo(name, steps, **extra):
+        args = GRPOConfig(output_dir=os.path.join(out, name), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=8, max_steps=steps, learning_rate=1e-3, save_strategy="steps",
+                          save_steps=2, **common, **extra)
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                           args=args, train_dataset=[{"prompt": p} for p in ("abc", "hello", "xyz", "12")] * 4)
+
+    straight = grpo("grpo", 4)
+    straight.train()
+    details["grpo_losses"] = [r["loss"] for r in straight.state.log_history if "loss" in r]
+    resumed = grpo("grpo-resumed", 4)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "grpo", "checkpoint-2"))
+    details["resume_exact"] = all(torch.equal(a, b) for a, b in zip(straight.model.parameters(),
+                                                                      resumed.model.parameters(), strict=True))
+    policy, tokenizer = straight.unwrapped_model, straight.processing_class
+    prompts = [tokenizer(p)["input_ids"] for p in ("abc", "hello there", "12+3=")]
+    greedy = SamplingParams(max_new_tokens=16, do_sample=False)
+    eos = {tokenizer.eos_token_id}
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+        lean = generate(policy.eval(), prompts, greedy, tokenizer.pad_token_id, eos, engine="lean")
+        hf = generate(policy, prompts, greedy, tokenizer.pad_token_id, eos, engine="hf")
+    details["lean_equals_hf_greedy"] = lean == hf
+    try:
+        import vllm
+
+        details["vllm"] = vllm.__version__
+    except Exception as error:  # not installed, or a CPU build on the GPU machine
+        details["vllm"] = f"not importable: {type(error).__name__}: {str(error)[:200]}"
+    if cuda and not details["vllm"].startswith("not importable"):
+        colocated = grpo("grpo-vllm", 2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2)
+        colocated.train()
+        details["vllm_colocate_losses"] = [r["loss"] for r in colocated.state.log_history if "loss" in r]
+    ok = details["sft_finite"] and details["resume_exact"] and all(map(math.isfinite, details["grpo_losses"]))
+    return {"ok": ok, "details": details}
+
+
+def part_rows(device: str, out: str) -> dict:
+    """The rows that matter, ours and TRL's on this card (benchmarks/compare_trl.py --gpu)."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    rows = os.path.join(out, "rows.json")
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "compare_trl.py"), "--gpu", "--repeats", "1",
+               "--only", "sft-qwen05-unpacked", "grpo-qwen05-256", "--json", rows,
+               "--workdir", os.path.join(out, "rows")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    return {"ok": result.returncode == 0, "details": {"table": table, "stderr_tail": result.stderr[-1500:]}}
+
+
+def part_templates(device: str, out: str) -> dict:
+    """fsdp2.yaml and single_gpu.yaml with one process: a few SFT steps each (FSDP engages only on GPUs)."""
+    details = {}
+    for template in ("single_gpu", "fsdp2"):
+        if device != "cuda" and template == "fsdp2":
+            details[template] = "skipped: FSDP through Accelerate engages only on GPUs"
+            continue
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   os.path.join(REPO, "accelerate_configs", f"{template}.yaml"), "--num_processes", "1",
+                   os.path.join(REPO, "examples", "sft.py"), "--max_steps", "3", "--logging_steps", "1",
+                   "--save_strategy", "no", "--report_to", "none", "--output_dir", os.path.join(out, template)]
+        if device != "cuda":
+            command[5:5] = ["--cpu"]  # after --num_processes 1: accelerate's own flag, before the script
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        details[template] = "ok" if result.returncode == 0 else f"failed ({result.returncode}): " \
+                                                               f"{result.stderr[-800:]}"
+    return {"ok": all(v == "ok" or v.startswith("skipped") for v in details.values()), "details": details}
+
+
+def part_profile(device: str, out: str) -> dict:
+    """Where a GRPO step's time goes: the backend's sampling and weight sync (timed around the backend), the
+    rest (scoring, forward and backward, optimizer) from step_time. A 0.5B-shaped model on CUDA, tiny on CPU."""
+    import torch
+
+    from trainers import GRPOConfig, GRPOTrainer
+    from trainers.cli.tiny import save_tiny_model
+    from trainers.generation.backend import PolicyBackend, register_backend
+
+    timed = {"sample": 0.0, "sync": 0.0}
+
+    class Timed(PolicyBackend):
+        def sample(self, prompts, prompt_ids, params):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            samples = super().sample(prompts, prompt_ids, params)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            timed["sample"] += time.perf_counter() - started
+            return samples
+
+    register_backend("timed_policy", Timed)
+    shape = dict(hidden_size=896, num_layers=24, vocab_size=151936) if device == "cuda" else \
+        dict(hidden_size=64, num_layers=2)
+    model = save_tiny_model(os.path.join(out, "profile-model"), **shape)
+    steps = 4 if device == "cuda" else 2
+    args = GRPOConfig(output_dir=os.path.join(out, "profile"), per_device_train_batch_size=16, num_generations=8,
+                      max_completion_length=128 if device == "cuda" else 8, max_steps=steps, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, report_to="none", bf16=device == "cuda",
+                      use_cpu=device != "cuda", generation_backend="timed_policy")
+    records = []
+
+    from transformers import TrainerCallback
+
+    class Split(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "step_time" in logs:
+                records.append({"step_s": logs["step_time"], "sample_s": timed["sample"]})
+                timed["sample"] = 0.0
+
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=[{"prompt": p} for p in ("abc", "hello", "xyz", "12")] * 8,
+                          callbacks=[Split()])
+    trainer.train()
+    after_first = records[1:] or records
+    step = sum(r["step_s"] for r in after_first) / len(after_first)
+    sample = sum(r["sample_s"] for r in after_first) / len(after_first)
+    return {"ok": True, "details": {"steps": records, "step_s": step, "sampling_s": sample,
+                                    "rest_s": step - sample, "sampling_share": sample / step if step else None}}
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+
+
+def environment() -> dict:
+    import importlib
+
+    found = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "peft", "trl", "vllm"):
+        try:
+            found[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as error:
+            found[name] = f"missing ({type(error).__name__})"
+    import torch
+
+    found["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (no CUDA)"
+    return found
+
+
+def run_part(name: str, device: str, out: str, limit: float) -> dict:
+    """One part in a process of its own, within ``limit`` seconds: its report, or why there is none."""
+    started = time.monotonic()
+    path = os.path.join(out, f"part-{name}.json")
+    command = [sys.executable, os.path.abspath(__file__), "--part", name, "--device", device, "--out", out]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=REPO)
+        with open(os.path.join(out, f"part-{name}.log"), "w") as log:
+            log.write(result.stdout + result.stderr)
+        if os.path.exists(path):
+            with open(path) as f:
+                report = json.load(f)
+        else:
+            report = {"ok": False, "error": f"exit {result.returncode}: {result.stderr[-1500:]}"}
+    except subprocess.TimeoutExpired:
+        report = {"ok": False, "error": f"timed out after {limit:g} s"}
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [f"GPU check on {report['environment']['device']} ({'dry run' if report['dry_run'] else 'CUDA'})", "",
+             "| part | status | seconds | details |", "|---|---|---|---|"]
+    for name, part in report["parts"].items():
+        status = "skipped" if "skipped" in part else "ok" if part.get("ok") else "FAILED"
+        detail = part.get("skipped") or part.get("error") or json.dumps(part.get("details", {}))[:400]
+        lines.append(f"| {name} | {status} | {part.get('seconds', '')} | {detail.replace('|', '/')} |")
+    versions = ", ".join(f"{k} {v}" for k, v in report["environment"].items() if k != "device")
+    return "\n".join(lines + ["", f"Versions: {versions}", ""])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "gpu-check"))
+    parser.add_argument("--dry-run", action="store_true", help="On CPU: the parts tiny, the GPU-only ones skipped.")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part here
+    parser.add_argument("--device", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    cli = parser.parse_args(argv)
+    os.makedirs(cli.out, exist_ok=True)
+    if cli.part:  # one part, in this process
+        report = globals()[f"part_{cli.part}"](cli.device, cli.out)
+        with open(os.path.join(cli.out, f"part-{cli.part}.json"), "w") as f:
+            json.dump(report, f)
+        return 0
+    import torch
+
+    if not cli.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run on the GPU machine, or pass --dry-run")
+    device = "cpu" if cli.dry_run else "cuda"
+    report = {"dry_run": cli.dry_run, "environment": environment(), "parts": {}}
+    for name in cli.parts:
+        report["parts"][name] = run_part(name, device, cli.out, LIMITS[name])
+        print(f"{name}: {report['parts'][name]}", flush=True)
+    with open(os.path.join(cli.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(cli.out, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    return 0 if all(p.get("ok") or "skipped" in p for p in report["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
