@@ -15,19 +15,13 @@ import argparse
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainers.generation.local_server import free_port  # noqa: E402
 
 
 def build_model(path: str, width: int, layers: int) -> str:

@@ -5,7 +5,6 @@ learn."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from transformers import TrainerCallback  # noqa: E402  after the offline switches, which it reads on import
+
+from trainers.generation.local_server import free_port  # noqa: E402  (tests import it from here too)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "accelerate_configs")  # a symlink to trainers/templates/ (the package data)
@@ -34,12 +35,6 @@ def tokenizer():
     from trainers.cli.tiny import build_tokenizer
 
     return build_tokenizer()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(template: str, script: str, *args: str, num_processes: int = 2, timeout: int = 600,

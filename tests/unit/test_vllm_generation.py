@@ -79,6 +79,39 @@ def test_a_groups_rows_become_one_seeded_request_for_n_completions():
     assert seeded_requests([], []) == []
 
 
+@pytest.mark.parametrize("inflight, most", [(-1, 4), (1, 1), (2, 2)])
+def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_path, inflight, most):
+    """async_generation's sampler (ServerSampler, one process's rows) sends a round's requests together, at most
+    max_inflight_tasks at once (-1: up to 16): 4 prompts, 4 requests."""
+    import threading
+    import time
+
+    from trainers.generation.backend import BackendInputs
+    from trainers.generation.sampling import GenerationContext
+    from trainers.generation.vllm_remote import ServerSampler
+
+    class Client:  # the server's client, counting the requests in flight
+        def __init__(self):
+            self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+        def generate(self, prompts, n, **kwargs):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            time.sleep(0.1)
+            with self.lock:
+                self.now -= 1
+            return {"completion_ids": [[7, 1]] * (n * len(prompts)), "logprobs": None}
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", async_generation=True,
+                      max_inflight_tasks=inflight)
+    context = GenerationContext(Accelerator(cpu=True), pad_id=0, eos_ids=frozenset({1}))
+    client = Client()
+    sampler = ServerSampler(BackendInputs(context, None, None, None, args, 4), client)
+    samples = sampler.sample(["a", "b", "c", "d"], [[2], [3], [4], [5]], SamplingParams(max_new_tokens=2))
+    assert samples.completion_ids == [[7, 1]] * 4 and client.most == most
+
+
 def test_row_seeds_follow_the_run_seed_the_step_and_the_call(tiny_model_dir):
     """The seeds depend on the run's seed, the step of the last weight sync and the calls since, nothing else: the
     same for the same place in a run, others elsewhere, consecutive within a call."""

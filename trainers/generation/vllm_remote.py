@@ -36,12 +36,12 @@ def seeded_requests(prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple
     return requests
 
 
-def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None
-                        ) -> tuple[list[list[int]], list[list[float]]]:
+def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None,
+                        max_requests: int = MAX_CONCURRENT_REQUESTS) -> tuple[list[list[int]], list[list[float]]]:
     """The completions of ``prompt_ids`` (row i with seed ``seeds[i]``, vllm.SamplingParams ``kwargs``) and their
     log-probs (NaN where the server gave none), from the server behind ``client``: a run of rows with one prompt and
     consecutive seeds (a group's completions) is one request for n completions with the first seed (vLLM seeds the
-    n with s, s + 1, ...); the requests are sent together."""
+    n with s, s + 1, ...); the requests are sent together, at most ``max_requests`` in flight."""
     options = {k: v for k, v in kwargs.items() if k in ("n", "repetition_penalty", "temperature", "top_p", "top_k",
                                                         "min_p", "max_tokens", "logprobs")}
     extra = {k: v for k, v in kwargs.items() if k not in options}
@@ -52,7 +52,7 @@ def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], k
         return client.generate(prompts=prompts, **{**options, "n": n}, structured_outputs_regex=regex,
                                generation_kwargs={**extra, "seed": seed})
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(requests), MAX_CONCURRENT_REQUESTS))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(requests), max_requests))) as pool:
         outs = list(pool.map(send, requests))
     completions, logprobs = [], []  # the rows in order: the requests' completions in order
     for out in outs:
@@ -171,7 +171,9 @@ class ServerSampler(VLLMBackend):
         self.client = client
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
-        return request_completions(self.client, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex)
+        inflight = self.config.max_inflight_tasks  # -1: MAX_CONCURRENT_REQUESTS
+        return request_completions(self.client, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex,
+                                   inflight if inflight > 0 else MAX_CONCURRENT_REQUESTS)
 
     def sync_weights(self, step: int | None = None) -> None:
         raise RuntimeError("ServerSampler.sync_weights: the trainer's VLLMRemote pushes the weights.")

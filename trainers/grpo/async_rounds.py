@@ -54,7 +54,6 @@ class Work:
 class Generated:
     """A round the producer sampled, with the version (optimizer step) of the weights it sampled with."""
 
-    round_index: int
     version: int
     sampled: Sampled
 
@@ -294,7 +293,7 @@ class AsyncRounds:
                     sampled = sample_rows(sampler, tool_loop, self.tokenizer, work.rows, work.prompt_ids,
                                           self.sampling, self.eos_ids, local)
                 with self._cond:
-                    self._done[work.round_index] = Generated(work.round_index, version, sampled)
+                    self._done[work.round_index] = Generated(version, sampled)
                     self._progress = time.monotonic()
                     self._cond.notify_all()
         except BaseException as caught:  # the trainer raises it on every process, with a checkpoint
