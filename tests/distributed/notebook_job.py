@@ -18,7 +18,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
-from tests.conftest import digits_varied as digits  # noqa: E402
 
 
 def checksums(model) -> list[float]:
@@ -28,6 +27,7 @@ def checksums(model) -> list[float]:
 def train(method: str, model_dir: str, output_dir: str, bf16: bool | None) -> None:
     """The launched function: the imports and everything that builds the trainer happen in the started process,
     as the notebook_launcher docs ask."""
+    from tests.conftest import digits_varied as digits  # it imports trainers: only here, after the fork
     from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
     from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
@@ -70,6 +70,8 @@ def main() -> None:
         return
     if options.get("import_trainers") == "1":
         import trainers  # noqa: F401  (its fork hook releases OpenMP's threads before notebook_launcher forks)
+    elif "trainers" in sys.modules:  # the case the refusal is for: trainers imported only after the fork
+        sys.exit("notebook_job: trainers was imported before the fork without import_trainers=1")
     if "parent_threads" in options:
         import torch
 

@@ -26,6 +26,7 @@ from trainers.cli.planner.memory import (  # noqa: F401
     ALLOCATOR_FRAGMENTATION,
     CPU_PROCESS_BASELINE_BYTES,
     CUDA_CONTEXT_BYTES,
+    DEEPSPEED_CPU_RUNTIME_BYTES,
     FINAL_NORM_BYTES_PER_HIDDEN,
     RESIDUAL_BYTES,
     Precision,

@@ -189,19 +189,25 @@ def zero3_live_elements(shape: ModelShape) -> int:
 # Runtime overhead, named:
 CUDA_CONTEXT_BYTES = int(1.0 * GB)  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers: outside torch's allocator
 ALLOCATOR_FRAGMENTATION = 0.10  # of the transient tensors (activations, logits, caches, gathered weights)
-CPU_PROCESS_BASELINE_BYTES = int(0.48 * GB)  # measured: Python + torch + transformers + DeepSpeed + gloo loaded
+# Measured as the peak RSS of a whole SFT run of a width-64 model (its tensors weigh nothing): Python, torch,
+# transformers, gloo, the tokenizer and the trainer around it; DeepSpeed's engine adds its own on top.
+CPU_PROCESS_BASELINE_BYTES = int(0.56 * GB)
+DEEPSPEED_CPU_RUNTIME_BYTES = int(0.05 * GB)
 
 # Calibration (--device cpu) against docs/distributed.md's measured table: 303M parameters, SFT, fp32, 2 processes,
 # micro-batch 4 x 128 tokens; GB per rank, planned vs measured peak RSS. Which term explains what:
-#   multi_gpu      6.75 vs 6.76  baseline 0.48 + weights 1.13 + gradients 1.13 + DDP's bucket copy 1.13 + Adam 2.26
-#                                + activations 0.55 + fragmentation 0.06. Without the bucket copy: 5.62 (-17%).
-#   zero1          5.08 vs 5.13  weights and gradients replicated (1.13 each), fp32 master 0.57 + Adam 1.13 halved.
-#   zero2          4.67 vs 5.11  gradients halved too (0.57) plus one layer's unreduced gradients (0.14). Measured
+#   multi_gpu      6.83 vs 6.76  baseline 0.56 + weights 1.13 + gradients 1.13 + DDP's bucket copy 1.13 + Adam 2.26
+#                                + activations 0.55 + fragmentation 0.06. Without the bucket copy: 5.70 (-16%).
+#   zero1          5.22 vs 5.13  weights and gradients replicated (1.13 each), fp32 master 0.57 + Adam 1.13 halved,
+#                                + DeepSpeed's runtime 0.05.
+#   zero2          4.80 vs 5.11  gradients halved too (0.57) plus one layer's unreduced gradients (0.14). Measured
 #                                zero2 equals zero1: the full gradients' blocks stay resident on CPU (not modelled).
-#   zero3          4.42 vs 4.79  every state halved (2.83 = 20 bytes/param / 2) + 2 gathered layers 0.28; the rest
-#                                of the measured ~1 GB of allocator and gloo buffers is not modelled (-8%).
-#   zero3_offload  4.98 vs 5.37  zero3 + the host-side fp32 gradient buffer 0.57: offload cannot beat zero3 on CPU.
-# A single-process SFT run (tests/integration/test_planner_measured.py) lands within 4% of the plan.
+#   zero3          4.55 vs 4.79  every state halved (2.83 = 20 bytes/param / 2) + 2 gathered layers 0.28; heap
+#                                blocks ZeRO-3 frees and re-gathers each step stay resident (not modelled: -5%).
+#   zero3_offload  5.11 vs 5.37  zero3 + the host-side fp32 gradient buffer 0.57: offload cannot beat zero3 on CPU.
+# Smaller models (tests/integration/test_planner_measured.py; width 512/768/1024, 4/8/12 layers, measured
+# 2026-11-27): single process 1.91 vs 1.83 (width 768); multi_gpu 0.97-1.01 of measured, zero2 0.93-0.96, zero3
+# 0.84-0.89: the blocks ZeRO-3 keeps in the heap weigh more where every tensor is under the 8 MiB mmap threshold.
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,11 +390,13 @@ def estimate(shape: ModelShape, inputs: PlanInputs, template: Template) -> Templ
     breakdown = {**static, **phases[phase]}
     if inputs.on_cpu:  # the estimate is peak RSS, which includes the loaded libraries
         breakdown["process_baseline"] = CPU_PROCESS_BASELINE_BYTES
+        if strategy.kind == "deepspeed":
+            breakdown["deepspeed_runtime"] = DEEPSPEED_CPU_RUNTIME_BYTES
     else:
         breakdown["cuda_context"] = CUDA_CONTEXT_BYTES
     breakdown["allocator_fragmentation"] = int(ALLOCATOR_FRAGMENTATION * totals[phase])
     breakdown = {k: int(v) for k, v in breakdown.items() if v}
-    overhead = breakdown.get("process_baseline", 0) + breakdown.get("cuda_context", 0)
+    overhead = sum(breakdown.get(name, 0) for name in ("process_baseline", "deepspeed_runtime", "cuda_context"))
     base = sum(static.values()) + overhead
     phase_totals = {name: base + t + int(ALLOCATOR_FRAGMENTATION * t) for name, t in totals.items()}
     applicable, note = applicability(strategy, inputs)
