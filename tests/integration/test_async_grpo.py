@@ -5,6 +5,7 @@ is the synchronous run; a bound k keeps every round within k weight syncs and th
 used once per epoch; a resumed run continues the data where the trained steps ended (tools and environments:
 test_tool_loop.py); a producer that raises or stalls stops the run with a checkpoint; options are checked before training."""
 
+import json
 import time
 
 import pytest
@@ -123,9 +124,11 @@ def test_distillation_samples_ahead_and_skips_its_off_policy_rounds(tiny_model_d
 def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_dir, tmp_path, bound, every):
     """max_staleness=k, weight_sync_steps=N: the weights are pushed every N steps; each round is sampled with
     weights at most k syncs older than its step's (the producer waits rather than go staler), and as stale as
-    that allows once the producer is ahead; the logged staleness is what the producer used."""
+    that allows once the producer is ahead; the logged staleness is what the producer used, and so is each logged
+    completion's model_version."""
     trainer = train(tiny_model_dir, config(tmp_path, async_generation=True, max_staleness=bound,
-                                           weight_sync_steps=every, max_steps=8), callbacks=[SlowSteps()])
+                                           weight_sync_steps=every, max_steps=8, log_completions=True),
+                    callbacks=[SlowSteps()])
     assert CopyEngine.pushes == list(range(0, 8, every))
     lags = [first // every - held // every for first, held in CopyEngine.versions]
     assert [first for first, _ in CopyEngine.versions] == list(range(8))
@@ -133,6 +136,12 @@ def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_
     assert lags[-3:] == [bound] * 3, CopyEngine.versions  # ahead: as far as the bound lets it
     logged = [r["sample/staleness_max"] for r in step_records(trainer)]
     assert logged == [float(lag) for lag in lags]
+    with open(tmp_path / "out" / "completions.jsonl") as f:
+        versions = {}
+        for line in f:
+            record = json.loads(line)
+            versions.setdefault(record["step"], set()).add(record["model_version"])
+    assert versions == {first + 1: {held} for first, held in CopyEngine.versions}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -227,8 +227,9 @@ class AsyncRounds:
             raise GenerationError(f"async_generation: round {round_index} was sampled {peak:g} weight syncs before "
                                   f"step {first_step}, beyond max_staleness={self.bound}.")
         staleness_sum, waiting_sum = total.tolist()
-        return generated.sampled, {"sample/staleness_mean": staleness_sum / acc.num_processes,
-                                   "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum}
+        sampled = replace(generated.sampled, version=generated.version)
+        return sampled, {"sample/staleness_mean": staleness_sum / acc.num_processes,
+                         "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum}
 
     def step_metrics(self) -> dict[str, float]:
         """Since the last call, the most over processes: the trainer's wait for rounds (perf/rollout_wait_s), the

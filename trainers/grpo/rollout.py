@@ -53,6 +53,7 @@ class Sampled:
     prompts: list
     completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
     episode: Episode | None = None
+    version: int | None = None  # asynchronous GRPO: the optimizer step whose weights sampled the round
 
 
 def sample_rows(backend: Backend, tool_loop: ToolLoop | None, tokenizer, rows: list[dict],
@@ -77,6 +78,7 @@ class Scored:
     rewards_per_func: torch.Tensor | None  # [n, F] float32, NaN where a function returned None; None: not scored
     logs: RewardLogs  # what the reward functions passed to log_metric / log_extra
     tool_counts: ToolCounts | None = None  # with tools: what this process's tool calls did
+    version: int | None = None  # asynchronous GRPO: the optimizer step whose weights sampled them
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class RolloutStage:
             self.tool_loop.give_back(episode)  # scored: its environments may serve another round
         dist.raise_together(acc, error)
         return Scored(samples, sampled.prompts, sampled.completions, rewards, logs,
-                      episode.counts if episode is not None else None)
+                      episode.counts if episode is not None else None, sampled.version)
 
     def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,
                           logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
@@ -198,8 +200,11 @@ class RolloutStage:
         metrics.update(logged_metric_means(acc, scored.logs))
         completions = None
         if args.log_completions:
+            # asynchronous GRPO: which weights sampled each completion (TRL's trace field); a reward function's
+            # own log_extra column of that name is kept instead
+            version = {} if scored.version is None else {"model_version": [scored.version] * n}
             local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
-                                   adv.rewards[start:start + n], local_advantages, scored.logs.extra)
+                                   adv.rewards[start:start + n], local_advantages, {**version, **scored.logs.extra})
             completions = dist.gather_objects(acc, local)
         return Round(rollout, metrics, completions, scored.samples)
 
