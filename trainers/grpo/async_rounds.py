@@ -50,14 +50,6 @@ class Work:
     prompt_ids: list[list[int]]
 
 
-@dataclass(frozen=True)
-class Generated:
-    """A round the producer sampled, with the version (optimizer step) of the weights it sampled with."""
-
-    version: int
-    sampled: Sampled
-
-
 class ReadAhead:
     """GRPO's prompt batches read ahead of training (``read``), handed to the trainer in order (``batch``). A
     checkpoint's data position (``state``) is the one before the first round read but not yet handed out: a
@@ -116,7 +108,7 @@ class AsyncRounds:
 
     def _reset(self) -> None:
         self._work: collections.deque[Work] = collections.deque()
-        self._done: dict[int, Generated] = {}
+        self._done: dict[int, Sampled] = {}  # round index -> its rows, tagged with the version that sampled them
         self._fed: set[int] = set()  # rounds fed and not taken yet
         self._version: int | None = None  # the step whose weights the engine holds (None: not pushed this run)
         self._error: BaseException | None = None
@@ -197,7 +189,7 @@ class AsyncRounds:
         """Round ``round_index``'s rows on this process, once the producer has them, and its staleness metrics
         (over every process). Raises the producer's error (on every process together), or GenerationError when
         it shows no progress for heartbeat_stale_after_s."""
-        started, error, generated = time.monotonic(), None, None
+        started, error, sampled = time.monotonic(), None, None
         stale_after = self.args.heartbeat_stale_after_s
         with self._cond:
             if round_index not in self._done and round_index not in self._fed:
@@ -213,13 +205,13 @@ class AsyncRounds:
                 self._cond.wait(timeout=POLL_SECONDS)
             error = self._error
             if error is None:
-                generated = self._done.pop(round_index)
+                sampled = self._done.pop(round_index)
                 self._fed.discard(round_index)
-                self._waiting_rows -= len(generated.sampled.samples.completion_ids)
+                self._waiting_rows -= len(sampled.samples.completion_ids)
             waiting = self._waiting_rows
         self._trainer_wait += time.monotonic() - started
         dist.raise_together(self.accelerator, error, shared=(GenerationError, VLLMServerError))
-        staleness = first_step // self.every - generated.version // self.every
+        staleness = first_step // self.every - sampled.version // self.every
         acc = self.accelerator
         total = dist.all_reduce_sum(acc, torch.tensor([float(staleness), float(waiting)], device=acc.device))
         peak = dist.all_reduce_max(acc, torch.tensor([float(staleness)], device=acc.device)).item()
@@ -227,7 +219,6 @@ class AsyncRounds:
             raise GenerationError(f"async_generation: round {round_index} was sampled {peak:g} weight syncs before "
                                   f"step {first_step}, beyond max_staleness={self.bound}.")
         staleness_sum, waiting_sum = total.tolist()
-        sampled = replace(generated.sampled, version=generated.version)
         return sampled, {"sample/staleness_mean": staleness_sum / acc.num_processes,
                          "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum}
 
@@ -294,7 +285,7 @@ class AsyncRounds:
                     sampled = sample_rows(sampler, tool_loop, self.tokenizer, work.rows, work.prompt_ids,
                                           self.sampling, self.eos_ids, local)
                 with self._cond:
-                    self._done[work.round_index] = Generated(version, sampled)
+                    self._done[work.round_index] = replace(sampled, version=version)
                     self._progress = time.monotonic()
                     self._cond.notify_all()
         except BaseException as caught:  # the trainer raises it on every process, with a checkpoint
