@@ -1,14 +1,18 @@
-"""A short GRPO job launched by tests/distributed with 2 processes; writes a JSON report per rank.
+"""A short GRPO job launched by tests/distributed with 2 processes; writes a JSON report per run and rank.
 
-argv: model_dir output_dir
+argv: model_dir output_dir RUN [RUN ...]
+Each RUN (a name in RUNS) trains a trainer of its own, one after the other in the same processes (one launch for
+all the variants a test file compares), and writes output_dir/RUN/report-<rank>.json.
 Layout: per-device 2 completions, num_generations 4, 2 processes, 1 step per generation: each round has one
 prompt whose group of 4 is split 2 + 2 across the processes.
 """
 
+import contextlib
 import json
 import os
 import random
 import sys
+from unittest import mock
 
 import torch
 
@@ -57,16 +61,30 @@ def ragged_by_rank(prompts, trainer):
             "logprobs": None}
 
 
-def main():
-    model_dir, output_dir = sys.argv[1], sys.argv[2]
+RUNS = {  # name -> what it changes from the plain run
+    "plain": {},
+    "rollout_func": {"rollout_func": True},  # sampling through a rollout function (made-up sampler log-probs)
+    "one_forward": {"one_forward_per_row": True},  # the straightforward path, for comparison
+    "checkpointing": {"checkpointing": True},
+    "checkpointing_one_forward": {"checkpointing": True, "one_forward_per_row": True},
+    "skip": {"skip": True},  # skip_zero_gradient_rows, with rewards that leave rank 0's rows at advantage 0
+    "every": {"skip": False},  # the same rewards, every row trained
+    "entropy": {"top_entropy_quantile": 0.25},
+    "sync_ref": {"sync_ref": True},  # the reference moves halfway to the policy after the last step
+    "budget": {"token_budget": 11},  # padding-free, 4 rows per step and process, ragged completions
+    "rows": {"token_budget": "none"},  # the same, in micro-batches of rows
+}
+
+
+def run(model_dir: str, output_dir: str, one_forward_per_row=False, checkpointing=False, top_entropy_quantile=None,
+        sync_ref=False, skip=None, rollout_func=False, token_budget=None) -> None:
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12"]]
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
-                      disable_tqdm=True, seed=0, bf16=False, beta=0.05)
-    if os.environ.get("GRPO_JOB_ONE_FORWARD_PER_ROW") == "1":  # the straightforward path, for comparison
-        LogProbScorer.shares_prompt_forward = False
-    if os.environ.get("GRPO_JOB_CHECKPOINTING") == "1":
-        args.gradient_checkpointing = True
+                      disable_tqdm=True, seed=0, bf16=False, beta=0.05, gradient_checkpointing=checkpointing)
+    patches = contextlib.ExitStack()  # this run's recording hooks, undone before the next run
+    if one_forward_per_row:
+        patches.enter_context(mock.patch.object(LogProbScorer, "shares_prompt_forward", False))
     shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
     share = trainers.grpo.scoring.shared_prompt_logprobs
 
@@ -75,31 +93,31 @@ def main():
         shared_forwards.append(out is not None)
         return out
 
-    trainers.grpo.scoring.shared_prompt_logprobs = recording_share
-    masks = []  # GRPO_JOB_TOP_ENTROPY_QUANTILE: each micro-batch's loss-token entropies and which were kept
-    if "GRPO_JOB_TOP_ENTROPY_QUANTILE" in os.environ:
-        args.top_entropy_quantile = float(os.environ["GRPO_JOB_TOP_ENTROPY_QUANTILE"])
+    patches.enter_context(mock.patch.object(trainers.grpo.scoring, "shared_prompt_logprobs", recording_share))
+    masks = []  # top_entropy_quantile: each micro-batch's loss-token entropies and which were kept
+    if top_entropy_quantile is not None:
+        args.top_entropy_quantile = top_entropy_quantile
 
         def recording(entropy, mask, threshold):
             kept = objectives.high_entropy_mask(entropy, mask, threshold)
             masks.append({"entropy": entropy[mask.bool()].tolist(), "kept": kept[mask.bool()].tolist()})
             return kept
 
-        trainers.grpo.trainer.high_entropy_mask = recording
-    if os.environ.get("GRPO_JOB_SYNC_REF") == "1":  # the reference moves halfway to the policy after the last step
+        patches.enter_context(mock.patch.object(trainers.grpo.trainer, "high_entropy_mask", recording))
+    if sync_ref:
         args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
     reward = digits
-    forwards = []  # GRPO_JOB_SKIP ("1" or "0": skip_zero_gradient_rows): (rows, with gradient) of each forward
-    if "GRPO_JOB_SKIP" in os.environ:
-        args.beta, args.skip_zero_gradient_rows, reward = 0.0, os.environ["GRPO_JOB_SKIP"] == "1", idle_on_rank_0
+    forwards = []  # skip (True or False: skip_zero_gradient_rows): (rows, with gradient) of each forward
+    if skip is not None:
+        args.beta, args.skip_zero_gradient_rows, reward = 0.0, skip, idle_on_rank_0
         policy_forward = LogProbScorer.policy_logprobs
 
-        def recording(self, model, rows, **options):
+        def recording_forward(self, model, rows, **options):
             forwards.append([rows.completion_ids.shape[0], torch.is_grad_enabled()])
             return policy_forward(self, model, rows, **options)
 
-        LogProbScorer.policy_logprobs = recording
-    rollout_prompts = []  # GRPO_JOB_ROLLOUT_FUNC: what each call of the rollout function was given
+        patches.enter_context(mock.patch.object(LogProbScorer, "policy_logprobs", recording_forward))
+    rollout_prompts = []  # rollout_func: what each call of the rollout function was given
 
     def rollout(prompts, trainer):
         """The trainer's own sampling (under ZeRO-3, generate gathers the weights: every process calls it), with
@@ -111,22 +129,30 @@ def main():
         logprobs = [[0.0] * len(c) for c in completions] if trainer.accelerator.process_index == 1 else None
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
 
-    rollout_func = rollout if os.environ.get("GRPO_JOB_ROLLOUT_FUNC") == "1" else None
+    sampler = rollout if rollout_func else None
     micro_batches = MicroBatches()
-    if "GRPO_JOB_TOKEN_BUDGET" in os.environ:  # "none" or a budget; padding-free, 4 rows per step and process
-        budget = os.environ["GRPO_JOB_TOKEN_BUDGET"]
+    if token_budget is not None:  # "none" or a budget; padding-free, 4 rows per step and process
         args.padding_free, args.gradient_accumulation_steps = True, 2
-        args.token_budget = None if budget == "none" else int(budget)
-        rollout_func = ragged_by_rank
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
-                          rollout_func=rollout_func, callbacks=[micro_batches])
-    forward_tokens = []  # GRPO_JOB_TOKEN_BUDGET: the tokens of each forward with gradients (one packed row)
+        args.token_budget = None if token_budget == "none" else int(token_budget)
+        sampler = ragged_by_rank
+    with patches:
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
+                              rollout_func=sampler, callbacks=[micro_batches])
+        report = train_and_report(trainer, args, token_budget is not None)
+    report.update(masks=masks, rollout_prompts=rollout_prompts, forwards=forwards, shared_forwards=shared_forwards,
+                  micro_batches=micro_batches.per_step)
+    with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def train_and_report(trainer, args, ragged: bool) -> dict:
+    forward_tokens = []  # token_budget: the tokens of each forward with gradients (one packed row)
 
     def record(module, call_args, kwargs):
         if torch.is_grad_enabled():
             forward_tokens.append(kwargs["input_ids"].numel())
 
-    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    hook = trainer.model.register_forward_pre_hook(record, with_kwargs=True)
     acc = trainer.accelerator
     reference = getattr(trainer.ref_model, "module", trainer.ref_model)
 
@@ -139,7 +165,7 @@ def main():
         initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
 
     round_report = None
-    if "GRPO_JOB_TOKEN_BUDGET" not in os.environ:  # one round by hand, to record what each process holds
+    if not ragged:  # one round by hand, to record what each process holds
         slots = group_slots(trainer.prompt_sampler.batch(0), args.num_generations, acc.num_processes,
                             acc.process_index)
         trainer.prepare_step(0)
@@ -155,20 +181,25 @@ def main():
         trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself
 
     trainer.train()
+    hook.remove()
     with gathered_parameters(acc, trainer.model):
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
-    report = {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
-              "shares_prompt_forward": trainer.shares_prompt_forward,
-              "skips_zero_gradient_rows": trainer.skips_zero_gradient_rows,
-              "broadcast_buffers": getattr(trainer.model_wrapped, "broadcast_buffers", None),
-              "round": round_report, "checksum": checksum, "masks": masks,
-              "history": [r for r in trainer.state.log_history if "train_runtime" not in r],  # not train()'s summary
-              "reference_before": reference_before,
-              "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
-              "rollout_prompts": rollout_prompts, "forwards": forwards, "shared_forwards": shared_forwards,
-              "micro_batches": micro_batches.per_step, "forward_tokens": forward_tokens}
-    with open(os.path.join(output_dir, f"report-{acc.process_index}.json"), "w") as f:
-        json.dump(report, f)
+    return {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),
+            "shares_prompt_forward": trainer.shares_prompt_forward,
+            "skips_zero_gradient_rows": trainer.skips_zero_gradient_rows,
+            "broadcast_buffers": getattr(trainer.model_wrapped, "broadcast_buffers", None),
+            "round": round_report, "checksum": checksum,
+            "history": [r for r in trainer.state.log_history if "train_runtime" not in r],  # not train()'s summary
+            "reference_before": reference_before,
+            "reference_after": reference_checksum() if reference is not None else None, "initial": initial,
+            "forward_tokens": forward_tokens}
+
+
+def main():
+    model_dir, output_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    for name in names:
+        os.makedirs(os.path.join(output_dir, name), exist_ok=True)
+        run(model_dir, os.path.join(output_dir, name), **RUNS[name])
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
-"""GRPO with 2 processes under the DDP, ZeRO-2 and ZeRO-3 templates."""
+"""GRPO with 2 processes under the DDP, ZeRO-2 and ZeRO-3 templates: one launch per template runs every variant the
+tests below compare (tests/distributed/grpo_job.py's RUNS, one trainer after the other in the same processes)."""
 
-import glob
-import json
 import os
 
 import pytest
 import torch
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, rank_reports
 from trainers.grpo.advantages import group_advantages
 
 JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
@@ -17,12 +16,26 @@ def rows_of(slots: list[int]) -> list[str]:
     return [["abc", "hello", "xyz", "12"][i] for i in slots]  # grpo_job.py's prompts
 
 
-def run_job(name: str, model_dir: str, folder, **env) -> list[dict]:
-    launch(name, JOB, model_dir, str(folder), extra_env=env)
-    reports = []
-    for path in sorted(glob.glob(str(folder / "report-*.json"))):
-        with open(path) as f:
-            reports.append(json.load(f))
+# template -> the runs its one launch makes (grpo_job.py's RUNS), for every test below
+LAUNCHES = {
+    "multi_gpu": ["plain", "one_forward", "checkpointing", "checkpointing_one_forward", "skip", "every", "entropy"],
+    "zero2": ["plain", "one_forward", "skip", "every"],
+    "zero3": ["plain", "rollout_func", "sync_ref", "budget", "rows"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """``runs(template, run)``: the reports of one run (one per rank), from the template's launch, made once for the
+    module when a test first needs it."""
+    folders = {}
+
+    def reports(template: str, run: str) -> list[dict]:
+        if template not in folders:
+            folders[template] = tmp_path_factory.mktemp(template)
+            launch(template, JOB, tiny_model_dir, str(folders[template]), *LAUNCHES[template])
+        return rank_reports(folders[template] / run)
+
     return reports
 
 
@@ -40,10 +53,10 @@ def assert_trains_as(reports, reference, keys) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, rollout_func", [("multi_gpu", False), ("zero2", False), ("zero3", False),
                                                  ("zero3", True)])
-def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
+def test_grpo_two_processes(name, rollout_func, runs):
     """rollout_func: the job samples through a rollout function (the trainer's own sampling, made-up sampler
     log-probs on one process); everything below holds the same."""
-    reports = run_job(name, tiny_model_dir, tmp_path / "run", GRPO_JOB_ROLLOUT_FUNC="1" if rollout_func else "0")
+    reports = runs(name, "rollout_func" if rollout_func else "plain")
     assert [r["rank"] for r in reports] == [0, 1] and all(r["num_processes"] == 2 for r in reports)
     assert reports[0]["zero_stage"] == {"multi_gpu": 0, "zero2": 2, "zero3": 3}[name]
     assert reports[0]["shares_prompt_forward"] == (name != "zero3")  # ZeRO-3: one forward per micro-batch
@@ -81,13 +94,12 @@ def test_grpo_two_processes(name, rollout_func, tiny_model_dir, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, checkpointing", [("multi_gpu", False), ("zero2", False), ("multi_gpu", True)])
-def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, tiny_model_dir, tmp_path):
+def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, runs):
     """Each process's 2 completions share their prompt's forward (two model calls per micro-batch, under DDP
     or ZeRO-2, and under DDP with gradient checkpointing, whose backward replays the layers on the prompt's
     cache); the first step's loss, gradient norm and KL equal those of one forward per row."""
-    env = {"GRPO_JOB_CHECKPOINTING": "1" if checkpointing else "0"}
-    shared = run_job(name, tiny_model_dir, tmp_path / "shared", **env)
-    plain = run_job(name, tiny_model_dir, tmp_path / "plain", GRPO_JOB_ONE_FORWARD_PER_ROW="1", **env)
+    shared = runs(name, "checkpointing" if checkpointing else "plain")
+    plain = runs(name, "checkpointing_one_forward" if checkpointing else "one_forward")
     assert [r["shares_prompt_forward"] for r in shared] == [True, True]
     assert [r["shares_prompt_forward"] for r in plain] == [False, False]
     for report in shared:  # the policy's and the reference's forwards, every one of them shared
@@ -101,12 +113,11 @@ def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["multi_gpu", "zero2"])
-def test_skipping_zero_gradient_rows_trains_the_same(name, tiny_model_dir, tmp_path):
+def test_skipping_zero_gradient_rows_trains_the_same(name, runs):
     """skip_zero_gradient_rows with rank 0's rows all at advantage 0 while rank 1's are not (rank 0 keeps one row
     in the backward, so the gradient hooks fire on both), and whole groups at 0: the same weights and metrics
     after three steps as training every row."""
-    skipped = run_job(name, tiny_model_dir, tmp_path / "skip", GRPO_JOB_SKIP="1")
-    every = run_job(name, tiny_model_dir, tmp_path / "every", GRPO_JOB_SKIP="0")
+    skipped, every = runs(name, "skip"), runs(name, "every")
     assert [r["skips_zero_gradient_rows"] for r in skipped + every] == [True, True, False, False]
     # GRPO's DDP default: no buffer broadcast, so a forward is not a collective (None: DeepSpeed's engine)
     assert skipped[0]["broadcast_buffers"] is {"multi_gpu": False, "zero2": None}[name]
@@ -120,10 +131,10 @@ def test_skipping_zero_gradient_rows_trains_the_same(name, tiny_model_dir, tmp_p
 
 
 @pytest.mark.distributed
-def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(tiny_model_dir, tmp_path):
+def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(runs):
     """The entropy cut is one quantile over every process's loss tokens (TRL gathers them), so each process
     keeps its tokens above the shared threshold: not a quarter of its own."""
-    reports = run_job("multi_gpu", tiny_model_dir, tmp_path / "run", GRPO_JOB_TOP_ENTROPY_QUANTILE="0.25")
+    reports = runs("multi_gpu", "entropy")
     calls = [r["masks"] for r in reports]
     assert len(calls[0]) == len(calls[1]) == 3  # one micro-batch per step on each process
     uneven = False
@@ -137,10 +148,10 @@ def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(tiny_mode
 
 
 @pytest.mark.distributed
-def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(tiny_model_dir, tmp_path):
+def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(runs):
     """Under ZeRO-3 the reference and the policy are both partitioned: the mix is done on gathered weights
     and every rank ends with ref = 0.5 x the start + 0.5 x the trained policy."""
-    reports = run_job("zero3", tiny_model_dir, tmp_path / "run", GRPO_JOB_SYNC_REF="1")
+    reports = runs("zero3", "sync_ref")
     for report in reports:
         assert report["zero_stage"] == 3
         expected = [0.5 * a + 0.5 * b for a, b in zip(report["reference_before"], report["checksum"])]
@@ -149,13 +160,12 @@ def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(tiny_model_dir, 
 
 
 @pytest.mark.distributed
-def test_token_budget_under_zero3_makes_as_many_micro_batches_on_both_processes(tiny_model_dir, tmp_path):
+def test_token_budget_under_zero3_makes_as_many_micro_batches_on_both_processes(runs):
     """token_budget=11 with padding_free: rank 1's rows (6-token completions, 8-11 tokens with their prompts) are
     one micro-batch each, 4 per step; rank 0's (the EOS alone, 3-6 tokens) would fit in two, but it makes 4 too,
     as ZeRO-3's collective forwards need. The same weights and losses as micro-batches of 2 rows (the dapo loss is
     normalized by the step's tokens)."""
-    budget = run_job("zero3", tiny_model_dir, tmp_path / "budget", GRPO_JOB_TOKEN_BUDGET="11")
-    rows = run_job("zero3", tiny_model_dir, tmp_path / "rows", GRPO_JOB_TOKEN_BUDGET="none")
+    budget, rows = runs("zero3", "budget"), runs("zero3", "rows")
     assert [r["micro_batches"] for r in rows] == [[2, 2, 2]] * 2
     assert [r["micro_batches"] for r in budget] == [[4, 4, 4]] * 2
     assert max(budget[1]["forward_tokens"]) <= 11 and min(budget[1]["forward_tokens"]) >= 8

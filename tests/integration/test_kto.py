@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import step_records
+from tests.floats import FLOAT32_REL, FLOAT64_REL, SAME_HOST_REL, assert_trained_alike
 from trainers import KTOConfig, KTOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.losses import BatchCounts
@@ -27,9 +28,10 @@ ROWS = [{"prompt": "The sky is", "completion": " blue.", "label": True},
 CASES = {"kto": {}, "weighted": {"desirable_weight": 1.3, "undesirable_weight": 0.7},
          "apo_zero_unpaired": {"loss_type": "apo_zero_unpaired"}}
 # TRL 1.16's KTOTrainer.compute_loss on ROWS (its tokenization, mismatched pairs and collator), beta 0.3, with the
-# reference and the policy ``moved`` (seeds 0 and 1), float32: the KL reference point is 0.35, so the kto losses
-# differ from apo_zero_unpaired's. From test_loss_equals_trls_computed_live, which runs TRL where installed.
-TRL_LOSSES = {"kto": 0.58844823, "weighted": 0.59281564, "apo_zero_unpaired": 0.58710152}
+# reference and the policy ``moved`` (seeds 0 and 1), both then cast to float64 (tests/floats.py): the KL reference
+# point is 0.35, so the kto losses differ from apo_zero_unpaired's. From test_loss_equals_trls_computed_live, which
+# runs TRL where installed.
+TRL_LOSSES = {"kto": 0.588448286, "weighted": 0.592815757, "apo_zero_unpaired": 0.587101579}
 
 
 def moved(model, seed: int, scale: float):
@@ -44,22 +46,28 @@ def reference(model_dir):
     return moved(AutoModelForCausalLM.from_pretrained(model_dir), 0, 0.05)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_loss_equals_trls_on_one_batch(tiny_model_dir, case):
-    trainer = KTOTrainer(model=tiny_model_dir, ref_model=reference(tiny_model_dir), train_dataset=ROWS,
+def our_loss(model_dir, case: str) -> tuple[float, dict]:
+    trainer = KTOTrainer(model=model_dir, ref_model=reference(model_dir), train_dataset=ROWS,
                          args=KTOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4,
                                         report_to="none", beta=0.3, **CASES[case]))
     moved(trainer.model, 1, 0.02)
     with torch.no_grad():
         loss, stats = trainer.compute_loss(trainer.model_wrapped, trainer.micro_batch(0, 0),
                                            BatchCounts(tokens=4, sequences=4, micro_batches=1))
-    assert float(loss) == pytest.approx(TRL_LOSSES[case], rel=1e-6)
+    return float(loss), stats
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_equals_trls_on_one_batch(tiny_model_dir, case):
+    loss, stats = our_loss(tiny_model_dir, case)
+    assert loss == pytest.approx(TRL_LOSSES[case], rel=FLOAT32_REL)
     assert (float(stats["kl"][0]) > 0.3) == (case != "apo_zero_unpaired")
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason="TRL is not installed")
 def test_loss_equals_trls_computed_live(tiny_model_dir):
-    """TRL_LOSSES, from TRL itself; its tokenization and mismatched pairs of ROWS are ours."""
+    """TRL itself on this host: its tokenization and mismatched pairs of ROWS are ours, its float32 loss ours, and its
+    float64 loss the stored reference."""
     from datasets import Dataset
 
     for case, options in CASES.items():
@@ -77,7 +85,12 @@ def test_loss_equals_trls_computed_live(tiny_model_dir):
         theirs.model.eval()
         batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
         with torch.no_grad():
-            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(TRL_LOSSES[case], rel=1e-6)
+            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(
+                our_loss(tiny_model_dir, case)[0], rel=SAME_HOST_REL), case
+            theirs.model.double()
+            theirs.ref_model.double()
+            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(TRL_LOSSES[case],
+                                                                                          rel=FLOAT64_REL), case
 
 
 def test_paired_rows_are_unpaired_and_mismatched_as_trl_does(tiny_model_dir):
@@ -135,8 +148,7 @@ def test_a_precomputed_reference_trains_the_same(tiny_model_dir, tmp_path):
         assert (trainer.ref_model is None) == precompute
         trainer.train()
         finals.append([p.detach().clone() for p in trainer.model.parameters()])
-    for ours, reference_weights in zip(*finals):
-        torch.testing.assert_close(ours, reference_weights, rtol=1e-5, atol=1e-6)
+    assert_trained_alike(*finals, learning_rate=1e-2)
 
 
 def test_bad_input_is_refused_with_the_option_or_row(tiny_model_dir, tmp_path):

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from tests.conftest import step_records
+from tests.floats import FLOAT32_REL, FLOAT64_REL, SAME_HOST_REL
 from trainers import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.grpo.rewards import load_reward_model
@@ -26,8 +27,9 @@ ROWS = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green and wid
         {"prompt": "Say hi:", "chosen": " hi there", "rejected": " no", "margin": 1.0},
         {"prompt": "Cats", "chosen": " are nice pets.", "rejected": " are loud.", "margin": 0.25}]
 # TRL 1.16's RewardTrainer.compute_loss on ROWS (its tokenization and collator) with the weights ``perturbed``
-# sets, float32, without and with center_rewards_coefficient=0.01: from test_loss_equals_trls_computed_live.
-TRL_LOSSES = {None: 1.33301055, 0.01: 1.57233882}
+# sets, then cast to float64 (tests/floats.py), without and with center_rewards_coefficient=0.01: from
+# test_loss_equals_trls_computed_live.
+TRL_LOSSES = {None: 1.33301061, 0.01: 1.57233879}
 
 
 def perturbed(model) -> None:
@@ -43,9 +45,8 @@ def perturbed(model) -> None:
                 parameter.add_(0.05 * noise)
 
 
-@pytest.mark.parametrize("center", [None, 0.01])
-def test_loss_equals_trls_on_one_batch(tiny_model_dir, center):
-    trainer = RewardTrainer(model=tiny_model_dir, train_dataset=ROWS, args=RewardConfig(
+def our_loss(model_dir, center) -> float:
+    trainer = RewardTrainer(model=model_dir, train_dataset=ROWS, args=RewardConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, shuffle_dataset=False, report_to="none",
         center_rewards_coefficient=center))
     perturbed(trainer.model)
@@ -55,12 +56,18 @@ def test_loss_equals_trls_on_one_batch(tiny_model_dir, center):
     with torch.no_grad():
         loss, _ = trainer.compute_loss(trainer.model_wrapped, batch, BatchCounts(tokens=4, sequences=4,
                                                                                  micro_batches=1))
-    assert float(loss) == pytest.approx(TRL_LOSSES[center], rel=1e-6)
+    return float(loss)
+
+
+@pytest.mark.parametrize("center", [None, 0.01])
+def test_loss_equals_trls_on_one_batch(tiny_model_dir, center):
+    assert our_loss(tiny_model_dir, center) == pytest.approx(TRL_LOSSES[center], rel=FLOAT32_REL)
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason="TRL is not installed")
 def test_loss_equals_trls_computed_live(tiny_model_dir):
-    """TRL_LOSSES, from TRL itself; its tokenization of ROWS is ours."""
+    """TRL itself on this host: its tokenization of ROWS is ours, its float32 loss ours, and its float64 loss the
+    stored reference."""
     from datasets import Dataset
 
     for center, expected in TRL_LOSSES.items():
@@ -75,7 +82,10 @@ def test_loss_equals_trls_computed_live(tiny_model_dir):
         theirs.model.eval()
         batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
         with torch.no_grad():
-            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(expected, rel=1e-6)
+            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(
+                our_loss(tiny_model_dir, center), rel=SAME_HOST_REL), center
+            theirs.model.double()
+            assert float(theirs.compute_loss(theirs.model, dict(batch))) == pytest.approx(expected, rel=FLOAT64_REL)
 
 
 def digits_over_letters(n: int, seed: int) -> list[dict]:
