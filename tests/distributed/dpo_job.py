@@ -1,6 +1,16 @@
-"""A short DPO (KTO, reward model) job launched by tests/distributed (or run alone); writes a JSON report per rank.
+"""A short DPO (KTO, reward model) job launched by tests/distributed/test_dpo_distributed.py (or run alone); writes a
+JSON report per run and rank.
 
-argv: model_dir output_dir per_device accumulation [dpo|dpo_precompute|kto|reward]
+argv: model_dir output_dir RUN [RUN ...]
+Each RUN (a name in RUNS) trains a trainer of its own, one after the other in the same processes (one launch for all
+the runs a template's tests compare), and writes output_dir/RUN/report-<rank>.json and the trained model to
+output_dir/RUN/final. Every run trains 3 steps at per-device 2 with 2 accumulation steps unless RUNS says otherwise:
+  dpo, dpo_one_process        DPO (sigmoid + 0.1 x sft); one_process: per-device 8, no accumulation, the global batch
+                              of 8 the 2-process runs use when launched with 1 process
+  dpo_precompute              DPO with precompute_ref_log_probs: the reference's log-probs computed before training,
+                              each process its share
+  reward, reward_one_process  the reward model (center_rewards_coefficient 0.01); one_process as above
+  kto                         KTO on the pairs unpaired, per-device 4 without accumulation
 """
 
 import json
@@ -22,9 +32,17 @@ def digits_over_letters(n: int, seed: int) -> list[dict]:
              "rejected": pick("abcdefgh", draw.randint(1, 4))} for _ in range(n)]
 
 
-def main():
-    model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    method = sys.argv[5] if len(sys.argv) > 5 else "dpo"
+RUNS = {  # name -> the trainer (method), per_device, accumulation
+    "dpo": {"method": "dpo"},
+    "dpo_one_process": {"method": "dpo", "per_device": 8, "accumulation": 1},
+    "dpo_precompute": {"method": "dpo_precompute"},
+    "reward": {"method": "reward"},
+    "reward_one_process": {"method": "reward", "per_device": 8, "accumulation": 1},
+    "kto": {"method": "kto", "per_device": 4, "accumulation": 1},
+}
+
+
+def run(model_dir: str, output_dir: str, method: str, per_device=2, accumulation=2) -> None:
     common = dict(output_dir=output_dir, per_device_train_batch_size=per_device,
                   gradient_accumulation_steps=accumulation, learning_rate=3e-3, max_steps=3, logging_steps=1,
                   save_strategy="no", disable_tqdm=True, seed=0, bf16=False, report_to="none")
@@ -60,6 +78,13 @@ def main():
     }
     with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
         json.dump(report, f)
+
+
+def main():
+    model_dir, output_dir, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+    for name in names:
+        os.makedirs(os.path.join(output_dir, name), exist_ok=True)
+        run(model_dir, os.path.join(output_dir, name), **RUNS[name])
 
 
 if __name__ == "__main__":

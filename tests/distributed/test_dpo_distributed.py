@@ -1,7 +1,8 @@
 """The preference trainers with 2 processes under the shipped templates. DPO under DDP and ZeRO-1/2/3, the reward
 model under DDP and ZeRO-3: the same training as one process with the same global batch, and under ZeRO-3 a
 reference model partitioned like the policy. KTO under ZeRO-3: its KL reference point is one value over both
-processes."""
+processes. One launch per template runs every variant the tests below compare (tests/distributed/dpo_job.py's RUNS,
+one trainer after the other in the same processes); the 1-process references share one launch of single_gpu."""
 
 import os
 
@@ -14,17 +15,39 @@ from tests.conftest import REPO, launch, rank_reports
 JOB = os.path.join(REPO, "tests", "distributed", "dpo_job.py")
 
 
+# template -> the runs its one launch makes (dpo_job.py's RUNS), for every test below
+LAUNCHES = {
+    "single_gpu": ["dpo_one_process", "reward_one_process"],  # the 1-process references, per-device 8
+    "multi_gpu": ["dpo", "reward"],
+    "zero1": ["dpo"],
+    "zero2": ["dpo"],
+    "zero3": ["dpo", "dpo_precompute", "reward", "kto"],
+}
+
+
 @pytest.fixture(scope="module")
-def one_process(tiny_model_dir, tmp_path_factory):
+def launched(tiny_model_dir, tmp_path_factory):
+    """``launched(template)``: the folder of the template's one launch (every run in LAUNCHES, each in folder/RUN),
+    made once for the module when a test first needs it."""
+    folders = {}
+
+    def get(template: str):
+        if template not in folders:
+            folders[template] = tmp_path_factory.mktemp(template)
+            launch(template, JOB, tiny_model_dir, str(folders[template]), *LAUNCHES[template],
+                   num_processes=1 if template == "single_gpu" else 2)
+        return folders[template]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_process(launched):
     """Per method: one process, per-device 8, no accumulation: the global batch of 8 the 2-process runs use."""
-    runs = {}
 
     def run(method: str):
-        if method not in runs:
-            out = tmp_path_factory.mktemp(f"{method}-one")
-            launch("single_gpu", JOB, tiny_model_dir, str(out), "8", "1", method, num_processes=1)
-            runs[method] = rank_reports(out, num_processes=1)[0], load_file(str(out / "final" / "model.safetensors"))
-        return runs[method]
+        folder = launched("single_gpu") / f"{method}_one_process"
+        return rank_reports(folder, num_processes=1)[0], load_file(str(folder / "final" / "model.safetensors"))
 
     return run
 
@@ -32,14 +55,14 @@ def one_process(tiny_model_dir, tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("method,name", [("dpo", "multi_gpu"), ("dpo", "zero1"), ("dpo", "zero2"), ("dpo", "zero3"),
                                          ("dpo_precompute", "zero3"), ("reward", "multi_gpu"), ("reward", "zero3")])
-def test_two_processes_train_as_one(method, name, tiny_model_dir, tmp_path, one_process):
+def test_two_processes_train_as_one(method, name, launched, one_process):
     """(per-device 2, accumulation 2, 2 processes) == (8, 1, 1 process): the same losses and metrics, the same
     final weights, one model on both ranks; under ZeRO-3 each rank holds half of the reference (DPO) or of the
     model (the reward model and DPO with precompute_ref_log_probs, which have no reference during training:
     each process precomputes half of the reference's log-probs and gathers the rest, and trains as DPO does)."""
     reference_report, reference_weights = one_process("dpo" if method == "dpo_precompute" else method)
-    launch(name, JOB, tiny_model_dir, str(tmp_path), "2", "2", method)
-    reports = rank_reports(tmp_path)
+    folder = launched(name) / method
+    reports = rank_reports(folder)
     stage = {"multi_gpu": 0, "zero1": 1, "zero2": 2, "zero3": 3}[name]
     for report in reports:
         assert report["zero_stage"] == stage
@@ -50,18 +73,17 @@ def test_two_processes_train_as_one(method, name, tiny_model_dir, tmp_path, one_
     assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
     trained = reference_report["history"][-1]
     assert trained["margin" if method == "reward" else "rewards/margins"] != 0.0  # it trained
-    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    saved = load_file(str(folder / "final" / "model.safetensors"))
     assert saved.keys() == reference_weights.keys()
     for key in reference_weights:  # ZeRO's other reduction order: rounding (1.3e-5 seen), far below 3 steps' moves
         torch.testing.assert_close(saved[key], reference_weights[key], rtol=1e-4, atol=5e-5, msg=key)
 
 
 @pytest.mark.distributed
-def test_kto_shares_its_kl_reference_point_between_processes_under_zero3(tiny_model_dir, tmp_path):
+def test_kto_shares_its_kl_reference_point_between_processes_under_zero3(launched):
     """KTO's KL estimate is averaged over the processes (a collective per micro-batch, as TRL gathers it): both
     ranks log the same kl and train one model, its reference partitioned."""
-    launch("zero3", JOB, tiny_model_dir, str(tmp_path), "4", "1", "kto")
-    reports = rank_reports(tmp_path)
+    reports = rank_reports(launched("zero3") / "kto")
     assert [r["history"] for r in reports][0] == [r["history"] for r in reports][1]
     assert all("kl" in record and record["loss"] == record["loss"] for record in reports[0]["history"])
     assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)
