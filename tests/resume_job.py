@@ -1,18 +1,28 @@
 """A short SFT, GRPO, RLOO, distillation, DPO, reward-model or KTO run for the exact-resume and kill tests; run as a
 script (1 process or launched).
 
-    python tests/resume_job.py METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--extra JSON]
+    python tests/resume_job.py RUN [--then RUN ...]
+    RUN: METHOD MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--save_steps N] [--step_sleep S] [--nan_at STEP ...]
+         [--max_nonfinite N] [--extra JSON]
 
-TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends this process early with a
-checkpoint, as a preemption would. The final weights go to OUT/final. GRPO and RLOO use 2 optimizer steps per
-generation round, so a checkpoint can fall in the middle of a round. Distillation (from the model with its weights
-moved by seeded noise) generates once per step (2 accumulation steps), half its rounds from the dataset (lmbda).
+TOTAL_STEPS fixes the schedule (linear decay over all of them); STOP_AFTER ends the run early with a checkpoint, as
+a preemption would. The final weights go to OUT/final. GRPO and RLOO use 2 optimizer steps per generation round, so
+a checkpoint can fall in the middle of a round. Distillation (from the model with its weights moved by seeded
+noise) generates once per step (2 accumulation steps), half its rounds from the dataset (lmbda).
+
+Each `--then` starts another run, trained after the one before in the same process(es): a run builds its own
+trainer (which reseeds), so it trains as it would in a process of its own, without paying for another start-up.
+The exact-resume tests make the straight and the stopped runs in one process and the resumed runs in a second
+one; the kill tests run one run per process, as they must.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
+from unittest import mock
 
 import torch
 
@@ -51,7 +61,7 @@ def build(method, model, out, total, save_steps, extra):
                                steps_per_generation=2, **common))
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("method", choices=["sft", "grpo", "rloo", "distill", "dpo", "reward", "kto"])
     parser.add_argument("model")
@@ -64,29 +74,45 @@ def main():
     parser.add_argument("--nan_at", type=int, nargs="*", default=[], help="Steps whose loss is made NaN.")
     parser.add_argument("--max_nonfinite", type=int, default=10)
     parser.add_argument("--extra", type=json.loads, default={}, help="More config fields, as JSON.")
-    cli = parser.parse_args()
-    torch.set_num_threads(1)
+    return parser
+
+
+def run(cli: argparse.Namespace) -> None:
     trainer = build(cli.method, cli.model, cli.out, cli.total, cli.save_steps,
                     {"max_consecutive_nonfinite_steps": cli.max_nonfinite, **cli.extra})
-    if cli.step_sleep or cli.nan_at:
-        compute_loss = trainer.compute_loss
+    with contextlib.ExitStack() as patches:  # this run's hooks, undone before the next run
+        if cli.step_sleep or cli.nan_at:
+            compute_loss = trainer.compute_loss
 
-        def slowed_or_poisoned(model, batch, counts):
-            import time
+            def slowed_or_poisoned(model, batch, counts):
+                time.sleep(cli.step_sleep)
+                loss, stats = compute_loss(model, batch, counts)
+                if trainer.state.global_step + 1 in cli.nan_at:
+                    loss = loss * float("nan")
+                return loss, stats
 
-            time.sleep(cli.step_sleep)
-            loss, stats = compute_loss(model, batch, counts)
-            if trainer.state.global_step + 1 in cli.nan_at:
-                loss = loss * float("nan")
-            return loss, stats
+            patches.enter_context(mock.patch.object(trainer, "compute_loss", slowed_or_poisoned))
+        if cli.stop_after is not None:
+            trainer.max_steps = cli.stop_after  # the schedule still spans `total` steps
+        trainer.train(resume_from_checkpoint=True if cli.resume else None)
+        if cli.stop_after is not None:
+            trainer.save_checkpoint()
+        trainer.save_model(os.path.join(cli.out, "final"))
 
-        trainer.compute_loss = slowed_or_poisoned
-    if cli.stop_after is not None:
-        trainer.max_steps = cli.stop_after  # the schedule still spans `total` steps
-    trainer.train(resume_from_checkpoint=True if cli.resume else None)
-    if cli.stop_after is not None:
-        trainer.save_checkpoint()
-    trainer.save_model(os.path.join(cli.out, "final"))
+
+def main():
+    argv, runs = sys.argv[1:], [[]]
+    for arg in argv:  # RUN --then RUN ...
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    clis = [parser().parse_args(args) for args in runs]  # every run's arguments checked before the first trains
+    torch.set_num_threads(1)
+    for index, cli in enumerate(clis):
+        if len(clis) > 1:  # which run a failure's traceback belongs to
+            print(f"resume_job.py: run {index + 1}/{len(clis)}: {' '.join(runs[index])}", flush=True)
+        run(cli)
 
 
 if __name__ == "__main__":
