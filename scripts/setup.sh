@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtualenv in .venv with torch and the project. Sourced by
-# scripts/demo.sh (no argument: what the demo needs) and scripts/test.sh ("test": the test tools and vLLM too);
-# `bash scripts/setup.sh vllm` adds vLLM's CPU build for use_vllm=True. Safe to run again: each part installs once.
+# scripts/demo.sh (no argument: what the demo needs) and scripts/test.sh ("test": the test tools and vLLM too;
+# "dev": the test tools alone, for the fast tier, `scripts/test.sh --fast`); `bash scripts/setup.sh vllm` adds vLLM's
+# CPU build for use_vllm=True. Safe to run again: each part installs once.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PART="${1:-demo}"
-case "$PART" in demo|test|vllm) ;; *) echo "scripts/setup.sh: unknown part '$PART' (demo, test or vllm)" >&2; exit 2;; esac
+case "$PART" in demo|dev|test|vllm) ;; *) echo "scripts/setup.sh: unknown part '$PART' (demo, dev, test or vllm)" >&2; exit 2;; esac
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -25,7 +26,7 @@ if [ ! -f ".venv/.installed-demo-$hash" ]; then
   touch ".venv/.installed-demo-$hash"
 fi
 
-if [ "$PART" = test ] && [ ! -f ".venv/.installed-test-$hash" ]; then
+if { [ "$PART" = test ] || [ "$PART" = dev ]; } && [ ! -f ".venv/.installed-test-$hash" ]; then
   python -m pip install -q -e ".[dev,plots]"
   touch ".venv/.installed-test-$hash"
 fi

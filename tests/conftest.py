@@ -1,12 +1,14 @@
-"""Shared fixtures and helpers: tiny models built offline (never the Hub), a launcher for 2-process CPU jobs, a
-runner for single-process jobs and their reports, child processes, and the digit-fraction rewards the GRPO tests
-learn."""
+"""Shared fixtures and helpers: the tiers (tests/tiers.py, ``--fast``), tiny models built offline (never the Hub), a
+launcher for 2-process CPU jobs, a runner for single-process jobs and their reports, child processes, and the
+digit-fraction rewards the GRPO tests learn."""
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -22,6 +24,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "accelerate_configs")  # a symlink to trainers/templates/ (the package data)
 
 
+def pytest_addoption(parser):
+    from tests import tiers
+
+    tiers.add_option(parser)
+
+
+def pytest_configure(config):
+    from tests import tiers
+
+    tiers.register(config)
+    tiers.load_hypothesis_profile(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests import tiers
+
+    tiers.mark_and_select(config, items)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny Qwen2 (width 64, 2 layers) with a byte-level tokenizer and a ChatML template."""
@@ -35,6 +56,55 @@ def tokenizer():
     from trainers.cli.tiny import build_tokenizer
 
     return build_tokenizer()
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (its main(argv) runs it as its command line does)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class WarmStart:
+    folder: str  # the model and its tokenizer, for a demo's --warm_start
+    validation_accuracy: float  # greedy, where the warm-up stopped
+
+
+@pytest.fixture(scope="session")
+def arithmetic_warm_start(tmp_path_factory) -> WarmStart:
+    """The GRPO demo's SFT warm start (examples/grpo_arithmetic.py at its defaults: seed 0, target 45%), built once
+    per test run for the demos that start from it (the GRPO demo and the distillation demo, with --warm_start);
+    test_examples.py checks the warm-up itself."""
+    demo = load_example("grpo_arithmetic")
+    root = tmp_path_factory.mktemp("arithmetic")
+    _, validation, train = demo.make_splits()
+    from trainers.cli.tiny import save_tiny_model
+
+    base = save_tiny_model(str(root / "base-model"), **demo.MODEL_SHAPE)
+    model, tokenizer = demo.warm_up(base, train, validation, str(root / "sft"), target=0.45, seed=0)
+    folder = demo.save_warm_start(model, tokenizer, str(root / "warm-start"))
+    return WarmStart(folder, demo.greedy_accuracy(model, tokenizer, validation))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The Python whose environment has vLLM, for the tests that start a real engine or server (tests/tiers.py
+    puts them in the vllm tier by this fixture): $TRAINERS_VLLM_PYTHON (a second environment), else this one when
+    it has vLLM; neither: the test is skipped, with the reason (scripts/setup.sh installs vLLM, so CI runs them)."""
+    if os.environ.get("TRAINERS_VLLM_PYTHON"):
+        return os.environ["TRAINERS_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (scripts/setup.sh installs it; or set TRAINERS_VLLM_PYTHON to a "
+                    "Python that has it)")
+    return sys.executable
+
+
+# The tool demo's SFT warm start (examples/grpo_tools.py, seed 0), saved: its warm-up takes ~950 steps (4-10 minutes
+# here) and the step at which the model learns to copy the numbers moves with the host's rounding (it never came
+# within 1,500 steps on one AVX2 host), so the demo's test starts its RL from this one (docs/testing.md).
+TOOL_WARM_START = os.path.join(REPO, "tests", "data", "tool-warm-start")
 
 
 def launch(template: str, script: str, *args: str, num_processes: int = 2, timeout: int = 600,

@@ -52,6 +52,16 @@ def one_process(launched):
     return run
 
 
+def without_ties(record: dict, reference: dict) -> dict:
+    """A step's metrics without DPO's rewards/accuracies where the reference run's rewards/margins is ~0: at the first
+    step the policy is its reference, every pair's reward is 0 up to rounding, and which of a pair's two rewards is
+    larger (a count: 1/8 apart) is the rounding's (ZeRO-3's precomputed reference log-probs tipped one pair on an
+    Intel host)."""
+    if abs(reference.get("rewards/margins", 1.0)) < 1e-4:
+        return {key: value for key, value in record.items() if key != "rewards/accuracies"}
+    return record
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("method,name", [("dpo", "multi_gpu"), ("dpo", "zero1"), ("dpo", "zero2"), ("dpo", "zero3"),
                                          ("dpo_precompute", "zero3"), ("reward", "multi_gpu"), ("reward", "zero3")])
@@ -67,7 +77,8 @@ def test_two_processes_train_as_one(method, name, launched, one_process):
     for report in reports:
         assert report["zero_stage"] == stage
         for record, expected in zip(report["history"], reference_report["history"], strict=True):
-            assert record == pytest.approx(expected, rel=1e-4, abs=1e-6)
+            expected = without_ties(expected, expected)
+            assert without_ties(record, expected) == pytest.approx(expected, rel=1e-4, abs=1e-6)
         share = report["reference_local_numel"] / report["total_numel"]
         assert (0.45 < share < 0.55) if stage == 3 else share == 1.0
     assert reports[0]["checksum"] == pytest.approx(reports[1]["checksum"], rel=1e-9)

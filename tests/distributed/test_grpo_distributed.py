@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from tests import tiers
 from tests.conftest import REPO, launch, rank_reports
 from trainers.grpo.advantages import group_advantages
 
@@ -27,14 +28,17 @@ LAUNCHES = {
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     """``runs(template, run)``: the reports of one run (one per rank), from the template's launch, made once for the
-    module when a test first needs it."""
+    module when a test first needs it. In the fast tier, where only the smoke test runs here, its run alone."""
     folders = {}
 
     def reports(template: str, run: str) -> list[dict]:
-        if template not in folders:
-            folders[template] = tmp_path_factory.mktemp(template)
-            launch(template, JOB, tiny_model_dir, str(folders[template]), *LAUNCHES[template])
-        return rank_reports(folders[template] / run)
+        key, names = (template, run), [run]
+        if not tiers.FAST:
+            key, names = template, LAUNCHES[template]
+        if key not in folders:
+            folders[key] = tmp_path_factory.mktemp(template)
+            launch(template, JOB, tiny_model_dir, str(folders[key]), *names)
+        return rank_reports(folders[key] / run)
 
     return reports
 
@@ -50,9 +54,9 @@ def assert_trains_as(reports, reference, keys) -> None:
             assert record[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("name, rollout_func", [("multi_gpu", False), ("zero2", False), ("zero3", False),
-                                                 ("zero3", True)])
+@pytest.mark.parametrize("name, rollout_func", [
+    pytest.param("multi_gpu", False, marks=pytest.mark.smoke),  # the fast tier's 2-process DDP GRPO run
+    ("zero2", False), ("zero3", False), ("zero3", True)])
 def test_grpo_two_processes(name, rollout_func, runs):
     """rollout_func: the job samples through a rollout function (the trainer's own sampling, made-up sampler
     log-probs on one process); everything below holds the same."""
@@ -92,7 +96,6 @@ def test_grpo_two_processes(name, rollout_func, runs):
         assert all("sampling/sampling_logp_difference/mean" not in r for r in history)
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name, checkpointing", [("multi_gpu", False), ("zero2", False), ("multi_gpu", True)])
 def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, runs):
     """Each process's 2 completions share their prompt's forward (two model calls per micro-batch, under DDP
@@ -111,7 +114,6 @@ def test_shared_prompt_forward_matches_one_forward_per_row(name, checkpointing, 
     assert first["grad_norm"] > 0
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["multi_gpu", "zero2"])
 def test_skipping_zero_gradient_rows_trains_the_same(name, runs):
     """skip_zero_gradient_rows with rank 0's rows all at advantage 0 while rank 1's are not (rank 0 keeps one row
@@ -130,7 +132,6 @@ def test_skipping_zero_gradient_rows_trains_the_same(name, runs):
     assert any(r["grad_norm"] > 0 for r in every[0]["history"])
 
 
-@pytest.mark.distributed
 def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(runs):
     """The entropy cut is one quantile over every process's loss tokens (TRL gathers them), so each process
     keeps its tokens above the shared threshold: not a quarter of its own."""
@@ -147,7 +148,6 @@ def test_top_entropy_quantile_cuts_at_the_quantile_over_both_processes(runs):
     assert uneven  # the split of kept tokens follows the entropies, not the process
 
 
-@pytest.mark.distributed
 def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(runs):
     """Under ZeRO-3 the reference and the policy are both partitioned: the mix is done on gathered weights
     and every rank ends with ref = 0.5 x the start + 0.5 x the trained policy."""
@@ -159,7 +159,6 @@ def test_sync_ref_model_mixes_the_sharded_reference_under_zero3(runs):
         assert report["reference_after"] != pytest.approx(report["reference_before"], rel=1e-6)
 
 
-@pytest.mark.distributed
 def test_token_budget_under_zero3_makes_as_many_micro_batches_on_both_processes(runs):
     """token_budget=11 with padding_free: rank 1's rows (6-token completions, 8-11 tokens with their prompts) are
     one micro-batch each, 4 per step; rank 0's (the EOS alone, 3-6 tokens) would fit in two, but it makes 4 too,

@@ -7,6 +7,7 @@ import tempfile
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.tiers import examples
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, TrainersError
@@ -23,7 +24,7 @@ SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.function_scope
 
 
 @given(st.dictionaries(st.sampled_from(NAMES), VALUES, max_size=5))
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 def test_any_config_is_built_or_refused_with_a_config_error(kwargs):
     for config_class in (SFTConfig, GRPOConfig):
         try:
@@ -55,7 +56,7 @@ SFT_ROWS = st.one_of(VALID_ROWS, VALID_ROWS.flatmap(lambda rows: st.tuples(st.ju
 
 
 @given(SFT_ROWS)
-@settings(SLOW, max_examples=60)
+@settings(SLOW, max_examples=examples(60))
 def test_any_sft_rows_train_or_raise_our_error(tiny_model_dir, rows):
     with tempfile.TemporaryDirectory() as out:
         try:
@@ -74,7 +75,7 @@ GRPO_ROW = st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_si
 
 
 @given(st.lists(GRPO_ROW, min_size=0, max_size=3))
-@settings(SLOW, max_examples=40)
+@settings(SLOW, max_examples=examples(40))
 def test_any_grpo_rows_train_or_raise_our_error(tiny_model_dir, rows):
     def length(completions, **kwargs):
         return [float(len(str(c))) for c in completions]

@@ -48,6 +48,7 @@ def planned_gb(model: str, template: str, num_processes: int) -> float:
     return make_plan(inputs).estimate_for(template).total_gb
 
 
+@pytest.mark.slow  # ~17 s: a 68M-parameter model's run, measured
 def test_single_process_sft_peak_is_within_25_percent_of_the_plan(model_dir, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, *job_args(model_dir, tmp_path)], capture_output=True, text=True,

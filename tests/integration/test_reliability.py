@@ -53,6 +53,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_says_how_to_resume(method, ti
         assert json.loads(f.readlines()[-1])["step"] == step  # the last step's metrics were logged, not lost
 
 
+@pytest.mark.slow  # ~60 s: a dozen processes killed at random
 def test_random_kills_then_resume_reach_the_straight_run_weights(tiny_model_dir, tmp_path):
     """SIGTERM (graceful) and SIGKILL (abrupt, possibly mid-checkpoint) at random moments, several times."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"

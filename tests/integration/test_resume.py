@@ -14,6 +14,9 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, run_script
 
+# the slow tier: its two processes train 21 runs (~45 s); the fast tier resumes in-process (test_sft.py,
+# test_tool_loop.py, test_async_grpo.py)
+pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO, "tests", "resume_job.py")
 METHODS = ["sft", "grpo", "rloo", "distill", "dpo", "reward", "kto"]
 

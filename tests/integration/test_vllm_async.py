@@ -12,14 +12,13 @@ import pytest
 from tests.conftest import free_port, launch, rank_reports, run_job
 from tests.integration.test_vllm_server import group_members, serve
 
-pytestmark = pytest.mark.slow
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_async_job.py")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve(tmp_path_factory)
+def server(vllm_python, tmp_path_factory):
+    yield from serve(vllm_python, tmp_path_factory)
 
 
 def job(out, mode, server, *extra) -> dict:

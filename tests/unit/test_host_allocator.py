@@ -32,6 +32,7 @@ def probe(mode: str, **env) -> tuple[bool, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.slow  # ~30 s: four processes, each importing torch
 def test_kept_memory_is_not_faulted_in_again_at_every_allocation():
     _, default_faults = probe("default")
     # Best of three: once in a full-suite run the kept probe faulted three blocks in instead of one (never

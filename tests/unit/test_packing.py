@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 import pytest
 
+from tests.tiers import examples
 from trainers.packing import pack_bfd, split_to_count
 
 
@@ -31,7 +32,7 @@ def test_pack_bfd_empty():
     assert pack_bfd([], 8) == []
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=examples(150), deadline=None, database=None)
 @given(data=st.data(), capacity=st.integers(1, 40))
 def test_pack_bfd_properties(data, capacity):
     lengths = data.draw(st.lists(st.integers(1, capacity), max_size=40))
@@ -77,7 +78,7 @@ def test_split_to_count_refuses_more_bins_than_items():
         split_to_count([[0], [1, 2]], [1, 1, 1], 4)
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=examples(150), deadline=None, database=None)
 @given(data=st.data(), capacity=st.integers(1, 40))
 def test_split_to_count_properties(data, capacity):
     lengths = data.draw(st.lists(st.integers(1, 2 * capacity), min_size=1, max_size=30))

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tiers import examples
 from trainers.samplers import GlobalBatchSampler, length_grouped_order, local_slice
 
 # ------------------------------------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def test_local_slice_layout_hand_example():
     assert local_slice(batch, 1, 2, 2, 3) == [110, 111]
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=examples(60), deadline=None, database=None)
 @given(per_device=st.integers(1, 4), processes=st.integers(1, 4), accumulation=st.integers(1, 4),
        num_rows=st.integers(1, 60), seed=st.integers(0, 1000), step=st.integers(0, 30))
 def test_local_slice_partitions_the_global_batch(per_device, processes, accumulation, num_rows, seed, step):
