@@ -1,6 +1,7 @@
 """A streamed train_dataset with 2 processes: each process trains on its own distinct rows of every global batch,
 whose union is the stream's next rows; a run resumed mid-stream (ZeRO-2) trains on exactly the rows, and reaches
-exactly the weights, of an uninterrupted one."""
+exactly the weights, of an uninterrupted one (the straight and the stopped runs in one launch, streaming_job.py's
+`--then`; the resume in a second one)."""
 
 import os
 
@@ -56,8 +57,7 @@ def test_ddp_processes_share_each_global_batch_of_a_stream(tiny_model_dir, tmp_p
 @pytest.mark.distributed
 def test_zero2_resume_mid_stream_continues_with_the_next_rows(tiny_model_dir, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    launch("zero2", JOB, tiny_model_dir, str(straight), "6")
-    launch("zero2", JOB, tiny_model_dir, str(split), "6", "3")
+    launch("zero2", JOB, tiny_model_dir, str(straight), "6", "--then", tiny_model_dir, str(split), "6", "3")
     launch("zero2", JOB, tiny_model_dir, str(split), "6", "--resume")
     whole, first, rest = (rank_reports(folder, prefix) for folder, prefix in
                           ((straight, "run"), (split, "run"), (split, "resumed")))
