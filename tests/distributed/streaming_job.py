@@ -5,9 +5,10 @@ step trained on, and the final weights (OUT/run-RANK.json, or OUT/resumed-RANK.j
     python streaming_job.py RUN [--then RUN ...]
     RUN: MODEL OUT TOTAL_STEPS [STOP_AFTER] [--resume] [--workers N]
 
-STOP_AFTER stops the run after that step (with 3: right after the checkpoint of step 3, as a preemption). Each `--then` starts another run, trained
-after the one before in the same processes (a trainer of its own, which reseeds and builds its own stream): the
-resume test makes its straight and stopped runs in one launch and resumes in a second one.
+STOP_AFTER stops the run after that step (with 3: right after the checkpoint of step 3, as a preemption). Each
+`--then` starts another run, trained after the one before in the same processes (a trainer of its own, which
+reseeds and builds its own stream): the resume test makes its straight and stopped runs in one launch and resumes
+in a second one.
 """
 
 import argparse
