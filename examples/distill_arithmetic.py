@@ -4,6 +4,7 @@ completions, in seconds on a laptop CPU.
     python examples/distill_arithmetic.py                    # about 2 minutes on 2 CPU cores, no network, no GPU
     python examples/distill_arithmetic.py --compare_grpo     # then GRPO from the same start, to the same mark
     python examples/distill_arithmetic.py --serve_teacher    # the teacher behind `trainers vllm-serve` (vLLM)
+    python examples/distill_arithmetic.py --warm_start outputs/grpo-arithmetic/warm-start   # the GRPO demo's start
 
 1. The GRPO demo's start (examples/grpo_arithmetic.py): a tiny Qwen2 (width 128, 4 layers) SFT'd until it is
    about half right on two-digit additions written least-significant digit first.
@@ -89,6 +90,8 @@ def build_teacher(start: str, train: list[dict], output_dir: str, steps: int, se
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/distill-arithmetic")
+    parser.add_argument("--warm_start", help="The start, saved before (the GRPO demo's OUTPUT_DIR/warm-start, or this "
+                                             "demo's OUTPUT_DIR/start): no SFT warm-up.")
     parser.add_argument("--teacher", help="An existing teacher (a folder); default: built from the start.")
     parser.add_argument("--teacher_sft_steps", type=int, default=1500, help="SFT steps that make the teacher.")
     parser.add_argument("--mark", type=float, default=0.8, help="Stop at this fraction of the teacher's accuracy.")
@@ -105,12 +108,15 @@ def main(argv=None):
     held_out, validation, train = demo.make_splits()
     os.makedirs(cli.output_dir, exist_ok=True)
 
-    print("1. the GRPO demo's start: a tiny model, SFT warm-up", flush=True)
-    base = save_tiny_model(os.path.join(cli.output_dir, "base-model"), **demo.MODEL_SHAPE)
-    model, tokenizer = demo.warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), 0.45, cli.seed)
-    start = os.path.join(cli.output_dir, "start")
-    model.save_pretrained(start)
-    tokenizer.save_pretrained(start)
+    if cli.warm_start:
+        print(f"1. the GRPO demo's start, from {cli.warm_start}", flush=True)
+        start = cli.warm_start
+        model, tokenizer = demo.load_warm_start(start)
+    else:
+        print("1. the GRPO demo's start: a tiny model, SFT warm-up", flush=True)
+        base = save_tiny_model(os.path.join(cli.output_dir, "base-model"), **demo.MODEL_SHAPE)
+        model, tokenizer = demo.warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), 0.45, cli.seed)
+        start = demo.save_warm_start(model, tokenizer, os.path.join(cli.output_dir, "start"))
     before = demo.greedy_accuracy(model, tokenizer, held_out)
     print(f"   student's held-out accuracy: {before:.1%}  ({time.time() - started:.0f} s)", flush=True)
 

@@ -1,6 +1,7 @@
 """The embedded demo: a tiny model gets measurably better at addition through RL, on a laptop CPU.
 
     python examples/grpo_arithmetic.py            # about 2 minutes on 2 CPU cores, no network, no GPU
+    python examples/grpo_arithmetic.py --warm_start outputs/grpo-arithmetic/warm-start   # RL again, no SFT
 
 1. Build a tiny Qwen2 (width 128, 4 layers, 0.8M parameters) and a byte-level tokenizer offline.
 2. Generate every two-digit addition "a+b=" (10,000 problems) and split them: 500 held out for the final
@@ -87,6 +88,22 @@ def warm_up(model_path: str, train: list[dict], validation: list[dict], output_d
                        f"{accuracy:.1%} < --warmup_target {target:.0%}: RL from there gets almost no reward")
 
 
+def save_warm_start(model, tokenizer, folder: str) -> str:
+    """The warm-up's model and tokenizer in ``folder``, for --warm_start (and the distillation demo's start)."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def load_warm_start(folder: str):
+    """(model, tokenizer) of a saved warm start, in float32 and train mode, as the warm-up hands them over."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/grpo-arithmetic")
@@ -95,17 +112,24 @@ def main(argv=None):
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="Seeds the SFT stages and GRPO.")
+    parser.add_argument("--warm_start", help="Skip the SFT warm-up: RL from this saved model (with its tokenizer), "
+                                             "e.g. OUTPUT_DIR/warm-start, which every run saves.")
     cli = parser.parse_args(argv)
 
     started = time.time()
     held_out, validation, train = make_splits()
-    base = save_tiny_model(os.path.join(cli.output_dir, "base-model"), **MODEL_SHAPE)
-    print(f"1. tiny model built offline; {len(train)} training / {len(validation)} validation / "
-          f"{len(held_out)} held-out problems", flush=True)
-
-    print("2. SFT warm-up", flush=True)
-    model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.warmup_target,
-                               cli.seed)
+    if cli.warm_start:
+        print(f"1-2. the SFT warm start from {cli.warm_start}; {len(train)} training / {len(held_out)} held-out "
+              f"problems", flush=True)
+        model, tokenizer = load_warm_start(cli.warm_start)
+    else:
+        base = save_tiny_model(os.path.join(cli.output_dir, "base-model"), **MODEL_SHAPE)
+        print(f"1. tiny model built offline; {len(train)} training / {len(validation)} validation / "
+              f"{len(held_out)} held-out problems", flush=True)
+        print("2. SFT warm-up", flush=True)
+        model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.warmup_target,
+                                   cli.seed)
+        save_warm_start(model, tokenizer, os.path.join(cli.output_dir, "warm-start"))
     before = greedy_accuracy(model, tokenizer, held_out)
     print(f"   held-out accuracy after SFT: {before:.1%}  ({time.time() - started:.0f} s)", flush=True)
 

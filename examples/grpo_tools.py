@@ -173,14 +173,14 @@ def sft(model, conversations: list[list[dict]], output_dir: str, steps: int, lea
 
 
 def warm_up(model_path: str, train: list[dict], validation: list[dict], output_dir: str, call_share: float,
-            target: float, max_steps: int, mix_steps: int, seed: int = 0):
+            target: float, max_steps: int, mix_steps: int, seed: int = 0, every: int = 50):
     """The SFT warm-up, in two stages. 1: transcripts that all call the tool, until the model, made to call,
     answers ``target`` of the validation problems right (copying three digits twice into the call and the result
     into the answer is what takes a tiny model from scratch longest: on transcripts that call only a third of
     the time it had not learned it after 1,500 steps). 2: ``mix_steps`` steps on transcripts of which only
-    ``call_share`` call, the rest guessing, which sets how often the model calls before RL.
-    Returns (model, tokenizer)."""
-    stop = StopWhenCallsAreRight(validation, target, every=50)
+    ``call_share`` call, the rest guessing, which sets how often the model calls before RL. Stage 1 checks the
+    validation accuracy every ``every`` steps. Returns (model, tokenizer)."""
+    stop = StopWhenCallsAreRight(validation, target, every=every)
     calling = sft(model_path, sft_conversations(train, 1.0, seed), os.path.join(output_dir, "calls"), max_steps,
                   2e-3, seed, callbacks=[stop])
     if stop.accuracy < target:
@@ -222,7 +222,7 @@ def main(argv=None):
                         help="With the server: sample ahead of training (docs/grpo.md, 'Asynchronous generation').")
     parser.add_argument("--max_staleness", type=int, default=1, help="With --async_generation: the bound.")
     parser.add_argument("--warm_start", help="Skip the SFT warm-up: RL from this saved model (with its tokenizer), "
-                                             "e.g. OUTPUT_DIR/warm-start of an earlier --vllm_server run.")
+                                             "e.g. OUTPUT_DIR/warm-start of an earlier run.")
     cli = parser.parse_args(argv)
 
     started = time.time()
@@ -232,7 +232,8 @@ def main(argv=None):
     print(f"1. tiny model built offline; {len(train)} training / {len(validation)} validation / "
           f"{len(held_out)} held-out problems", flush=True)
 
-    if cli.warm_start:  # a warm start saved before (a --vllm_server run saves its own in OUTPUT_DIR/warm-start)
+    start = cli.warm_start or os.path.join(cli.output_dir, "warm-start")  # a warm-up saves its warm start there
+    if cli.warm_start:  # a warm start saved before
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         print(f"2. the SFT warm start from {cli.warm_start}", flush=True)
@@ -243,16 +244,15 @@ def main(argv=None):
               f"{cli.call_share:.0%} call", flush=True)
         model, tokenizer = warm_up(base, train, validation, os.path.join(cli.output_dir, "sft"), cli.call_share,
                                    cli.warmup_target, cli.max_sft_steps, cli.mix_steps, seed=cli.seed)
+        model.save_pretrained(start)
+        tokenizer.save_pretrained(start)
     before = greedy_eval(model, tokenizer, held_out)
     print(f"   held-out after SFT (greedy): accuracy {before[0]:.1%}, tool calls per problem {before[1]:.2f}  "
           f"({time.time() - started:.0f} s)", flush=True)
 
     settings = grpo_settings(cli.output_dir, cli.grpo_steps, cli.learning_rate, cli.num_generations, cli.seed)
     server, threads, cores = None, torch.get_num_threads(), sorted(os.sched_getaffinity(0))
-    if cli.vllm_server or cli.async_generation:  # the warm start, saved and served on the last core
-        start = os.path.join(cli.output_dir, "warm-start")
-        model.save_pretrained(start)
-        tokenizer.save_pretrained(start)
+    if cli.vllm_server or cli.async_generation:  # the saved warm start, served on the last core
         model = start  # the trainer loads it from there: the server checks it serves the trainer's model
         server = start_local_server(start, os.path.join(cli.output_dir, "server.log"), max_model_len=512,
                                     cores=cores[-1:])

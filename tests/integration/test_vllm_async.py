@@ -1,17 +1,17 @@
 """Asynchronous GRPO (async_generation) against a real vLLM server: `trainers vllm-serve` started once for this
-module (as tests/integration/test_vllm_server.py starts it), the runs in their own processes
-(tests/integration/vllm_async_job.py). Bound 0 is the synchronous run exactly; bound 1 learns the digits task with
+module (as tests/integration/test_vllm_server.py starts it), the runs in processes of their own
+(tests/integration/vllm_async_job.py; bound 0 and bound 1 share one). Bound 0 is the synchronous run exactly; bound 1 learns the digits task with
 every round one step stale; two processes under ZeRO-3 each sample their own rows; a server stopped mid-run
 (SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within the stated timeouts with a
 checkpoint. The tests run in file order: the last one kills the server."""
 
+import json
 import os
 
 import pytest
 
-from tests.conftest import free_port, launch, rank_reports, run_job
+from tests.conftest import free_port, launch, rank_reports, run_job, run_script
 from tests.integration.test_vllm_server import group_members, serve
-
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_async_job.py")
 
@@ -26,19 +26,34 @@ def job(out, mode, server, *extra) -> dict:
                    report=os.path.join(out, "report.json"))
 
 
-def test_bound_zero_is_the_synchronous_run(server, tmp_path):
+@pytest.fixture(scope="module")
+def together(server, tmp_path_factory):
+    """``together(mode)``: the report of exact or learn, both run once for the module in one process."""
+    out = []
+
+    def report(mode: str) -> dict:
+        if not out:
+            out.append(tmp_path_factory.mktemp("together"))
+            run_script(JOB, "exact,learn", server.url, server.model_dir, free_port(), out[0], timeout=1200)
+        with open(out[0] / mode / "report.json") as f:
+            return json.load(f)
+
+    return report
+
+
+def test_bound_zero_is_the_synchronous_run(together):
     """max_staleness=0: every round sampled with the weights of the step that trains on it, by the same seeds, so
     4 asynchronous steps end with the synchronous run's weights, bit for bit."""
-    report = job(tmp_path, "exact", server)
+    report = together("exact")
     assert report["async"] == report["sync"]
     assert [r["sample/staleness_max"] for r in report["records"]] == [0.0] * 4
 
 
-def test_bound_one_learns_with_every_round_one_step_stale(server, tmp_path):
+def test_bound_one_learns_with_every_round_one_step_stale(together):
     """24 steps of the digits task with max_staleness=1 (AsyncGRPOTrainer, TRL's argument order): the reward rises
     as in the synchronous run (test_vllm_server.py), each round after the first sampled one step before the step
     that trains on it, its lag seen by the sampler's log-probs."""
-    report = job(tmp_path, "learn", server)
+    report = together("learn")
     records = report["records"]
     rewards = [r["reward"] for r in records]
     print(f"\nasync GRPO, bound 1, 24 steps: {report['seconds']:.1f} s; rewards {[round(r, 2) for r in rewards]}")

@@ -7,6 +7,7 @@ happens. The tests run in file order: the last two kill the server.
 
 vLLM's Python: the vllm_python fixture (tests/conftest.py), which skips these tests where there is none."""
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, run_job
+from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, run_job, run_script
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMClient
@@ -222,6 +223,25 @@ def job(out, *args) -> dict:
     return run_job(JOB, *args, out, report=os.path.join(out, "report.json"))
 
 
+TOGETHER = ["follow", "repeat", "rloo", "distill", "tools"]  # vllm_server_job.py's modes that share one process
+
+
+@pytest.fixture(scope="module")
+def together(server, tmp_path_factory):
+    """``together(mode)``: the report of one of the TOGETHER modes, all run once for the module, one after the other
+    in one process (each pushes its own weights to the server first), when a test first needs one."""
+    out = []
+
+    def report(mode: str) -> dict:
+        if not out:
+            out.append(tmp_path_factory.mktemp("together"))
+            run_script(JOB, ",".join(TOGETHER), server.url, server.model_dir, free_port(), out[0], timeout=1200)
+        with open(out[0] / mode / "report.json") as f:
+            return json.load(f)
+
+    return report
+
+
 def test_a_served_teacher_with_the_whole_vocabulary_is_the_local_teacher(client, server, tmp_path):
     """The server holds a teacher (the tiny model moved by noise); distillation from it with loss_top_k = the
     vocabulary size logs the same loss as from the same teacher held locally (vLLM's float32 log-probs against the
@@ -248,11 +268,11 @@ def test_a_served_teacher_with_the_whole_vocabulary_is_the_local_teacher(client,
     assert 0 < losses["top-1"] < losses["served"]
 
 
-def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, tmp_path):
+def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(together):
     """24 GRPO steps of the digits task against the server: the reward rises as with the lean engine (and in
     colocate mode); after every step's weight push the server's greedy completions equal the policy's own and
     the sampler's log-probs match the trainer's; during SYNC_OFF (the push switched off) both checks fail."""
-    report = job(tmp_path, "follow", server.url, server.model_dir, free_port())
+    report = together("follow")
     rewards = {r["step"]: r["reward"] for r in report["records"]}
     assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
     diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
@@ -270,30 +290,30 @@ def test_grpo_in_server_mode_learns_and_keeps_the_server_on_the_policy(server, t
     assert report["eval_reward"] > 0.3 and not report["closed_after_evaluate"]
 
 
-def test_a_server_mode_run_repeats_exactly_with_its_seed(server, tmp_path):
+def test_a_server_mode_run_repeats_exactly_with_its_seed(together):
     """Each completion is sampled with its own seed (from the run's seed, the step and the row): two runs with one
     seed against the same server (each pushes its initial weights) sample the same tokens and end with the same
     weights, however the server batches them; another seed samples others; a group's completions still differ."""
-    report = job(tmp_path, "repeat", server.url, server.model_dir, free_port())
+    report = together("repeat")
     first, again, other = report["weights"]
     assert first == again and first != other
     assert report["completions"][0] == report["completions"][1] != report["completions"][2]
     assert all(report["groups_vary"])
 
 
-def test_rloo_in_server_mode_keeps_the_server_on_the_policy(server, tmp_path):
+def test_rloo_in_server_mode_keeps_the_server_on_the_policy(together):
     """RLOOTrainer samples through the same server: after every step's weight push its greedy completions equal the
     policy's, its log-probs match the trainer's, and RLOO's round metrics are logged."""
-    report = job(tmp_path, "rloo", server.url, server.model_dir, free_port())
+    report = together("rloo")
     assert [r["equal"] for r in report["rounds"]] == [True] * 4
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"])
     assert all("kl" in r and "clip_ratio/region_mean" in r for r in report["records"])
 
 
-def test_distillation_in_server_mode_keeps_the_server_on_the_student(server, tmp_path):
+def test_distillation_in_server_mode_keeps_the_server_on_the_student(together):
     """DistillationTrainer samples through the same server: after every step's weight push its greedy completions
     equal the student's and its log-probs match the trainer's (learning is test_distillation.py's)."""
-    report = job(tmp_path, "distill", server.url, server.model_dir, free_port())
+    report = together("distill")
     assert [r["equal"] for r in report["rounds"]] == [True] * 4
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"])
     assert all(r["loss"] > 0 and not any(key.startswith("reward") for key in r) for r in report["records"])
@@ -316,10 +336,10 @@ def test_two_processes_share_the_server(server, tmp_path):
     assert [r["reward"] for r in reports[0]["records"]] == [r["reward"] for r in reports[1]["records"]]
 
 
-def test_tool_loop_against_the_server(server, tmp_path):
+def test_tool_loop_against_the_server(together):
     """The tool loop against the server (tests/integration/vllm_tool_rounds.py): the server continues each rollout
     from its tool result, with log-probs equal to the trainer's."""
-    check_tool_rounds(job(tmp_path, "tools", server.url, server.model_dir, free_port()), IN_SYNC)
+    check_tool_rounds(together("tools"), IN_SYNC)
 
 
 def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):

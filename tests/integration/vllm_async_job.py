@@ -1,7 +1,9 @@
 """Asynchronous GRPO (async_generation) against the server tests/integration/test_vllm_async.py started, in its own
 process (the trainer imports vLLM when it is installed). Writes ``OUT/report.json`` (``report-<rank>.json`` with
-several processes).
+several processes; ``OUT/MODE/report.json`` for exact and learn).
 
+    python tests/integration/vllm_async_job.py exact,learn URL MODEL_DIR GROUP_PORT OUT
+        both below, one after the other in this process (a process of its own each would spend ~15 s starting).
     python tests/integration/vllm_async_job.py exact URL MODEL_DIR GROUP_PORT OUT
         4 steps synchronous, then 4 with async_generation and max_staleness=0: the same weights.
     python tests/integration/vllm_async_job.py learn URL MODEL_DIR GROUP_PORT OUT
@@ -117,16 +119,17 @@ def interrupted(url, model_dir, group_port, out, pgid, how) -> dict:
 
 def main():
     mode, url, model_dir, group_port, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    name = "report.json"
-    if mode == "exact":
-        report = exact(url, model_dir, group_port, out)
-    elif mode == "learn":
-        report = learn(url, model_dir, group_port, out)
-    elif mode == "zero3":
-        report = zero3(url, model_dir, group_port, out)
-        name = f"report-{os.environ.get('RANK', '0')}.json"
-    else:
-        report = interrupted(url, model_dir, group_port, out, int(sys.argv[6]), mode)
+    if mode == "zero3":
+        report, name = zero3(url, model_dir, group_port, out), f"report-{os.environ.get('RANK', '0')}.json"
+    elif mode in ("stall", "die"):
+        report, name = interrupted(url, model_dir, group_port, out, int(sys.argv[6]), mode), "report.json"
+    else:  # exact, learn, or both ("exact,learn"), one after the other in this process, each in OUT/MODE
+        for each in mode.split(","):
+            folder = os.path.join(out, each)
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "report.json"), "w") as f:
+                json.dump({"exact": exact, "learn": learn}[each](url, model_dir, group_port, folder), f)
+        return
     with open(os.path.join(out, name), "w") as f:
         json.dump(report, f)
 

@@ -1,7 +1,11 @@
 """GRPO with use_vllm=True, vllm_mode="server", against the server tests/integration/test_vllm_server.py started
 (`trainers vllm-serve`), run in its own process: the trainer imports vLLM when it is installed (to check
-generation_kwargs), which the pytest process should not. Writes ``OUT/report.json``.
+generation_kwargs), which the pytest process should not. Writes ``OUT/report.json`` (``OUT/MODE/report.json`` for
+the modes run together).
 
+    python tests/integration/vllm_server_job.py MODE[,MODE...] URL MODEL_DIR GROUP_PORT OUT
+        the single-process modes below (follow, tools, repeat, rloo, distill), one after the other in this process,
+        each writing OUT/MODE/report.json (a process of their own each would spend ~15 s starting).
     python tests/integration/vllm_server_job.py follow URL MODEL_DIR GROUP_PORT OUT
         24 steps of the digits task (the reward rises); after each round's sampling the server's greedy
         completions of a few probe prompts against the policy's own (the lean engine, float32 both); during
@@ -15,6 +19,8 @@ generation_kwargs), which the pytest process should not. Writes ``OUT/report.jso
         its tool result.
     python tests/integration/vllm_server_job.py repeat URL MODEL_DIR GROUP_PORT OUT
         three 4-step runs (seeds 0, 0, 1): the two with seed 0 end with the same weights.
+    python tests/integration/vllm_server_job.py rloo URL MODEL_DIR GROUP_PORT OUT
+        4 steps of RLOOTrainer sampling through the server: the same checks.
     python tests/integration/vllm_server_job.py distill URL MODEL_DIR GROUP_PORT OUT
         4 steps of DistillationTrainer sampling through the server (a local teacher): the same checks.
     python tests/integration/vllm_server_job.py die URL MODEL_DIR GROUP_PORT SERVER_PGID OUT
@@ -34,6 +40,7 @@ from transformers import TrainerCallback
 from trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import register_backend
+from trainers.generation.local_server import free_port
 from trainers.generation.sampling import SamplingParams, generate
 from trainers.generation.vllm_remote import VLLMRemote
 
@@ -174,6 +181,13 @@ def distributed(url, model_dir, group_port, out):
     return report
 
 
+def rloo(url, model_dir, group_port, out):
+    trainer = trainer_for(url, model_dir, group_port, out, rloo=True, max_steps=4)
+    checks = Checks(trainer)
+    trainer.train()
+    return {"rounds": checks.rounds, "records": records(trainer)}
+
+
 def tools(url, model_dir, group_port, out):
     trainer = tool_trainer(os.path.join(out, "run"), model_dir, vllm_mode="server", vllm_server_base_url=url,
                            vllm_group_port=group_port, vllm_server_timeout=10, use_vllm=False,
@@ -220,27 +234,26 @@ def distill(url, model_dir, group_port, out):
     return {"rounds": checks.rounds, "records": records(trainer)}
 
 
+# the modes that run in one process, several one after the other (each pushes its own weights to the server first)
+SINGLE_RUNS = {"follow": follow, "tools": tools, "repeat": repeat, "distill": distill, "rloo": rloo}
+
+
 def main():
     mode, url, model_dir, group_port, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[-1]
-    name = "report.json"
-    if mode == "follow":
-        report = follow(url, model_dir, group_port, out)
-    elif mode == "tools":
-        report = tools(url, model_dir, group_port, out)
-    elif mode == "rloo":  # RLOOTrainer on the same server: GRPO's rollout stage, weight push included
-        trainer = trainer_for(url, model_dir, group_port, out, rloo=True, max_steps=4)
-        checks = Checks(trainer)
-        trainer.train()
-        report = {"rounds": checks.rounds, "records": records(trainer)}
-    elif mode == "repeat":
-        report = repeat(url, model_dir, group_port, out)
-    elif mode == "distill":  # DistillationTrainer samples through the same server (a local teacher)
-        report = distill(url, model_dir, group_port, out)
-    elif mode == "distributed":
+    if mode == "distributed":
         report = distributed(url, model_dir, group_port, out)
         name = f"report-{os.environ.get('RANK', '0')}.json"
-    else:
-        report = die(url, model_dir, group_port, out, int(sys.argv[5]))
+    elif mode == "die":
+        report, name = die(url, model_dir, group_port, out, int(sys.argv[5])), "report.json"
+    else:  # one or several of SINGLE_RUNS ("follow,repeat"), one after the other, each in OUT/MODE
+        for index, each in enumerate(mode.split(",")):
+            folder = os.path.join(out, each)
+            os.makedirs(folder, exist_ok=True)
+            # a port of its own: follow's trainer keeps its client (and the port) after evaluate()
+            port = group_port if index == 0 else free_port()
+            with open(os.path.join(folder, "report.json"), "w") as f:
+                json.dump(SINGLE_RUNS[each](url, model_dir, port, folder), f)
+        return
     with open(os.path.join(out, name), "w") as f:
         json.dump(report, f)
 
