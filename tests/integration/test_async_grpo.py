@@ -72,11 +72,21 @@ def test_bound_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert [r["sample/staleness_max"] for r in step_records(bound0)] == [0.0] * 6
 
 
-class SlowSteps(TrainerCallback):
-    """Training slower than sampling (0.5 s more a step): the producer gets as far ahead as the bound lets it."""
+class ProducerAhead(TrainerCallback):
+    """Training slower than sampling: each step ends only once the producer has sampled every round the bound lets
+    it sample by then (the rounds up to `bound` sync intervals past the trainer's), or after 10 s. Waiting for those
+    rounds, rather than sleeping a fixed time, keeps the test independent of how fast the host samples: with a fixed
+    0.5 s a loaded 2-core host once fell a round short. A producer that does not run ahead still fails the test."""
+
+    def __init__(self, bound: int, every: int, steps: int):
+        self.bound, self.every, self.steps = bound, every, steps
 
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(0.5)
+        ended = state.global_step - 1  # its weights were pushed at the start of its sync interval
+        allowed = min(self.steps, (ended // self.every + self.bound + 1) * self.every)
+        deadline = time.monotonic() + 10
+        while len(CopyEngine.versions) < allowed and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def test_bound_zero_is_the_synchronous_run_with_lora(tiny_model_dir, tmp_path):
@@ -128,7 +138,7 @@ def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_
     completion's model_version."""
     trainer = train(tiny_model_dir, config(tmp_path, async_generation=True, max_staleness=bound,
                                            weight_sync_steps=every, max_steps=8, log_completions=True),
-                    callbacks=[SlowSteps()])
+                    callbacks=[ProducerAhead(bound, every, steps=8)])
     assert CopyEngine.pushes == list(range(0, 8, every))
     lags = [first // every - held // every for first, held in CopyEngine.versions]
     assert [first for first, _ in CopyEngine.versions] == list(range(8))
