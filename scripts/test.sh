@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the tests (docs/testing.md):
 #   bash scripts/test.sh                 the whole suite: unit, integration, 2-process distributed and vLLM tests
-#   bash scripts/test.sh --fast          the fast tier (~6 min): no distributed, vLLM or slow tests but a few smoke
+#   bash scripts/test.sh --fast          the fast tier (~7 min): no distributed, vLLM or slow tests but a few smoke
 #                                        runs; it needs no vLLM, so its set-up does not install it
 #   bash scripts/test.sh [--fast] ARGS   ARGS go to pytest: a file, a test, -x, -k NAME, -m distributed, ...
 # The whole suite's set-up adds the test tools and vLLM's CPU build (the vLLM tests start a real engine) to the demo's.
