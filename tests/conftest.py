@@ -148,6 +148,21 @@ def run_job(script: str, *args, report: str, timeout: int = 600) -> dict:
         return json.load(f)
 
 
+def reports_of_one_job(script: str, modes: list[str], server, tmp_path_factory, timeout: int = 1200):
+    """``report(mode)``: the report of one of ``modes``, which the vLLM job ``script`` runs against ``server`` once,
+    one after the other in one process (each in OUT/MODE/report.json), when a test first needs one of them."""
+    out = []
+
+    def report(mode: str) -> dict:
+        if not out:
+            out.append(tmp_path_factory.mktemp("together"))
+            run_script(script, ",".join(modes), server.url, server.model_dir, free_port(), out[0], timeout=timeout)
+        with open(out[0] / mode / "report.json") as f:
+            return json.load(f)
+
+    return report
+
+
 def child_processes(pid: int | None = None) -> list[str]:
     """The command lines of a process's children (this one's by default): e.g. an engine core vLLM started."""
     pid = pid or os.getpid()

@@ -1,16 +1,15 @@
 """Asynchronous GRPO (async_generation) against a real vLLM server: `trainers vllm-serve` started once for this
 module (as tests/integration/test_vllm_server.py starts it), the runs in processes of their own
-(tests/integration/vllm_async_job.py; bound 0 and bound 1 share one). Bound 0 is the synchronous run exactly; bound 1 learns the digits task with
-every round one step stale; two processes under ZeRO-3 each sample their own rows; a server stopped mid-run
-(SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within the stated timeouts with a
-checkpoint. The tests run in file order: the last one kills the server."""
+(tests/integration/vllm_async_job.py; bound 0 and bound 1 share one). Bound 0 is the synchronous run exactly;
+bound 1 learns the digits task with every round one step stale; two processes under ZeRO-3 each sample their own
+rows; a server stopped mid-run (SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within
+the stated timeouts with a checkpoint. The tests run in file order: the last one kills the server."""
 
-import json
 import os
 
 import pytest
 
-from tests.conftest import free_port, launch, rank_reports, run_job, run_script
+from tests.conftest import free_port, launch, rank_reports, reports_of_one_job, run_job
 from tests.integration.test_vllm_server import group_members, serve
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_async_job.py")
@@ -29,16 +28,7 @@ def job(out, mode, server, *extra) -> dict:
 @pytest.fixture(scope="module")
 def together(server, tmp_path_factory):
     """``together(mode)``: the report of exact or learn, both run once for the module in one process."""
-    out = []
-
-    def report(mode: str) -> dict:
-        if not out:
-            out.append(tmp_path_factory.mktemp("together"))
-            run_script(JOB, "exact,learn", server.url, server.model_dir, free_port(), out[0], timeout=1200)
-        with open(out[0] / mode / "report.json") as f:
-            return json.load(f)
-
-    return report
+    return reports_of_one_job(JOB, ["exact", "learn"], server, tmp_path_factory)
 
 
 def test_bound_zero_is_the_synchronous_run(together):

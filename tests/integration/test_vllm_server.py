@@ -7,7 +7,6 @@ happens. The tests run in file order: the last two kill the server.
 
 vLLM's Python: the vllm_python fixture (tests/conftest.py), which skips these tests where there is none."""
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, run_job, run_script
+from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, reports_of_one_job, run_job
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMClient
@@ -230,16 +229,7 @@ TOGETHER = ["follow", "repeat", "rloo", "distill", "tools"]  # vllm_server_job.p
 def together(server, tmp_path_factory):
     """``together(mode)``: the report of one of the TOGETHER modes, all run once for the module, one after the other
     in one process (each pushes its own weights to the server first), when a test first needs one."""
-    out = []
-
-    def report(mode: str) -> dict:
-        if not out:
-            out.append(tmp_path_factory.mktemp("together"))
-            run_script(JOB, ",".join(TOGETHER), server.url, server.model_dir, free_port(), out[0], timeout=1200)
-        with open(out[0] / mode / "report.json") as f:
-            return json.load(f)
-
-    return report
+    return reports_of_one_job(JOB, TOGETHER, server, tmp_path_factory)
 
 
 def test_a_served_teacher_with_the_whole_vocabulary_is_the_local_teacher(client, server, tmp_path):
