@@ -15,6 +15,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh's two workers on two cores: one torch thread each (set
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; their child processes inherit it)
 
 from transformers import TrainerCallback  # noqa: E402  after the offline switches, which it reads on import
 

@@ -36,9 +36,9 @@ from tests.conftest import digits, noisy_model  # noqa: E402
 
 
 def build(method, model, out, total, save_steps, extra):
-    common = dict(output_dir=out, max_steps=total, learning_rate=1e-2 if method == "grpo" else 3e-3,
-                  lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=save_steps,
-                  disable_tqdm=True, seed=0, bf16=False, **extra)
+    common = {**dict(output_dir=out, max_steps=total, learning_rate=1e-2 if method == "grpo" else 3e-3,
+                     lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=save_steps,
+                     disable_tqdm=True, seed=0, bf16=False), **extra}  # extra wins (logging_steps, ...)
     if method == "sft":
         return SFTTrainer(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
                           args=SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))

@@ -15,6 +15,7 @@ of the run: move it to the slow tier, or make it faster.
 """
 
 import inspect
+import os
 import types
 
 TIERS = ("distributed", "vllm", "slow")
@@ -70,6 +71,8 @@ def mark_and_select(config, items) -> None:
         for tier in tiers:
             item.add_marker(tier)
         item.user_properties.append(("tiers", ",".join(sorted(tiers))))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heaviest_files_first(items)
     if not config.getoption("--fast"):
         return
     kept, dropped = [], []
@@ -80,18 +83,32 @@ def mark_and_select(config, items) -> None:
         items[:] = kept
 
 
+# What a file's slowest tier says of its length, for the order in which pytest-xdist hands files to its workers
+WEIGHT = {"vllm": 3, "slow": 2, "distributed": 1}
+
+
+def heaviest_files_first(items) -> None:
+    """Orders the test files by their slowest tier (vLLM, slow, distributed, fast), each file's tests kept in order.
+    pytest-xdist (``--dist loadfile``, scripts/test.sh) gives a worker the next file when it is free: the long files
+    first, the short ones fill in after, so that neither worker ends with a long file while the other is idle."""
+    weight: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        weight[path] = max([weight.get(path, 0)] + [WEIGHT.get(m.name, 0) for m in item.iter_markers()])
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: the order within a weight stays
+
+
 class SlowInFastTier:
     """Names the fast-tier tests that ran over FAST_LIMIT_S (set-up and call), at the end of the run."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
-        self.fast: set[str] = set()
-
-    def pytest_collection_modifyitems(self, config, items):
-        self.fast = {item.nodeid for item in items if in_fast_tier(item) and not item.get_closest_marker("smoke")}
 
     def pytest_runtest_logreport(self, report):
-        if report.nodeid in self.fast and report.when in ("setup", "call"):
+        # a report carries its test's tiers (mark_and_select), also from a pytest-xdist worker to the controller,
+        # which collects nothing itself: "" is a fast-tier test (a smoke test has "distributed")
+        fast = dict(report.user_properties).get("tiers") == ""
+        if fast and report.when in ("setup", "call"):
             self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
 
     def pytest_terminal_summary(self, terminalreporter):

@@ -275,8 +275,8 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         """``loss`` plus the MoE router load-balancing loss of this micro-batch (``out["aux_loss"]``, from a
         forward with ``with_router_loss``) weighted by router_aux_loss_coef and averaged over the step's
         micro-batches, as TRL adds it; logged as ``aux_loss``. Unchanged for models without a router."""
-        if not self.router_aux_loss_coef:
-            return loss
+        if not self.router_aux_loss_coef or out.get("aux_loss") is None:  # None: a MoE sequence classifier's
+            return loss  # output has no router loss, and TRL adds none
         aux = out["aux_loss"].float()  # a mean over this micro-batch's tokens
         stats["aux_loss"] = (aux.detach(), 1.0)
         return loss + self.router_aux_loss_coef * aux / counts.micro_batches

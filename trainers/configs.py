@@ -130,7 +130,7 @@ class TrainingConfig:
         "per_device_train_batch_size x processes x gradient_accumulation_steps.", ge=1
     )
     # Optimizer and schedule
-    learning_rate: float = opt(5e-5, "Peak learning rate of AdamW.", gt=0, finite=True)
+    learning_rate: float = opt(5e-5, "Peak learning rate of AdamW.", ge=0, finite=True)
     weight_decay: float = opt(0.0, "AdamW decoupled weight decay.", ge=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0, lt=1)
     adam_beta2: float = opt(0.999, "AdamW beta2.", ge=0, lt=1)
@@ -158,8 +158,10 @@ class TrainingConfig:
         0.0, "Linear warmup as a fraction of all steps (used when warmup_steps is 0).", ge=0, lt=1)
     # Logging
     logging_strategy: str = opt(
-        "steps", "When to log metrics. 'steps': every logging_steps and at the last step; 'epoch': at the end of "
-        "each epoch and at the last step; 'no': never (logging_first_step still logs step 1).", choices=STRATEGIES
+        "steps", "When to log metrics. 'steps': every logging_steps (as transformers: the steps after the last "
+        "multiple are in train()'s closing record); 'epoch': at the end of each epoch and at the last step; 'no': "
+        "never (logging_first_step still logs step 1; train()'s closing record has the run's means).",
+        choices=STRATEGIES
     )
     logging_steps: int = opt(10, "Log metrics every this many optimizer steps (logging_strategy='steps').", ge=1)
     logging_nan_inf_filter: bool = opt(

@@ -29,7 +29,8 @@ def _number(value) -> float | None:
 
 def series(history: list[dict], name: str) -> list[tuple[int | None, float]]:
     """(step, value) of every record that holds a finite number for ``name``, in order. train()'s closing record
-    (``train_runtime``) is left out: the trainer metrics it carries repeat the last step record's."""
+    (``train_runtime``) is left out: the trainer metrics it carries are means over the steps after the last step
+    record (or over the whole run), not a step's."""
     out = []
     for record in history:
         if "train_runtime" in record:

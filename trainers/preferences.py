@@ -224,10 +224,7 @@ class PreferenceData:
         args, acc = self.args, self.accelerator
         self._given_train_dataset = train_dataset
         if is_stream(train_dataset):
-            if getattr(args, "precompute_ref_log_probs", False):  # TRL's rule
-                raise ConfigError(f"{type(args).__name__}: `precompute_ref_log_probs=True` is not supported with a "
-                                  f"streamed train_dataset (an IterableDataset): its rows are not known before "
-                                  f"training. Turn it off, or pass a datasets.Dataset.")
+            self._refuse_stream_with_precompute("train_dataset")
             stream_dispatch_batches(args, acc)
             self.train_rows, self.sampler = None, None
             tokenizers = PerThread(self.processing_class)  # dataloader_num_workers: one tokenizer per thread
@@ -244,8 +241,24 @@ class PreferenceData:
             note_map_style_workers(args, acc)
         self.eval_rows = self._tokenize(eval_dataset, "eval_dataset") if eval_dataset is not None else None
 
+    def _refuse_stream_with_precompute(self, name: str) -> None:
+        """TRL's rule (and words): reference log-probs computed before training need every row up front."""
+        args = self.args
+        if getattr(args, "precompute_ref_log_probs", False):
+            raise ConfigError(f"{type(args).__name__}: `precompute_ref_log_probs=True` is not supported with "
+                              f"IterableDataset ({name} is streamed): the reference scores every row before training. "
+                              f"Turn it off, or pass a datasets.Dataset.")
+
     def _tokenize(self, dataset, name: str) -> list[dict]:
+        """An eval dataset's (or a map-style train_dataset's) rows, tokenized: a stream is read whole."""
+        if is_stream(dataset):
+            self._refuse_stream_with_precompute(name)
         return self._prepare(as_dataset(dataset, name).to_list(), name, 0, self.processing_class)
+
+    def eval_row_sets(self) -> list[list[dict]]:
+        """Every set of evaluation rows: the eval_dataset's and each named eval dataset's."""
+        return [rows for rows in [self.eval_rows, *(s["eval_rows"] for s in self.eval_sets.values())]
+                if rows is not None]
 
     def optimizer_steps_per_epoch(self) -> int:
         # a stream's length is unknown: as transformers, one "epoch" spans max_steps
@@ -289,8 +302,12 @@ class PreferenceData:
 
     @property
     def eval_dataset(self):
+        """The evaluation rows as TRL keeps them, tokenized (a ``datasets.Dataset``); a dict of them for named eval
+        datasets, each tokenized on its own."""
         from datasets import Dataset
 
+        if self.eval_sets:
+            return {name: Dataset.from_list(rows["eval_rows"]) for name, rows in self.eval_sets.items()}
         return None if self.eval_rows is None else Dataset.from_list(self.eval_rows)
 
     def save_extra_state(self, folder: str) -> None:

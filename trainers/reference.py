@@ -64,6 +64,12 @@ class FrozenReference:
         elif self.is_peft:
             with self.unwrapped_model.disable_adapter():
                 yield self.model_wrapped
+        elif self.state.global_step > 0:  # every row given before training was scored then: a new dataset
+            raise ConfigError(
+                f"Cannot compute reference log-probs for a dataset passed to evaluate() after training (TRL's "
+                f"words): with {type(self.args).__name__}(precompute_ref_log_probs=True) and no ref_model, the "
+                f"reference is the policy before training, which has moved. Give the dataset as eval_dataset to the "
+                f"trainer (scored before training), or a ref_model.")
         else:
             yield self.model_wrapped
 

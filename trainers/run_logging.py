@@ -47,7 +47,6 @@ class RunLogging:
             acc.init_trackers(project, config=flat_config({**info.pop("config"), **info}))
             self._trackers_open = True
         started_at, first_step = time.time(), self.state.global_step
-        self._pending_summary: dict = {}  # the last step record, whose trainer metrics train()'s summary carries
         self._unlogged: dict = {}  # logging_strategy='no': name -> (sum, steps) of every step's
         self.model.train()
         self._describe_run()
@@ -84,14 +83,15 @@ class RunLogging:
 
     def _summary_extras(self, window: list[dict]) -> dict:
         """The trainer's own metrics (not LOOP_METRICS) that train()'s closing summary carries, as TRL's trainers
-        merge their pending metrics into it: those of the steps not logged yet (``window``: a run stopped between
-        logs), else the last step record's, or with logging_strategy='no' the means over every step."""
+        merge the metrics pending since their last record into it: the means of the steps not logged yet
+        (``window``: the steps after the last multiple of logging_steps), with logging_strategy='no' the means over
+        every step, and nothing when the last step was logged (TRL's log() clears what it merged)."""
         if window:
             pending = self._window_means(window)
         elif self._unlogged:
             pending = {name: total / count for name, (total, count) in self._unlogged.items()}
         else:
-            pending = self._pending_summary
+            pending = {}
         return {name: value for name, value in pending.items()
                 if name not in LOOP_METRICS and name not in ("step", "epoch", "num_input_tokens_seen")}
 
@@ -101,7 +101,9 @@ class RunLogging:
         args, state = self.args, self.state
         step, last = state.global_step, state.global_step == self.max_steps
         epoch_end = step % self.steps_per_epoch == 0
-        log_due = {"steps": step % args.logging_steps == 0 or last, "epoch": epoch_end or last, "no": False}
+        # as transformers: 'steps' logs at multiples of logging_steps only (the steps after the last one go into
+        # train()'s closing record); 'epoch' at each epoch's end, a cut-short last epoch's included
+        log_due = {"steps": step % args.logging_steps == 0, "epoch": epoch_end or last, "no": False}
         callbacks = self.callback_handler  # a callback may ask for a log, an evaluation or a checkpoint
         if log_due[args.logging_strategy] or (step == 1 and args.logging_first_step) or force_log \
                 or callbacks.requested("should_log"):
@@ -111,7 +113,6 @@ class RunLogging:
                 record["num_input_tokens_seen"] = state.num_input_tokens_seen
             self._publish(record)
             window.clear()
-            self._pending_summary = record  # the last step record: train()'s summary repeats its trainer metrics
             for warning in self.health.check(state.log_history):
                 if self.accelerator.is_main_process:
                     logger.warning(f"health: {warning}")

@@ -55,8 +55,8 @@ SMALL = [p for p in SHIPPED_YAMLS if "model" not in cli.load_run_yaml(p, method_
 @pytest.mark.parametrize("path", SMALL, ids=os.path.basename)
 def test_small_shipped_yamls_train_for_a_step(path, tmp_path):
     method = method_of(path)
-    assert cli.main([method, "--config", path, "--max_steps", "1", "--output_dir", str(tmp_path),
-                     "--disable_tqdm", "true"]) == 0
+    assert cli.main([method, "--config", path, "--max_steps", "1", "--logging_steps", "1", "--output_dir",
+                     str(tmp_path), "--disable_tqdm", "true"]) == 0
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert records[-1]["step"] == 1 and "train_runtime" in records[-1]  # train()'s closing summary

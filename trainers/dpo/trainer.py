@@ -109,8 +109,8 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         self.prepare_reference()
         if self.args.precompute_ref_log_probs:
             self._precompute_reference(self.train_rows, self.per_process_train_batch_size)
-            if self.eval_rows is not None:
-                self._precompute_reference(self.eval_rows, self.per_process_eval_batch_size)
+            for rows in self.eval_row_sets():  # named eval datasets too: evaluated after training as they were
+                self._precompute_reference(rows, self.per_process_eval_batch_size)
 
     def _precompute_reference(self, pairs: list[dict], batch_size: int) -> None:
         """precompute_ref_log_probs: every pair's reference log-probs, kept in its row (``ref_chosen_logps``,

@@ -33,7 +33,7 @@ GRPO_LOSS_OPTIONS = (
 class GRPOConfig(TrainingConfig):
     """Group Relative Policy Optimization: generation, rewards, advantages and the clipped policy loss."""
 
-    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.", gt=0, finite=True)
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW.", ge=0, finite=True)
     remove_unused_columns: bool = opt(False, "Accepted for TRL compatibility; every dataset column reaches the reward functions.")
     # Generation rounds
     num_generations: int = opt(8, "Completions sampled per prompt (the group size G).", ge=2,

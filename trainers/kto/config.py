@@ -16,7 +16,7 @@ class KTOConfig(TrainingConfig):
     """Kahneman-Tversky optimization (arXiv:2402.01306): completions labelled desirable or not, no pairs needed;
     the reference point is a KL estimate from mismatched prompt-completion pairs."""
 
-    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW (TRL's KTO default).", gt=0, finite=True)
+    learning_rate: float = opt(1e-6, "Peak learning rate of AdamW (TRL's KTO default).", ge=0, finite=True)
     train_sampling_strategy: str = opt(
         "sequential", "Training order (TRL's KTO default: 'sequential'). The KL estimate pairs each row with its "
         "neighbour's completion within its micro-batch, a pairing made once in dataset order, so loss_type='kto' "

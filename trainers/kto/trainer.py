@@ -193,8 +193,8 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
         self.prepare_reference()
         if self.args.precompute_ref_log_probs:
             self._precompute_reference(self.train_rows, self.per_process_train_batch_size)
-            if self.eval_rows is not None:
-                self._precompute_reference(self.eval_rows, self.per_process_eval_batch_size)
+            for rows in self.eval_row_sets():  # named eval datasets too: evaluated after training as they were
+                self._precompute_reference(rows, self.per_process_eval_batch_size)
 
     def _precompute_reference(self, rows: list[dict], batch_size: int) -> None:
         """precompute_ref_log_probs: every row's (and its mismatched pair's) reference log-prob, kept in the row;

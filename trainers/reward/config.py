@@ -15,7 +15,7 @@ class RewardConfig(TrainingConfig):
     """A reward model: a sequence classifier (one score per sequence) trained so chosen completions score above
     rejected ones (Bradley-Terry)."""
 
-    learning_rate: float = opt(1e-4, "Peak learning rate of AdamW (TRL's reward default).", gt=0, finite=True)
+    learning_rate: float = opt(1e-4, "Peak learning rate of AdamW (TRL's reward default).", ge=0, finite=True)
     max_length: int | None = opt(
         1024, "A pair whose chosen or rejected sequence (prompt + completion) is longer is dropped, with a warning "
         "that counts them (TRL drops them silently). None: no limit.", ge=1)

@@ -19,7 +19,7 @@ METRIC_INPUTS = ("inputs", "loss")  # what include_for_metrics may add to comput
 class SFTConfig(TrainingConfig):
     """Supervised fine-tuning: how rows become token sequences and which tokens carry the loss."""
 
-    learning_rate: float = opt(2e-5, "Peak learning rate of AdamW.", gt=0, finite=True)
+    learning_rate: float = opt(2e-5, "Peak learning rate of AdamW.", ge=0, finite=True)
     # Rows to token sequences
     dataset_text_field: str = opt("text", "Column holding raw text for language modelling.")
     max_length: int | None = opt(
