@@ -348,6 +348,7 @@ def test_a_streamed_preference_run_equals_the_same_rows_in_memory_in_order(metho
     for key, value in weights(in_memory).items():
         torch.testing.assert_close(weights(streamed)[key], value, rtol=1e-6, atol=1e-7)
     if method != "reward":
-        with pytest.raises(ConfigError, match="precompute_ref_log_probs=True` is not supported with a streamed"):
+        refused = r"precompute_ref_log_probs=True` is not supported with IterableDataset \(train_dataset is streamed\)"
+        with pytest.raises(ConfigError, match=refused):
             Trainer(model=tiny_model_dir, train_dataset=stream(pairs), args=Config(
                 output_dir=str(tmp_path / "p"), precompute_ref_log_probs=True, **options))
