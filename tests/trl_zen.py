@@ -265,6 +265,42 @@ def save_tiny_remote_model(path: str) -> str:
     return str(path)
 
 
+# ------------------------------------------------------------------------------- TRL's repeated test blocks
+
+def eval_dataset_of(eval_dataset_type: str, config: str):
+    """TRL's if/elif chain of the eval-dataset cases: zen ``config``'s test split as a Dataset, an IterableDataset,
+    a (Iterable)DatasetDict or a dict of either, named data1 and data2."""
+    streaming = "iterable" in eval_dataset_type
+    eval_split = zen_preference(config, split="test", streaming=streaming)
+    if eval_dataset_type in ("dataset", "iterable_dataset"):
+        return eval_split
+    if eval_dataset_type in ("dataset_dict", "iterable_dataset_dict"):
+        dataset_dict_cls = IterableDatasetDict if streaming else DatasetDict
+        return dataset_dict_cls({"data1": eval_split, "data2": eval_split})
+    return {"data1": eval_split, "data2": eval_split}  # "dict_of_dataset" or "dict_of_iterable_dataset"
+
+
+def assert_all_changed(previous_trainable_params, trainer):
+    """TRL's check after training: every parameter moved."""
+    import torch
+
+    for n, param in previous_trainable_params.items():
+        new_param = trainer.model.get_parameter(n)
+        assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+
+
+def assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=False):
+    """TRL's check: the peft params have changed and the base model params have not."""
+    import torch
+
+    for n, param in previous_trainable_params.items():
+        new_param = trainer.model.get_parameter(n)
+        if n in base_param_names:  # We expect the base model params to be the same
+            torch.testing.assert_close(param, new_param, msg=f"Parameter {n} has changed.")
+        elif "base_layer" not in n and not (skip_ref and "ref" in n):  # the peft params to be different
+            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+
+
 # ---------------------------------------------------------------------------------- the library under test
 
 def fails_here(reason: str, **when):

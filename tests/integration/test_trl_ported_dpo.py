@@ -37,10 +37,11 @@ Not ported:
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict, IterableDatasetDict
+from datasets import Dataset, IterableDatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.trl_zen import ROLE_CAPITAL_TEMPLATE, TinyHub, fails_here, lib_fixture, toolcall_preference
+from tests.trl_zen import (ROLE_CAPITAL_TEMPLATE, TinyHub, assert_all_changed, assert_peft_trained, eval_dataset_of,
+                           fails_here, lib_fixture, toolcall_preference)
 from tests.trl_zen import zen_preference as zen
 
 MAX_STEPS = 3  # port: max_steps (TRL's default 3 epochs would be 9 steps of 8 rows)
@@ -52,12 +53,6 @@ lib = lib_fixture("DPO")
 @pytest.fixture(scope="session")
 def hub(tmp_path_factory):
     return TinyHub(tmp_path_factory.mktemp("hub"))
-
-
-def assert_all_changed(previous_trainable_params, trainer):
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
 
 
 # -------------------------------------------------------------------------------------------- TestDPOTrainer
@@ -102,15 +97,8 @@ def test_train(lib, hub, tmp_path, model_id):
     assert_all_changed(previous_trainable_params, trainer)
 
 
-def _eval_dataset(eval_dataset_type, config="standard_preference"):
-    streaming = "iterable" in eval_dataset_type
-    eval_split = zen(config, split="test", streaming=streaming)
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        return eval_split
-    if eval_dataset_type in ("dataset_dict", "iterable_dataset_dict"):
-        dataset_dict_cls = IterableDatasetDict if streaming else DatasetDict
-        return dataset_dict_cls({"data1": eval_split, "data2": eval_split})
-    return {"data1": eval_split, "data2": eval_split}  # "dict_of_dataset" or "dict_of_iterable_dataset"
+def _eval_dataset(eval_dataset_type):
+    return eval_dataset_of(eval_dataset_type, "standard_preference")
 
 
 @pytest.mark.parametrize("precompute_ref_log_probs", [False, True])
@@ -470,16 +458,6 @@ def test_train_model_dtype(lib, hub, tmp_path):
 # ------------------------------------------------------------------------------------------------------- PEFT
 
 
-def _assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=False):
-    """TRL's check: the peft params have changed and the base model params have not."""
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        if n in base_param_names:  # We expect the base model params to be the same
-            torch.testing.assert_close(param, new_param, msg=f"Parameter {n} has changed.")
-        elif "base_layer" not in n and not (skip_ref and "ref" in n):  # the peft params to be different
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-
 def test_train_dense_with_peft_config_lora(lib, hub, tmp_path):
     from peft import LoraConfig
 
@@ -510,7 +488,7 @@ def test_train_dense_with_peft_config_lora(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names)
 
 
 def test_train_moe_with_peft_config(lib, hub, tmp_path):
@@ -543,7 +521,7 @@ def test_train_moe_with_peft_config(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names)
 
 
 def test_train_peft_model(lib, hub, tmp_path):
@@ -574,7 +552,7 @@ def test_train_peft_model(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed (except base and ref)
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=True)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=True)
 
 
 # In practice, this test is the same as `test_train_dense_with_peft_config_lora`, since gradient checkpointing is
@@ -611,7 +589,7 @@ def test_train_with_peft_config_and_gradient_checkpointing(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names)
 
 
 # ------------------------------------------------------------------------------------------- datasets, eval

@@ -36,10 +36,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict, IterableDatasetDict
+from datasets import Dataset, IterableDatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.trl_zen import ROLE_CAPITAL_TEMPLATE, TinyHub, fails_here, lib_fixture, toolcall_preference
+from tests.trl_zen import (ROLE_CAPITAL_TEMPLATE, TinyHub, assert_all_changed, assert_peft_trained, eval_dataset_of,
+                           fails_here, lib_fixture, toolcall_preference)
 from tests.trl_zen import zen_preference as zen
 
 MAX_STEPS = 3  # port: max_steps (TRL's default 3 epochs would be 9 steps of 8 rows)
@@ -67,12 +68,6 @@ def setup(hub):
     )
 
 
-def assert_all_changed(previous_trainable_params, trainer):
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-
 def _train_and_check(lib, model, training_args, dataset, **kwargs):
     """TRL's body of the single-option training cases: train, a train_loss logged, every parameter moved."""
     trainer = lib.KTOTrainer(model=model, args=training_args, train_dataset=dataset, **kwargs)
@@ -88,15 +83,8 @@ def _train_and_check(lib, model, training_args, dataset, **kwargs):
     return trainer
 
 
-def _eval_dataset(eval_dataset_type, config="standard_unpaired_preference"):
-    streaming = "iterable" in eval_dataset_type
-    eval_split = zen(config, split="test", streaming=streaming)
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        return eval_split
-    if eval_dataset_type in ("dataset_dict", "iterable_dataset_dict"):
-        dataset_dict_cls = IterableDatasetDict if streaming else DatasetDict
-        return dataset_dict_cls({"data1": eval_split, "data2": eval_split})
-    return {"data1": eval_split, "data2": eval_split}  # "dict_of_dataset" or "dict_of_iterable_dataset"
+def _eval_dataset(eval_dataset_type):
+    return eval_dataset_of(eval_dataset_type, "standard_unpaired_preference")
 
 
 # -------------------------------------------------------------------------------------------- TestKTOTrainer
@@ -563,16 +551,6 @@ def test_train_model_dtype(lib, hub, tmp_path):
         assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
 
 
-def _assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=False):
-    """TRL's check: the peft params have changed and the base model params have not."""
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        if n in base_param_names:  # We expect the base model params to be the same
-            torch.testing.assert_close(param, new_param, msg=f"Parameter {n} has changed.")
-        elif "base_layer" not in n and not (skip_ref and "ref" in n):  # the peft params to be different
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-
 def test_train_peft_model(lib, hub, tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -600,7 +578,7 @@ def test_train_peft_model(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed (except base and ref)
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=True)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names, skip_ref=True)
 
 
 # In practice, this test is the same as `test_kto_trainer_without_providing_ref_model_with_lora`, since gradient
@@ -637,7 +615,7 @@ def test_train_with_peft_config_and_gradient_checkpointing(lib, hub, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
 
     # Check that the peft params have changed and the base model params have not changed
-    _assert_peft_trained(previous_trainable_params, trainer, base_param_names)
+    assert_peft_trained(previous_trainable_params, trainer, base_param_names)
 
 
 @pytest.mark.parametrize("iterable_as", ["train", "eval", "eval_dict", "eval_iterable_dataset_dict"])

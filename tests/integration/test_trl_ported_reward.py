@@ -33,11 +33,11 @@ import pathlib
 
 import pytest
 import torch
-from datasets import DatasetDict, IterableDatasetDict
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.trl_zen import (
     ROLE_CAPITAL_TEMPLATE,
+    eval_dataset_of,
     fails_here,
     lib_fixture,
     save_tiny_causal_lm,
@@ -233,14 +233,7 @@ def test_train(lib, models, tmp_path, model_id):
 
 
 def _eval_split(eval_dataset_type):
-    streaming = "iterable" in eval_dataset_type
-    eval_split = zen("standard_implicit_prompt_preference", split="test", streaming=streaming)
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        return eval_split
-    if eval_dataset_type in ("dataset_dict", "iterable_dataset_dict"):
-        dataset_dict_cls = IterableDatasetDict if streaming else DatasetDict
-        return dataset_dict_cls({"data1": eval_split, "data2": eval_split})
-    return {"data1": eval_split, "data2": eval_split}  # "dict_of_dataset" or "dict_of_iterable_dataset"
+    return eval_dataset_of(eval_dataset_type, "standard_implicit_prompt_preference")
 
 
 @pytest.mark.parametrize(
