@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from trainers.cpu_attention import float32_attention_on_cpu
 from trainers.errors import ConfigError, ModelLoadError
-from trainers.host import float32_attention_on_cpu
 from trainers.losses import logps_and_entropy, selective_log_softmax
 from trainers.output_head import plan_head, scoring_head
 

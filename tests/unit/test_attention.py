@@ -8,7 +8,7 @@ import torch
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trainers import host as attention
+from trainers import cpu_attention as attention
 from trainers import modeling
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from trainers import distributed as dist
+from trainers.cpu_attention import float32_attention_on_cpu
 from trainers.distillation.divergence import (
     chunked_divergence,
     chunked_support_divergence,
@@ -29,7 +30,6 @@ from trainers.distillation.divergence import (
 )
 from trainers.errors import ConfigError
 from trainers.grpo.batch import MicroBatch
-from trainers.host import float32_attention_on_cpu
 from trainers.output_head import HeadPlan, plan_head, swapped_forward
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from trainers.host import float32_attention_on_cpu
+from trainers.cpu_attention import float32_attention_on_cpu
 from trainers.modeling import positions_from_mask, split_scores
 from trainers.output_head import HeadPlan, scoring_head
 

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from trainers.host import float32_attention_on_cpu
+from trainers.cpu_attention import float32_attention_on_cpu
 from trainers.modeling import positions_from_mask, split_scores, token_scores
 from trainers.output_head import plan_head, scoring_head
 
