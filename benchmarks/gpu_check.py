@@ -6,7 +6,8 @@
 Parts, each in its own process with its own time limit, so a failure or a hang in one does not stop the rest:
 
     runs       SFT and GRPO a few steps on a tiny model (bf16 on CUDA): finite losses, a save and an exact resume,
-               the lean engine's greedy tokens against HF generate's, vLLM colocated if vLLM's CUDA build is there
+               the lean engine's greedy tokens against HF generate's, vLLM colocated in sleep mode if vLLM's CUDA
+               build is there
     rows       benchmarks/compare_trl.py --gpu: a Qwen2.5-0.5B-shaped model, ours and TRL's on the same card
                (SFT tokens/s, MFU, peak memory; GRPO s/step, generated tokens/s, peak memory)
     templates  accelerate_configs/fsdp2.yaml and single_gpu.yaml, one process, a few SFT steps each
@@ -82,9 +83,11 @@ def part_runs(device: str, out: str) -> dict:
     except Exception as error:  # not installed, or a CPU build on the GPU machine
         details["vllm"] = f"not importable: {type(error).__name__}: {str(error)[:200]}"
     if cuda and not details["vllm"].startswith("not importable"):
-        colocated = grpo("grpo-vllm", 2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2)
+        # in sleep mode (level 2; issue 59): every step's sync wakes the weights, each round the KV cache too
+        colocated = grpo("grpo-vllm", 3, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
+                         vllm_enable_sleep_mode=True)
         colocated.train()
-        details["vllm_colocate_losses"] = [r["loss"] for r in colocated.state.log_history if "loss" in r]
+        details["vllm_colocate_sleep_mode_losses"] = [r["loss"] for r in colocated.state.log_history if "loss" in r]
     ok = details["sft_finite"] and details["resume_exact"] and all(map(math.isfinite, details["grpo_losses"]))
     return {"ok": ok, "details": details}
 

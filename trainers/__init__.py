@@ -8,6 +8,11 @@ nine trainers (~4 s of a 2-core host's start-up) before it needs them. ``from tr
 import importlib
 from typing import TYPE_CHECKING
 
+# Eager, and light (torch and Accelerate, no transformers): it registers the fork hook that releases OpenMP's
+# threads before accelerate's notebook_launcher forks, so `import trainers` in a notebook is what makes that safe
+# (docs/distributed.md).
+from trainers import distributed as _distributed  # noqa: F401
+
 # each exported name -> the module that defines it
 _EXPORTS = {
     "TrainingConfig": "trainers.configs",

@@ -48,7 +48,7 @@ from trainers.modeling import (
     router_aux_loss_coef,
     train_added_tokens,
 )
-from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers
+from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers, step_unless_nonfinite
 from trainers.run_logging import RunLogging
 from trainers.samplers import GlobalBatchSampler, per_process_batch_size, training_sampler
 from trainers.saving import Saving
@@ -423,8 +423,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
                     norm = self._clip_gradients()
                     grad_norm = None if norm is None else float(norm)
                     self.callback_handler.fire("pre_optimizer_step")
-                    if grad_norm is None or math.isfinite(grad_norm):
-                        self.optimizer.step()
+                    step_unless_nonfinite(self.optimizer, grad_norm)  # fp16's scaler steps (and skips) itself
                     self.callback_handler.fire("optimizer_step")
                     self.optimizer.zero_grad(set_to_none=True)
                 else:

@@ -144,7 +144,7 @@ def build_accelerator(
     if backend == "nccl" and not has_gpu:
         raise DistributedError("ddp_backend='nccl' needs CUDA GPUs; this run has none (or use_cpu=True). Use "
                                "ddp_backend='gloo', or leave it at None.")
-    if not has_gpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if not has_gpu and launched_with_fsdp():
         raise RuntimeError(
             "This launch asks for FSDP (fsdp2.yaml), which Accelerate only engages on GPUs; on this machine it would "
             "silently run plain DDP instead. Without a GPU use multi_gpu.yaml (DDP) or zero1/zero2/zero3.yaml."
@@ -179,6 +179,11 @@ def build_accelerator(
         atexit.unregister(let_gloo_workers_finish)  # once per process, however many trainers it builds
         atexit.register(let_gloo_workers_finish)
     return accelerator
+
+
+def launched_with_fsdp() -> bool:
+    """Whether this launch asks for FSDP (fsdp2.yaml: ``accelerate launch`` sets ACCELERATE_USE_FSDP from it)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def is_deepspeed(accelerator: Accelerator) -> bool:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from accelerate.utils import DistributedType
 
@@ -64,3 +66,17 @@ def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model, accelera
                           "model instance you pass as `model` (with peft_config, on the PEFT model), not on a path.")
     if not any(p.requires_grad for p in params):
         raise ConfigError("optimizers: none of the optimizer's parameters is trainable (requires_grad).")
+
+
+def step_unless_nonfinite(optimizer, grad_norm: float | None) -> bool:
+    """Apply the optimizer step unless the gradient norm is not finite; -> whether the weights were updated.
+
+    Under fp16 mixed precision without DeepSpeed, Accelerate's optimizer holds a GradScaler: clipping already
+    unscaled the gradients, and its ``step()`` both skips the update on an overflow and ``update()``s the scaler
+    (halving the scale). It must be called on every step: skipping it on an overflow, which is normal in fp16's
+    first steps, leaves the scaler unscaled-but-not-updated, and the next step's unscale raises."""
+    scaler = getattr(optimizer, "scaler", None)  # accelerate.optimizer.AcceleratedOptimizer's
+    finite = grad_norm is None or math.isfinite(grad_norm)
+    if finite or scaler is not None:
+        optimizer.step()
+    return finite and not getattr(optimizer, "step_was_skipped", False)

@@ -143,3 +143,23 @@ def test_latex_answers_without_math_verify_fail_at_construction(tiny_model_dir, 
     with pytest.raises(RewardFunctionError, match=r"train_dataset column 'solution' holds LaTeX answers \(row 1: "
                                                   r"'\\\\frac\{1\}\{3\}'\).*pip install math-verify"):
         grpo(tiny_model_dir, rows, tmp_path, reward="accuracy")
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "distill"])
+def test_fsdp_is_refused_for_the_trainers_that_sample(trainer, tiny_model_dir, tmp_path, monkeypatch):
+    """Under fsdp2.yaml (`accelerate launch` sets ACCELERATE_USE_FSDP) the sampling trainers refuse before
+    building anything: generation is not synced across processes there and the vLLM sync would send shards."""
+    from trainers import DistillationConfig, DistillationTrainer, RLOOConfig, RLOOTrainer
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    rows = [{"prompt": "12+3="}] * 4
+    with pytest.raises(ConfigError, match=r"FSDP \(fsdp2.yaml\) is not supported yet .* zero3.yaml"):
+        if trainer == "grpo":
+            GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                        args=GRPOConfig(output_dir=str(tmp_path)), train_dataset=rows)
+        elif trainer == "rloo":
+            RLOOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                        args=RLOOConfig(output_dir=str(tmp_path)), train_dataset=rows)
+        else:
+            DistillationTrainer(model=tiny_model_dir, teacher_model=tiny_model_dir,
+                                args=DistillationConfig(output_dir=str(tmp_path)), train_dataset=rows)

@@ -404,3 +404,11 @@ def test_a_config_the_planner_cannot_read_names_model(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # no intermediate_size
     with pytest.raises(ConfigError, match="--model .*intermediate_size"):
         planner.shape_from_folder(str(tmp_path))
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo", "distill"])
+def test_fsdp2_is_never_recommended_to_a_trainer_that_samples(method):
+    """The sampling trainers refuse fsdp2.yaml (tests/integration/test_errors.py); SFT on GPUs takes it."""
+    estimate = plan_for(model_size="7B", method=method, num_gpus=8, gpu_memory=80).estimate_for("fsdp2")
+    assert not estimate.applicable and "zero3" in estimate.note
+    assert plan_for(model_size="7B", method="sft", num_gpus=8, gpu_memory=80).estimate_for("fsdp2").applicable

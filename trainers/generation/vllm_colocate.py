@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from trainers import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.vllm_common import (
@@ -41,6 +42,23 @@ from trainers.logs import logger
 from trainers.modeling import context_length
 
 
+def engine_settings(device_type: str, policy_dtype: torch.dtype, mixed_precision: str, max_model_len: int | None,
+                    enforce_eager: bool | None) -> dict:
+    """The engine's settings that depend on the device: ``dtype``, ``max_num_batched_tokens``, ``enforce_eager``.
+
+    On CPU: the policy's dtype (float32 unless loaded otherwise; the tests compare the engine's tokens and
+    log-probs with the policy's), batched tokens enough for a whole max_model_len prompt, eager (compiling
+    takes 20-70 s of every start). On a GPU: the training precision (bf16 or fp16 mixed precision: half the
+    memory of float32 weights, and vLLM's FlashAttention kernels), TRL's 4096 batched tokens (vLLM prefills in
+    chunks there; its memory profiling grows with this number, to a whole 32k context otherwise), and CUDA
+    graphs unless ``enforce_eager`` (vllm_enforce_eager) says otherwise."""
+    if device_type == "cpu":
+        return dict(dtype=policy_dtype, max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len or 0),
+                    enforce_eager=True if enforce_eager is None else enforce_eager)
+    training = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, policy_dtype)
+    return dict(dtype=training, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enforce_eager=bool(enforce_eager))
+
+
 class VLLMColocate(VLLMBackend):
     """This process's vLLM engine (``.llm``, TRL's ``trainer.vllm_generation.llm``), holding the policy's
     weights. Built on every process, together."""
@@ -50,10 +68,11 @@ class VLLMColocate(VLLMBackend):
         self.llm = None  # the vllm.LLM; None once closed
         self.vllm_client = None  # TRL's attribute: a server's client, None here
         self._model_dir: str | None = None  # the config and tokenizer the engine starts from
-        self._dtype = next(inputs.policy.parameters()).dtype
+        self._policy_dtype = next(inputs.policy.parameters()).dtype
+        self._dtype = self._policy_dtype  # the engine's (engine_settings), set when it starts
         self._restore_set_num_threads = None
         self._owns_process_group = False
-        self._sleeping = False  # sleep mode: the engine's weights are discarded until the next sync
+        self.sleep_mode: SleepMode | None = None  # vllm_enable_sleep_mode (GPU): what of the engine is asleep
         acc = self.context.accelerator
         self.on_cpu = acc.device.type == "cpu"
         if self.config.vllm_enable_sleep_mode and self.on_cpu:
@@ -66,13 +85,15 @@ class VLLMColocate(VLLMBackend):
     # ------------------------------------------------------------------ set-up
 
     def _engine_options(self) -> dict:
-        """vllm.LLM's arguments (the model folder aside)."""
+        """vllm.LLM's arguments (the model folder aside); the device-dependent ones from ``engine_settings``."""
         args, acc, model = self.config, self.context.accelerator, self.inputs.policy
         max_model_len = args.vllm_max_model_length or context_length(model)
         max_num_seqs = self.inputs.completions_per_round  # TRL's: every completion this process samples in a round
+        settings = engine_settings(acc.device.type, self._policy_dtype, acc.mixed_precision, max_model_len,
+                                   args.vllm_enforce_eager)
+        self._dtype = settings["dtype"]  # the weight sync casts to it
         options = dict(
-            dtype=self._dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, max_model_len or 0),
+            **settings, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             model_impl=args.vllm_model_impl, seed=args.seed + acc.process_index,
             logprobs_mode="processed_logprobs",  # after temperature, as the trainer's log-probs are
             load_format="dummy",  # the policy's weights arrive with the first sync
@@ -81,7 +102,6 @@ class VLLMColocate(VLLMBackend):
         if acc.num_processes > 1:  # TRL's executor for an engine in each training process
             options["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:
-            options["enforce_eager"] = True  # compiling takes 20-70 s of start-up for a few % of speed
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the user's own size wins
                 options["kv_cache_memory_bytes"] = self._kv_cache_bytes(max_model_len, max_num_seqs)
             if args.vllm_gpu_memory_utilization != 0.3 and acc.is_main_process:
@@ -90,6 +110,10 @@ class VLLMColocate(VLLMBackend):
                                f"round's sequences (docs/grpo.md, 'Generation with vLLM').")
         else:
             options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        if acc.is_main_process:
+            logger.info(f"colocated vLLM engine on {acc.device.type}: dtype {settings['dtype']}, "
+                        f"max_num_batched_tokens {settings['max_num_batched_tokens']}, "
+                        f"enforce_eager {settings['enforce_eager']}, max_model_len {max_model_len}")
         return options
 
     def _kv_cache_bytes(self, max_model_len: int | None, max_num_seqs: int) -> int:
@@ -141,6 +165,7 @@ class VLLMColocate(VLLMBackend):
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process: restored on close
         self._restore_set_num_threads = torch.set_num_threads
         self._model_dir = self._save_model_folder()
+        failure = None
         try:
             self.llm = LLM(model=self._model_dir, **options)
             # some models start but cannot run (on CPU: an attention head_dim vLLM's kernels lack): one token
@@ -150,10 +175,20 @@ class VLLMColocate(VLLMBackend):
             self.llm.generate([{"prompt_token_ids": [0]}], VLLMSamplingParams(max_tokens=1), use_tqdm=False)
         except Exception as error:
             self._shut_down_failed_start()
-            raise ConfigError(self._unloadable_message(error)) from error
+            failure = ConfigError(self._unloadable_message(error))
+            failure.__cause__ = error
+        # An engine can fail on one process alone (its device's memory, its host): every process raises, the
+        # others with its message, instead of waiting for it in the first weight sync until the NCCL timeout;
+        # the engines that did start are shut down first.
+        try:
+            dist.raise_together(acc, failure, shared=(ConfigError,))
+        except Exception:
+            self.close()  # idempotent: after a failed start it only removes what is left
+            raise
         super().sync_weights(None)
         if self.config.vllm_enable_sleep_mode:
-            self._sleep()
+            self.sleep_mode = SleepMode(self.llm)
+            self.sleep_mode.sleep()
 
     def _unloadable_message(self, error: Exception) -> str:
         """The error for a model vLLM cannot load or run: the model, its architecture and vLLM's reason (cut:
@@ -185,17 +220,11 @@ class VLLMColocate(VLLMBackend):
         super().sync_weights(step)
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
-        if self._sleeping:
-            self.llm.wake_up(tags=["weights"])
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake_weights()
         weights = ((name, tensor.to(self._dtype)) for batch in batches for name, tensor in batch)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
-        self._sleeping = False
-
-    def _sleep(self) -> None:
-        """Sleep mode (GPU): discard the weights and the KV cache until the next round (TRL's level 2)."""
-        self.llm.sleep(level=2)
-        self._sleeping = True
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -207,14 +236,13 @@ class VLLMColocate(VLLMBackend):
             from vllm.sampling_params import StructuredOutputsParams
 
             kwargs["structured_outputs"] = StructuredOutputsParams(regex=regex)
-        if self._sleeping:  # level 2 discarded the weights: they come back from the policy
-            super().sync_weights(None)
-            self.llm.wake_up(tags=["kv_cache"])
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake_for_round(lambda: super(VLLMColocate, self).sync_weights(None))
         params = [VLLMSamplingParams(**kwargs, seed=seed) for seed in seeds]  # one per row: its own seed
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                                     use_tqdm=False)
-        if self.config.vllm_enable_sleep_mode:
-            self._sleep()
+        if self.sleep_mode is not None:
+            self.sleep_mode.sleep()
         completions = [list(out.outputs[0].token_ids) for out in outputs]
         return completions, [sampled_logprobs(out.outputs[0]) for out in outputs]
 
@@ -237,9 +265,40 @@ class VLLMColocate(VLLMBackend):
             if self._restore_set_num_threads is not None:
                 torch.set_num_threads = self._restore_set_num_threads
             self._remove_model_folder()
-            self._sleeping = False
+            self.sleep_mode = None
 
     def _remove_model_folder(self) -> None:
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             self._model_dir = None
+
+
+class SleepMode:
+    """vLLM's sleep mode at level 2 (TRL's): between rounds the engine discards its weights and its KV cache, and
+    gives their GPU memory to training. The two come back apart: a weight sync wakes the weights (and fills them
+    from the policy), a round needs the KV cache too. Tracked apart because a sync between two rounds (every step)
+    wakes the weights only: a round after it must still wake the cache."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.weights_asleep = False
+        self.cache_asleep = False
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=2)
+        self.weights_asleep = self.cache_asleep = True
+
+    def wake_weights(self) -> None:
+        """Before a weight sync writes into the weights' memory."""
+        if self.weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
+
+    def wake_for_round(self, sync_weights) -> None:
+        """Before a round: weights that are still asleep (no sync since the last round) are pushed again from the
+        policy (``sync_weights``: level 2 discarded them), then the KV cache is woken."""
+        if self.weights_asleep:
+            sync_weights()
+        if self.cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.cache_asleep = False

@@ -217,6 +217,10 @@ class GRPOConfig(TrainingConfig):
     vllm_enable_sleep_mode: bool = opt(
         False, "Colocate, on a GPU: offload the engine's weights and KV cache between generation rounds (slower "
         "rounds, more memory for training). vLLM has no sleep mode on CPU: there it is refused.")
+    vllm_enforce_eager: bool | None = opt(
+        None, "Colocate: run the engine without compiling it (vLLM's enforce_eager). None: eager on CPU, where "
+        "compiling takes 20-70 s of every start for a few % of speed; compiled (CUDA graphs) on a GPU. The engine "
+        "starts again at each train() call: True saves that start-up on a GPU where rounds are short.")
     vllm_structured_outputs_regex: str | None = opt(
         None, "Constrain every completion to this regular expression (vLLM's structured outputs). None: free text.")
     vllm_server_base_url: str | None = opt(

@@ -88,6 +88,13 @@ class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        if dist.launched_with_fsdp():
+            # FSDP2 would need what ZeRO-3 has here: generation synced across processes (a process that finishes
+            # early leaves the others in FSDP's all-gathers), full tensors for the vLLM weight sync and the
+            # reference mix, a global gradient norm. Refused until it is, before anything is built.
+            raise ConfigError(f"{type(self).__name__}: FSDP (fsdp2.yaml) is not supported yet for the trainers that "
+                              f"sample their own completions (GRPO, RLOO, distillation). Launch with zero3.yaml "
+                              f"(the same sharding of weights, gradients and optimizer states) or multi_gpu.yaml.")
         if rollout_func is not None and not callable(rollout_func):
             raise ConfigError(f"rollout_func must be a function (prompts, trainer) -> dict, got "
                               f"{type(rollout_func).__name__}.")

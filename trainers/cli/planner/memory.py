@@ -410,6 +410,8 @@ def applicability(strategy: Strategy, inputs: PlanInputs) -> tuple[bool, str]:
     """Whether a template can be recommended for this set-up, and why not."""
     if strategy.kind == "fsdp" and inputs.on_cpu:
         return False, "GPU only: the trainers refuse FSDP on CPU"
+    if strategy.kind == "fsdp" and inputs.method in SAMPLING:
+        return False, "not yet for the trainers that sample (GRPO, RLOO, distillation): use zero3"
     if strategy.kind == "ddp" and inputs.num_gpus == 1:
         return False, "needs 2+ GPUs"
     if strategy.kind == "single" and inputs.num_gpus > 1:
