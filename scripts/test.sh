@@ -6,9 +6,8 @@
 #   bash scripts/test.sh [--fast] ARGS   ARGS go to pytest: a file, a test, -x, -k NAME, -m distributed, -n 0 ...
 # The whole suite's set-up adds the test tools and vLLM's CPU build (the vLLM tests start a real engine) to the demo's.
 # Two pytest-xdist workers (TEST_WORKERS=N for another count; `-n 0` runs in one process, for --pdb), each test file
-# whole on one worker (its module fixtures, a vLLM server or a 2-process launch, are built once), the longest files
-# first (--no-loadscope-reorder: else pytest-xdist hands out the files with the most tests first), one torch thread
-# a worker (tests/conftest.py, tests/tiers.py; docs/testing.md).
+# whole on one worker (its module fixtures, a vLLM server or a 2-process launch, are built once), one torch thread a
+# worker (tests/conftest.py; docs/testing.md).
 set -euo pipefail
 part=test
 for arg in "$@"; do
@@ -16,4 +15,4 @@ for arg in "$@"; do
 done
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" "$part"
 # no path among ARGS: pytest runs its testpaths (tests/, pyproject.toml)
-python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 "$@"
+python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

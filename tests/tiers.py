@@ -15,7 +15,6 @@ of the run: move it to the slow tier, or make it faster.
 """
 
 import inspect
-import os
 import types
 
 TIERS = ("distributed", "vllm", "slow")
@@ -71,8 +70,6 @@ def mark_and_select(config, items) -> None:
         for tier in tiers:
             item.add_marker(tier)
         item.user_properties.append(("tiers", ",".join(sorted(tiers))))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        heaviest_files_first(items)
     if not config.getoption("--fast"):
         return
     kept, dropped = [], []
@@ -81,21 +78,6 @@ def mark_and_select(config, items) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
-
-
-# What a file's slowest tier says of its length, for the order in which pytest-xdist hands files to its workers
-WEIGHT = {"vllm": 3, "slow": 2, "distributed": 1}
-
-
-def heaviest_files_first(items) -> None:
-    """Orders the test files by their slowest tier (vLLM, slow, distributed, fast), each file's tests kept in order.
-    pytest-xdist (``--dist loadfile``, scripts/test.sh) gives a worker the next file when it is free: the long files
-    first, the short ones fill in after, so that neither worker ends with a long file while the other is idle."""
-    weight: dict[str, int] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        weight[path] = max([weight.get(path, 0)] + [WEIGHT.get(m.name, 0) for m in item.iter_markers()])
-    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: the order within a weight stays
 
 
 class SlowInFastTier:
