@@ -69,7 +69,7 @@ class VLLMColocate(VLLMBackend):
         self.vllm_client = None  # TRL's attribute: a server's client, None here
         self._model_dir: str | None = None  # the config and tokenizer the engine starts from
         self._policy_dtype = next(inputs.policy.parameters()).dtype
-        self._dtype = self._policy_dtype  # the engine's (engine_settings), set when it starts
+        self._dtype: torch.dtype | None = None  # the engine's (engine_settings), set by start(); the sync casts to it
         self._restore_set_num_threads = None
         self._owns_process_group = False
         self.sleep_mode: SleepMode | None = None  # vllm_enable_sleep_mode (GPU): what of the engine is asleep
@@ -91,7 +91,6 @@ class VLLMColocate(VLLMBackend):
         max_num_seqs = self.inputs.completions_per_round  # TRL's: every completion this process samples in a round
         settings = engine_settings(acc.device.type, self._policy_dtype, acc.mixed_precision, max_model_len,
                                    args.vllm_enforce_eager)
-        self._dtype = settings["dtype"]  # the weight sync casts to it
         options = dict(
             **settings, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             model_impl=args.vllm_model_impl, seed=args.seed + acc.process_index,
@@ -103,7 +102,8 @@ class VLLMColocate(VLLMBackend):
             options["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # the user's own size wins
-                options["kv_cache_memory_bytes"] = self._kv_cache_bytes(max_model_len, max_num_seqs)
+                options["kv_cache_memory_bytes"] = self._kv_cache_bytes(max_model_len, max_num_seqs,
+                                                                        settings["dtype"])
             if args.vllm_gpu_memory_utilization != 0.3 and acc.is_main_process:
                 logger.warning(f"vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization} is not used on "
                                f"CPU (vLLM would reserve that fraction of host RAM): the KV cache is sized for the "
@@ -116,13 +116,13 @@ class VLLMColocate(VLLMBackend):
                         f"enforce_eager {settings['enforce_eager']}, max_model_len {max_model_len}")
         return options
 
-    def _kv_cache_bytes(self, max_model_len: int | None, max_num_seqs: int) -> int:
+    def _kv_cache_bytes(self, max_model_len: int | None, max_num_seqs: int, dtype: torch.dtype) -> int:
         """On CPU: a KV cache for every sequence of a round at once (the longest prompt + max_completion_length
         each, rounded up to KV_BLOCK_TOKENS) plus one sequence of max_model_len, in bytes."""
         config = self.inputs.policy.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self._dtype.itemsize  # K and V
+        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize  # K and V
         longest = self.inputs.longest_prompt
         longest = longest + self.config.max_completion_length if longest else max_model_len
         per_sequence = min(longest, max_model_len) if max_model_len else longest
@@ -152,6 +152,7 @@ class VLLMColocate(VLLMBackend):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         acc = self.context.accelerator
         options = self._engine_options()
+        self._dtype = options["dtype"]
         if acc.num_processes > 1:  # external_launcher reads the launch from these, as in TRL
             os.environ.update(RANK=str(acc.process_index), LOCAL_RANK=str(acc.local_process_index),
                               WORLD_SIZE=str(acc.num_processes))
