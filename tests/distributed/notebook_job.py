@@ -2,14 +2,15 @@
 are forked from this one and the trainer is built inside the launched function. The same function also runs under
 ``accelerate launch`` (launcher "direct"), so a test can compare the two launches of one configuration.
 
-argv: launcher (notebook | direct) method (sft | grpo) model_dir output_dir [key=value ...]
+argv: launcher (notebook | direct) methods (sft, grpo or sft,grpo) model_dir output_dir [key=value ...]
   port=N                  notebook_launcher's use_port (notebook only)
   mixed_precision=M       notebook_launcher's mixed_precision (notebook only; default "no")
   bf16=true|false|none    the config's bf16 (default false; none follows the launch)
   parent_threads=N        before launching, this process runs a matrix product on N torch threads, as a notebook
                           that used torch has (it starts OpenMP's thread pool; notebook only)
   import_trainers=1       this process imports trainers before launching (notebook only)
-Each rank writes report-<rank>.json. A script of its own rather than the test's process: forking pytest (its
+Each method trains in turn inside the one launch (a new trainer each) and each rank writes
+OUTPUT/METHOD/report-<rank>.json. A script of its own rather than the test's process: forking pytest (its
 threads, its plugins' state) is not what a notebook does, and a hang there would hang the suite.
 """
 
@@ -24,9 +25,17 @@ def checksums(model) -> list[float]:
     return [float(p.detach().double().sum()) for p in model.parameters()]
 
 
-def train(method: str, model_dir: str, output_dir: str, bf16: bool | None) -> None:
-    """The launched function: the imports and everything that builds the trainer happen in the started process,
-    as the notebook_launcher docs ask."""
+def train(methods: str, model_dir: str, output_dir: str, bf16: bool | None) -> None:
+    """The launched function: the imports and everything that builds the trainers happen in the started process,
+    as the notebook_launcher docs ask. ``methods``: comma-separated, trained one after the other."""
+    methods = methods.split(",")
+    for method in methods:
+        trainer = train_one(method, model_dir, os.path.join(output_dir, method), bf16)
+    trainer.end()  # once, after the last: it destroys the process group the next trainer would use
+
+
+def train_one(method: str, model_dir: str, output_dir: str, bf16: bool | None):
+    os.makedirs(output_dir, exist_ok=True)
     from tests.conftest import digits_varied as digits  # it imports trainers: only here, after the fork
     from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
     from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
@@ -58,15 +67,15 @@ def train(method: str, model_dir: str, output_dir: str, bf16: bool | None) -> No
     }
     with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:
         json.dump(report, f)
-    trainer.end()
+    return trainer
 
 
 def main() -> None:
-    launcher, method, model_dir, output_dir, *options = sys.argv[1:]
+    launcher, methods, model_dir, output_dir, *options = sys.argv[1:]
     options = dict(option.split("=", 1) for option in options)
     bf16 = {"true": True, "false": False, "none": None}[options.get("bf16", "false")]
     if launcher == "direct":
-        train(method, model_dir, output_dir, bf16)
+        train(methods, model_dir, output_dir, bf16)
         return
     if options.get("import_trainers") == "1":
         import trainers  # noqa: F401  (its fork hook releases OpenMP's threads before notebook_launcher forks)
@@ -80,7 +89,7 @@ def main() -> None:
         (matrix @ matrix).sum()  # [512, 512]: large enough that torch splits it over its threads
     from accelerate import notebook_launcher
 
-    notebook_launcher(train, args=(method, model_dir, output_dir, bf16), num_processes=2,
+    notebook_launcher(train, args=(methods, model_dir, output_dir, bf16), num_processes=2,
                       use_port=options.get("port", "29500"), mixed_precision=options.get("mixed_precision", "no"))
 
 

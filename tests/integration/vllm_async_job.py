@@ -10,7 +10,7 @@ several processes; ``OUT/MODE/report.json`` for exact and learn).
         24 steps of the digits task with max_staleness=1: the reward rises; each step's staleness and waits.
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
         tests/integration/vllm_async_job.py zero3 URL MODEL_DIR GROUP_PORT OUT
-        6 steps, 2 processes under ZeRO-3, max_staleness=1: each process's producer samples its own rows.
+        3 steps, 2 processes under ZeRO-3, max_staleness=1: each process's producer samples its own rows.
     python tests/integration/vllm_async_job.py stall URL MODEL_DIR GROUP_PORT OUT SERVER_PGID
         the server is stopped (SIGSTOP) after step 2, mid-run: the run stops within request_timeout with a
         checkpoint; the server continues (SIGCONT) and the checkpoint resumes asynchronously for 2 more steps.
@@ -80,7 +80,7 @@ def learn(url, model_dir, group_port, out) -> dict:
 
 
 def zero3(url, model_dir, group_port, out) -> dict:
-    trainer = async_grpo(model_dir, url, group_port, out, max_staleness=1, max_steps=6,
+    trainer = async_grpo(model_dir, url, group_port, out, max_staleness=1, max_steps=3,
                          per_device_train_batch_size=8)
     trainer.train()
     report = {"records": records(trainer), "weights": weights(trainer),

@@ -1,8 +1,11 @@
 """GRPO with use_vllm=True (colocate), run in its own process: vLLM's CPU worker pins OpenMP threads and turns
 torch.set_num_threads into a no-op for the whole process, so it never runs inside the pytest process. One engine
-per job. Writes ``OUT/report-<rank>.json``.
+at a time. Writes ``OUT/report-<rank>.json``, or with several modes (comma-separated, run one after the other in
+this process, each engine shut down before the next starts) ``OUT/MODE/report-0.json``.
 
     python tests/integration/vllm_colocate_job.py single OUT        # 24 steps: learning, greedy equality, SYNC_OFF
+    python tests/integration/vllm_colocate_job.py rloo OUT          # RLOOTrainer, 4 steps
+    python tests/integration/vllm_colocate_job.py distill OUT       # DistillationTrainer, 4 steps
     python tests/integration/vllm_colocate_job.py lora OUT          # LoRA; SIGTERM, resume, then an exception
     python tests/integration/vllm_colocate_job.py tools OUT         # the tool loop (vllm_tool_rounds.py), 2 steps
     accelerate launch --config_file accelerate_configs/{multi_gpu,zero3}.yaml --num_processes 2 \\
@@ -141,13 +144,21 @@ def trainer_for(out, mode, model_dir, reward=digits, **overrides):
 
 
 def main():
-    mode, out = sys.argv[1], sys.argv[2]
-    rank = int(os.environ.get("RANK", "0"))
+    modes, out = sys.argv[1], sys.argv[2]
     model_dir = os.path.join(out, "model")
     # every process writes the same files, each atomically (save_tiny_model); head_dim 32: vLLM's CPU attention
     # wants >= 32
     save_tiny_model(model_dir, hidden_size=128, num_layers=2)
     threads_before = {t.ident for t in threading.enumerate()}
+    if "," not in modes:
+        return run(modes, out, model_dir, threads_before)
+    for mode in modes.split(","):  # one after the other, each engine shut down before the next starts
+        os.makedirs(os.path.join(out, mode), exist_ok=True)
+        run(mode, os.path.join(out, mode), model_dir, threads_before)
+
+
+def run(mode, out, model_dir, threads_before):
+    rank = int(os.environ.get("RANK", "0"))
     if mode == "lora":
         return lora(out, model_dir, threads_before)
     if mode == "tools":
@@ -165,8 +176,10 @@ def main():
     if mode == "distributed":  # the run's own process group survives the engine's shutdown
         gathered = trainer.accelerator.gather(torch.tensor([float(rank)]))
         report["gather_after_close"] = gathered.tolist()
-    write(out, rank, report)
-    trainer.end()
+        write(out, rank, report)
+        trainer.end()
+    else:
+        write(out, rank, report)
 
 
 def lora(out, model_dir, threads_before):
