@@ -10,6 +10,9 @@ Parts, each in its own process with its own time limit, so a failure or a hang i
                build is there
     rows       benchmarks/compare_trl.py --gpu: a Qwen2.5-0.5B-shaped model, ours and TRL's on the same card
                (SFT tokens/s, MFU, peak memory; GRPO s/step, generated tokens/s, peak memory)
+    head       the output head's weight gradient on the Qwen2.5-0.5B shape: bf16 products with float32 accumulation
+               (what the head chooses on CUDA) against the float32 product it replaced, and the whole head's
+               forward and backward as chosen
     templates  accelerate_configs/fsdp2.yaml and single_gpu.yaml, one process, a few SFT steps each
     profile    where a GRPO step's time goes: sampling, the weight sync, the rest (scoring, backward, optimizer)
 
@@ -28,8 +31,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("runs", "rows", "templates", "profile")
-LIMITS = {"runs": 90, "rows": 240, "templates": 60, "profile": 90}  # seconds each: 8 minutes in all at most
+PARTS = ("runs", "head", "rows", "templates", "profile")
+LIMITS = {"runs": 90, "head": 30, "rows": 240, "templates": 60, "profile": 90}  # seconds each: 8.5 minutes at most
 
 
 # ---------------------------------------------------------------------------------------------- the parts
@@ -122,6 +125,55 @@ def part_templates(device: str, out: str) -> dict:
         details[template] = "ok" if result.returncode == 0 else f"failed ({result.returncode}): " \
                                                                f"{result.stderr[-800:]}"
     return {"ok": all(v == "ok" or v.startswith("skipped") for v in details.values()), "details": details}
+
+
+def part_head(device: str, out: str) -> dict:
+    """The output head's backward (issue 59, finding 6): one chunk's weight-gradient product, float32 (before) against
+    bf16 with float32 accumulation (now, on CUDA), and a whole forward and backward of the chunked head as chosen.
+    The Qwen2.5-0.5B shape (V 151,936, H 896) over 2,048 positions on CUDA; small on CPU."""
+    import torch
+
+    from trainers.output_head import (chunk_bytes_for, chunk_positions, chunked_head_scores,
+                                      low_precision_weight_grad)
+
+    cuda = device == "cuda"
+    vocab, width, positions = (151936, 896, 2048) if cuda else (4096, 64, 256)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    chunk = chunk_positions(vocab, chunk_bytes_for(device))
+
+    def timed(fn, repeats=5) -> float:
+        fn()  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / repeats
+
+    torch.manual_seed(0)
+    grad = torch.randn(chunk, vocab, device=device)  # [c, V] float32: one chunk's logit gradient
+    hidden = torch.randn(chunk, width, device=device, dtype=dtype)  # [c, H]
+    out = torch.zeros(vocab, width, device=device)  # [V, H] float32
+    details = {"chunk_positions": chunk, "low_precision_chosen": low_precision_weight_grad(device, dtype),
+               "float32_product_s": timed(lambda: out.addmm_(grad.t(), hidden.float()))}
+    if cuda:
+        low = torch.zeros_like(out)
+        details["bf16_product_s"] = timed(lambda: torch.addmm(low, grad.t().to(dtype), hidden, out_dtype=torch.float32,
+                                                              out=low))
+        exact = grad.t().double() @ hidden.double()
+        details["bf16_relative_error"] = float((low / 6 - exact).norm() / exact.norm())  # 6 runs accumulated
+    weight = (torch.randn(vocab, width, device=device) * 0.02).to(dtype).requires_grad_()
+    states = torch.randn(positions, width, device=device, dtype=dtype, requires_grad=True)
+    targets = torch.randint(vocab, (positions,), device=device)
+
+    def head():
+        weight.grad = states.grad = None
+        chunked_head_scores(states, weight, targets, with_entropy=False)["logps"].sum().backward()
+
+    details["head_forward_backward_s"] = timed(head, repeats=3)
+    return {"ok": all(math.isfinite(v) for v in details.values() if isinstance(v, float)), "details": details}
 
 
 def part_profile(device: str, out: str) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -45,6 +46,7 @@ from trainers.modeling import (
     load_tokenizer,
     match_vocabulary,
     non_embedding_parameters,
+    padding_free_attention,
     router_aux_loss_coef,
     train_added_tokens,
 )
@@ -159,7 +161,9 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         self.max_steps = args.max_steps if args.max_steps > 0 else max(
             1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
 
+        chosen_by_user = not isinstance(model, str) or "attn_implementation" in (args.model_init_kwargs or {})
         model = self.load_model(model)
+        self._choose_padding_free_attention(model, chosen_by_user)
         if cloned is not None:
             match_vocabulary(model, self.processing_class)
             if cloned and peft_config is not None:
@@ -249,6 +253,23 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         """The model to train from ``model`` (a path, a Hub id or an instance): a causal LM here; the reward
         trainer loads a sequence classifier."""
         return load_causal_lm(model, self.args.model_init_kwargs, self.args.trust_remote_code)
+
+    def _choose_padding_free_attention(self, model, chosen_by_user: bool) -> None:
+        """Padding-free rows on CUDA: a varlen attention where one is installed, else a warning
+        (modeling.padding_free_attention)."""
+        config = getattr(model, "config", None)
+        if not getattr(self.args, "padding_free", False) or config is None:
+            return
+        from transformers.utils import is_flash_attn_2_available
+
+        device = self.accelerator.device.type
+        switch, warning = padding_free_attention(device, getattr(config, "_attn_implementation", None),
+                                                 chosen_by_user, device == "cuda" and is_flash_attn_2_available())
+        if switch is not None:
+            model.set_attn_implementation(switch)
+            logger.info(f"padding_free=True on CUDA: attention {switch!r} (varlen, no block-diagonal mask)")
+        if warning is not None and self.accelerator.is_main_process:
+            warnings.warn(warning, stacklevel=3)
 
     def after_load(self, model) -> None:
         """Called with the loaded (and PEFT-wrapped) model before it is prepared."""

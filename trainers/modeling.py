@@ -53,6 +53,28 @@ def load_causal_lm(model: Any, model_init_kwargs: dict | None = None, trust_remo
         ) from error
 
 
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")  # read restarting position ids
+
+
+def padding_free_attention(device_type: str, current: str | None, chosen_by_user: bool,
+                           flash_available: bool) -> tuple[str | None, str | None]:
+    """The attention for padding-free rows (position ids restarting per sequence) on this device: -> (the
+    implementation to switch the model to, or None; a warning, or None).
+
+    SDPA and eager attention see the restarts as a dense block-diagonal mask, quadratic in the packed length: on CPU
+    that is what is measured and kept. On CUDA a varlen kernel skips the mask: flash-attn 2 when it is installed
+    and the attention was not chosen by the user (model_init_kwargs' attn_implementation, or a model instance);
+    else a warning that says what it costs and what to do."""
+    if device_type != "cuda" or current is None or current in VARLEN_ATTENTION or "flash" in current:
+        return None, None
+    if flash_available and not chosen_by_user:
+        return "flash_attention_2", None
+    return None, (f"padding_free=True on CUDA with attn_implementation={current!r}: the packed rows attend through "
+                  f"a dense block-diagonal mask, quadratic in the packed length. A varlen kernel skips it: install "
+                  f"flash-attn and pass model_init_kwargs={{'attn_implementation': 'flash_attention_2'}} (or "
+                  f"'flex_attention'), or set padding_free=False.")
+
+
 def _has_accelerator() -> bool:
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()

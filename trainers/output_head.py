@@ -23,6 +23,7 @@ adapter, a head a user's forward hook watches, ...), and the caller computes ful
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,56 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier
                     "logits_scaling")
 
 
+# On a GPU the chunks are larger (fewer, larger products keep its tensor cores busy): 1/GPU_CHUNK_FRACTION of its
+# memory, between CHUNK_BYTES and GPU_CHUNK_BYTES. Its total memory, not its free memory: a run and its resume then
+# choose the same chunks, so the float sums of a weight's gradient add up in the same order.
+GPU_CHUNK_FRACTION = 128
+GPU_CHUNK_BYTES = 512 * 2**20
+
+
 def chunk_positions(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(MAX_CHUNK_POSITIONS, chunk_bytes // (4 * vocab)))
+
+
+def chunk_bytes_for(device_type: str, total_memory: int | None = None) -> int:
+    """Bytes of float32 logits per chunk on this kind of device: CHUNK_BYTES on CPU (cache-sized), on a GPU a
+    share of its ``total_memory`` (read from the device when not given)."""
+    if device_type != "cuda":
+        return CHUNK_BYTES
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return max(CHUNK_BYTES, min(GPU_CHUNK_BYTES, total_memory // GPU_CHUNK_FRACTION))
+
+
+def low_precision_weight_grad(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the head's weight gradient is computed in the model's dtype (bf16/fp16 products on a GPU's tensor
+    cores, accumulated and written in float32: ``torch.addmm(..., out_dtype=torch.float32)``) rather than as a
+    float32 product. Float32 on CPU (no such kernel; AVX float32 is as fast as bf16 there without AMX) and for a
+    float32 model."""
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_WORKS.get(dtype, True)
+
+
+_OUT_DTYPE_WORKS: dict[torch.dtype, bool] = {}  # set when a GPU's addmm(out_dtype=float32) first ran or failed
+
+
+def add_weight_grad(out: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor, dtype: torch.dtype) -> None:
+    """out [V, H] float32 += grad.T [V, c] @ hidden [c, H]: in ``dtype`` with float32 accumulation where
+    ``low_precision_weight_grad`` says so (a fallback to float32, said once, if this torch's GPU kernel refuses),
+    else in float32. Each chunk's share is added in float32 either way: rounding it to bf16 would lose the small
+    shares of a long sum."""
+    if low_precision_weight_grad(out.device.type, dtype):
+        try:
+            torch.addmm(out, grad.t().to(dtype), hidden.to(dtype), out_dtype=torch.float32, out=out)
+            if dtype not in _OUT_DTYPE_WORKS:
+                _OUT_DTYPE_WORKS[dtype] = True
+                print(f"[trainers] output head: the weight gradient in {dtype} with float32 accumulation",
+                      file=sys.stderr)
+            return
+        except (RuntimeError, TypeError) as error:
+            _OUT_DTYPE_WORKS[dtype] = False
+            print(f"[trainers] output head: the weight gradient in float32 (torch.addmm with out_dtype=float32 "
+                  f"failed for {dtype}: {error})", file=sys.stderr)
+    out.addmm_(grad.t(), hidden.float())
 
 
 def kept_positions(positions: int, vocab: int, chunk: int, saved_bytes: int = SAVED_BYTES) -> int:
@@ -140,7 +189,7 @@ class ChunkedHead(torch.autograd.Function):
             if grad_hidden is not None:  # one chunk holds all of a position's gradient: no sum across chunks
                 grad_hidden[rows] = (grad.to(head.dtype) @ head.weight).float()
             if grad_weight is not None:
-                grad_weight.addmm_(grad.t(), hidden[rows].float())
+                add_weight_grad(grad_weight, grad, hidden[rows], head.dtype)
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(0))
             if grad_low_in is not None:
@@ -190,10 +239,10 @@ def chunked_head_scores(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     """Per-position scores of the head ``weight`` [V, H] (``bias`` [V]; ``low_rank`` = (low_in [N, r],
     low_weight [V, r]) adds low_in @ low_weight.T) over ``hidden`` [N, H] for ``targets`` [N] (ids >= 0):
     {"logps", "entropy" (0 unless ``with_entropy``), "correct"}, each [N]. ``dtype``: the product's (default:
-    hidden's); ``chunk``: positions per chunk (default: about CHUNK_BYTES of float32 logits); ``saved_bytes``: how
+    hidden's); ``chunk``: positions per chunk (default: about chunk_bytes_for(the device) of float32 logits); ``saved_bytes``: how
     much of the log-probabilities backward may keep instead of recomputing them."""
     low_in, low_weight = low_rank if low_rank is not None else (None, None)
-    chunk = chunk or chunk_positions(weight.shape[0])
+    chunk = chunk or chunk_positions(weight.shape[0], chunk_bytes_for(weight.device.type))
     hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         logps, entropy = ChunkedHead.apply(hidden, weight, bias, low_in, low_weight, targets, temperature, chunk,

@@ -22,11 +22,13 @@ def test_a_dry_run_on_cpu_runs_the_parts_and_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / "gpu_check.json") as f:
         report = json.load(f)
-    assert report["dry_run"] and list(report["parts"]) == ["runs", "rows", "templates", "profile"]
+    assert report["dry_run"] and list(report["parts"]) == ["runs", "head", "rows", "templates", "profile"]
     runs = report["parts"]["runs"]["details"]
     assert runs["sft_finite"] and runs["resume_exact"] and runs["lean_equals_hf_greedy"]
     assert report["parts"]["rows"] == {"skipped": "needs CUDA", "seconds": report["parts"]["rows"]["seconds"]}
     assert report["parts"]["templates"]["details"]["single_gpu"] == "ok"
+    head = report["parts"]["head"]["details"]  # float32 products on CPU, whatever the model's dtype
+    assert report["parts"]["head"]["ok"] and not head["low_precision_chosen"] and head["head_forward_backward_s"] > 0
     profile = report["parts"]["profile"]["details"]
     assert 0 < profile["sampling_s"] < profile["step_s"]
     table = (tmp_path / "gpu_check.md").read_text()

@@ -200,6 +200,16 @@ def test_weight_update_makes_the_server_match_a_reference(client, server):
             client.update_named_params(items[start:start + 5])
     assert greedy(client) == expected
 
+    # the server's dtype comes from /server_info; bf16 weights travel as bf16 (buckets of that dtype) to this
+    # float32 server, which widens them exactly (to a narrower server, float32 weights are cast before they leave)
+    assert client.server_dtype() == torch.float32
+    rounded = reference_model(server.model_dir, seed=3).to(torch.bfloat16)
+    sent = [(name, tensor.clone()) for name, tensor in rounded.state_dict().items()]  # bf16 (the tied head too)
+    expected = reference_greedy(rounded.float(), PROMPTS, 8)  # the same weights, widened (.float() is in place)
+    assert greedy(client) != expected
+    client.update_weights(sent)
+    assert greedy(client) == expected
+
 
 def test_mismatched_model_is_detected_and_named(client, server):
     client.check_server(server.model_dir)  # the same folder

@@ -136,3 +136,22 @@ def test_peft_wrapped_model_switched():
     with attention.float32_attention_on_cpu(model, torch.device("cpu")):
         assert model.base_model.model.config._attn_implementation == attention.FLOAT32_SDPA
     assert model.base_model.model.config._attn_implementation == "sdpa"
+
+
+def test_padding_free_on_cuda_takes_a_varlen_attention_or_says_what_it_costs():
+    """Issue 59, finding 8: padding-free rows under SDPA get a dense block-diagonal mask, quadratic in the packed
+    length. On CUDA the trainer switches a model it loaded to flash-attn 2 when that is installed, keeps what the
+    user chose and warns, and warns when there is no varlen kernel; on CPU (measured, float32 SDPA) nothing
+    changes."""
+    from trainers.modeling import padding_free_attention
+
+    assert padding_free_attention("cuda", "sdpa", chosen_by_user=False, flash_available=True) == \
+        ("flash_attention_2", None)
+    for chosen, flash in ((True, True), (False, False)):
+        switch, warning = padding_free_attention("cuda", "sdpa", chosen, flash)
+        assert switch is None and "padding_free=True" in warning and "attn_implementation='sdpa'" in warning
+        assert "flash_attention_2" in warning and "padding_free=False" in warning
+    for current in ("flash_attention_2", "flex_attention", "kernels-community/flash-attn3"):
+        assert padding_free_attention("cuda", current, False, True) == (None, None)
+    assert padding_free_attention("cpu", "sdpa", False, True) == (None, None)
+    assert padding_free_attention("cpu", "eager", True, False) == (None, None)

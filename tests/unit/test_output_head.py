@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from trainers.modeling import cast_lm_head_to_fp32, token_logprobs
-from trainers.output_head import CHUNK_BYTES, SAVED_BYTES, chunk_positions, chunked_head_scores, plan_head
+from trainers.output_head import (CHUNK_BYTES, SAVED_BYTES, add_weight_grad, chunk_bytes_for, chunk_positions,
+                                  chunked_head_scores, low_precision_weight_grad, plan_head)
 
 VOCAB = 97
 
@@ -206,3 +207,24 @@ def test_no_tensor_spans_all_positions_and_the_vocabulary():
     assert chunk_positions(vocab) == CHUNK_BYTES // (4 * vocab) == 256
     assert probe.largest <= max(CHUNK_BYTES, SAVED_BYTES) // 4 < input_ids.numel() * vocab / 3  # elements
     assert model.get_output_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_on_a_gpu_the_weight_gradient_runs_in_the_models_dtype_and_chunks_are_larger():
+    """Issue 59, finding 6: on CUDA a bf16/fp16 model's head weight gradient is a product in its dtype accumulated
+    in float32 (tensor cores; the float32 product it replaced runs at about 1/12 of their speed with TF32 off), and
+    chunks are sized from the card's memory (a run and its resume choose the same). On CPU nothing changes: float32
+    products and CHUNK_BYTES, whatever the model's dtype. The GPU's speed is benchmarks/gpu_check.py's "head" part."""
+    assert low_precision_weight_grad("cuda", torch.bfloat16) and low_precision_weight_grad("cuda", torch.float16)
+    assert not low_precision_weight_grad("cuda", torch.float32)
+    assert not low_precision_weight_grad("cpu", torch.bfloat16)
+    assert chunk_bytes_for("cpu") == CHUNK_BYTES
+    assert chunk_bytes_for("cuda", total_memory=80 * 2**30) == 512 * 2**20  # H100: at most 512 MiB of logits
+    assert chunk_bytes_for("cuda", total_memory=16 * 2**30) == 128 * 2**20
+    assert chunk_bytes_for("cuda", total_memory=4 * 2**30) == CHUNK_BYTES  # never below the CPU's
+    # on CPU a bf16 head's weight gradient is still the float32 product of the float32 logit gradient
+    torch.manual_seed(0)
+    hidden = torch.randn(8, 16, dtype=torch.bfloat16)
+    grad = torch.randn(8, 32)
+    out = torch.zeros(32, 16)
+    add_weight_grad(out, grad, hidden, torch.bfloat16)
+    assert torch.equal(out, grad.t() @ hidden.float())

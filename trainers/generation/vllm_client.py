@@ -85,6 +85,7 @@ class VLLMClient:
         self._group: dist.ProcessGroupGloo | None = None
         self._store: dist.TCPStore | None = None  # kept alive with the group: it hosts the rendezvous
         self._in_update = False  # inside weight_update()
+        self._server_dtype: torch.dtype | None | bool = None  # server_dtype(): None until read, False if unknown
         self.wait_for_server(connection_timeout)
         self.model = self.served_model()
 
@@ -302,21 +303,34 @@ class VLLMClient:
             with self.weight_update():
                 self.update_named_params(named_tensors)
             return
-        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # references, not copies
+        # references, not copies, unless the server holds a narrower dtype: then cast here (on the tensor's device),
+        # so half the bytes cross host memory and the wire; the server's loader would round them the same way
+        server_dtype = self.server_dtype()
+        tensors = [(name, wire_tensor(tensor.detach(), server_dtype)) for name, tensor in named_tensors]
         if not tensors:
             return
         metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors]
+        buckets = plan_buckets([t for _, t in tensors], BUCKET_BYTES)
         update_info = {"names": [m.name for m in metas], "dtype_names": [m.dtype_name for m in metas],
-                       "shapes": [m.shape for m in metas]}
+                       "shapes": [m.shape for m in metas], "bucket_sizes": [len(b) for b in buckets]}
         group = self._group
         # the server receives inside its /update_weights request, so the request and the broadcasts run together
         request = _in_thread(lambda: self._post("/update_weights", {"update_info": update_info}))
 
         def broadcast():
-            for _, tensor in tensors:  # one tensor in host memory at a time (a GPU's weights are copied here)
-                group.broadcast(tensor.to("cpu").contiguous(), 0).wait()
+            for bucket in buckets:  # one bucket in host memory at a time (a GPU's weights are copied here)
+                group.broadcast(host_buffer([tensors[i][1] for i in bucket]), 0).wait()
 
         self._raise_first_error(request, _in_thread(broadcast), f"sending {len(tensors)} tensors")
+
+    def server_dtype(self) -> torch.dtype | None:
+        """The dtype of the server's weights (its --dtype as resolved), read once from /server_info; None if the
+        server does not say."""
+        if self._server_dtype is None:
+            name = str(self.get_server_info().get("model_config", {}).get("dtype", ""))
+            dtype = getattr(torch, name.removeprefix("torch."), None) if name else None
+            self._server_dtype = dtype if isinstance(dtype, torch.dtype) else False
+        return self._server_dtype or None
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The server's weights := these (name, tensor) pairs, in one update."""
@@ -366,6 +380,51 @@ class VLLMClient:
     def close(self) -> None:
         """Release this client's group; idempotent. The server is not stopped (it is not the trainer's)."""
         self.close_communicator()
+
+
+BUCKET_BYTES = 64 * 2**20  # tensors of one dtype sent as one flat buffer, up to this many bytes (a larger one alone)
+
+
+def wire_tensor(tensor: torch.Tensor, server_dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor as it is sent: in the server's dtype when that is narrower (float32 weights to a bfloat16 server:
+    half the bytes), else as it is (a wider server widens it exactly)."""
+    if (server_dtype is None or not tensor.is_floating_point() or not server_dtype.is_floating_point
+            or torch.empty((), dtype=server_dtype).element_size() >= tensor.element_size()):
+        return tensor
+    return tensor.to(server_dtype)
+
+
+def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors of one dtype grouped into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket
+    of its own): each bucket is one broadcast instead of one per tensor. -> the tensors' indices, per bucket."""
+    buckets: list[list[int]] = []
+    size = 0
+    for index, tensor in enumerate(tensors):
+        nbytes = tensor.numel() * tensor.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or tensors[last[0]].dtype != tensor.dtype or size + nbytes > bucket_bytes:
+            buckets.append([index])
+            size = nbytes
+        else:
+            last.append(index)
+            size += nbytes
+    return buckets
+
+
+def host_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor alone: itself in host memory. Several (one dtype): their elements one after the other in one flat
+    host buffer, pinned when they come from a GPU so the copies run asynchronously and wait once, not per tensor."""
+    if len(tensors) == 1:
+        return tensors[0].to("cpu").contiguous()
+    on_gpu = any(t.device.type == "cuda" for t in tensors)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=on_gpu)  # [total]
+    offset = 0
+    for tensor in tensors:
+        flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=on_gpu)
+        offset += tensor.numel()
+    if on_gpu:
+        torch.cuda.synchronize()  # the pinned copies are asynchronous: complete before gloo reads the buffer
+    return flat
 
 
 def parse_logprobs(choices_logprobs: list[dict | None]) -> tuple[list | None, list | None]:

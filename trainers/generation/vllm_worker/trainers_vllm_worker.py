@@ -54,11 +54,18 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]  # "float32", "bfloat16", ...
     shapes: list[list[int]]
+    # tensors per broadcast, in order: a bucket of several (one dtype) arrives as one flat buffer of their elements
+    # one after the other; None: one broadcast per tensor
+    bucket_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"update_info: names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) and "
                              f"shapes ({len(self.shapes)}) must have one entry per tensor.")
+        if self.bucket_sizes is not None and (sum(self.bucket_sizes) != len(self.names)
+                                              or min(self.bucket_sizes, default=1) < 1):
+            raise ValueError(f"update_info: bucket_sizes {self.bucket_sizes} must be positive and add up to the "
+                             f"{len(self.names)} tensors.")
         unknown = [name for name in self.dtype_names if not isinstance(getattr(torch, name, None), torch.dtype)]
         if unknown:
             raise ValueError(f"update_info: unknown dtypes {unknown}.")
@@ -113,12 +120,25 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("trainers_gloo weight transfer is not initialized: POST /init_weight_transfer_engine "
                                "first (VLLMClient does).")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))  # on CPU: gloo's transport
-            self.group.broadcast(tensor, 0).wait()
+        entries = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        start = 0
+        for size in update_info.bucket_sizes or [1] * len(entries):
+            bucket = entries[start:start + size]
+            start += size
+            dtypes = {dtype_name for _, dtype_name, _ in bucket}
+            if len(dtypes) != 1:
+                raise ValueError(f"update_info: a bucket mixes dtypes {sorted(dtypes)}.")
+            numels = [torch.Size(shape).numel() for _, _, shape in bucket]
+            flat = torch.empty(sum(numels), dtype=getattr(torch, bucket[0][1]))  # on CPU: gloo's transport
+            self.group.broadcast(flat, 0).wait()
             # inside start/finish_weight_update the model's loaders buffer each layer until it is complete,
-            # then load and re-process it in place (the tied head included when the trainer sends it)
-            self.model.load_weights([(name, tensor.to(self.device))])
+            # then load and re-process it in place (the tied head included when the trainer sends it); each
+            # bucket has a buffer of its own, so what a loader keeps is never overwritten
+            views, offset = [], 0
+            for (name, _, shape), numel in zip(bucket, numels):
+                views.append((name, flat[offset:offset + numel].view(shape).to(self.device)))
+                offset += numel
+            self.model.load_weights(views)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
