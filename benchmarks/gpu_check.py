@@ -56,6 +56,8 @@ def part_runs(device: str, out: str) -> dict:
     sft.train()
     details["sft_losses"] = [r["loss"] for r in sft.state.log_history if "loss" in r]
     details["sft_finite"] = all(math.isfinite(v) for v in details["sft_losses"])
+    # CUDA only: each step record's peak of torch's allocator (issue 59, finding 11)
+    details["sft_peak_allocated_gb"] = [r.get("memory/peak_allocated_gb") for r in sft.state.log_history if "loss" in r]
 
     def grpo(name, steps, **extra):
         args = GRPOConfig(output_dir=os.path.join(out, name), per_device_train_batch_size=8, num_generations=4,

@@ -96,6 +96,8 @@ def main():
         "steady_rss_gb": rss_bytes() / GB,
         "peak_rss_gb": max(s["phase_peak_gb"] for s in recorder.stages),
     }
+    if torch.cuda.is_available():  # on a GPU the planner's figure is the device's peak (GiB, torch's allocator)
+        report["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / GB
     os.makedirs(cli.out, exist_ok=True)
     with open(os.path.join(cli.out, f"memory-{report['rank']}.json"), "w") as f:
         json.dump(report, f, indent=1)

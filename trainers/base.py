@@ -379,6 +379,8 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
             state.num_input_tokens_seen += padded if args.include_num_input_tokens_seen == "all" else tokens
         metrics["step_time"] = step_time
         metrics["tokens_per_second"] = tokens / step_time
+        if self.accelerator.device.type == "cuda":  # the step's peak GPU memory, the largest over the processes
+            metrics["memory/peak_allocated_gb"] = gpu_peak_gb(self.accelerator)
 
     def _end_step(self, metrics: dict, window: list[dict], step_losses: list[float]) -> None:
         """The step's metrics into the log ``window`` and its loss into ``step_losses`` (unless logging_nan_inf_filter
@@ -480,3 +482,12 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return self.accelerator.clip_grad_norm_(params, max_norm)
 
+
+def gpu_peak_gb(accelerator) -> float:
+    """The most GPU memory torch's allocator held during the step just done, in GiB, the largest over the
+    processes (one small all-reduce per step); the peak is reset for the next step. CUDA only: on CPU the run logs
+    no memory (the planner's calibration measures peak RSS from outside, benchmarks/memory_job.py)."""
+    device = accelerator.device
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated(device))], device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return float(dist.all_reduce_max(accelerator, peak)) / 2**30

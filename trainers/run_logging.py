@@ -22,7 +22,8 @@ from trainers.trackers import flat_config, numeric_metrics
 
 # The base loop's own metrics of a step record; the others are the trainer's (TRL's ``_metrics``: rewards,
 # mean_token_accuracy, entropy, ...), which TRL's log() merges into whatever is logged next, train()'s summary included
-LOOP_METRICS = frozenset({"loss", "learning_rate", "grad_norm", "nonfinite_steps", "step_time", "tokens_per_second"})
+LOOP_METRICS = frozenset({"loss", "learning_rate", "grad_norm", "nonfinite_steps", "step_time", "tokens_per_second",
+                          "memory/peak_allocated_gb"})
 
 
 class RunLogging:

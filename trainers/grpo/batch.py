@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +24,44 @@ from trainers.modeling import positions_from_mask
 from trainers.packing import pack_bfd, split_to_count
 
 
-def renumbered(groups: torch.Tensor) -> torch.Tensor:
-    """Group ids of a subset of rows, renumbered 0..U-1 in order of first appearance. groups: [B] -> [B]."""
-    values = groups.tolist()
-    return torch.tensor(prompt_groups([[v] for v in values]), dtype=torch.long, device=groups.device)
+@dataclass(frozen=True)
+class RowWidths:
+    """What slicing a round into micro-batches reads, per row, as host integers: read from the round's masks once
+    (one device-to-host copy per round), so that building each micro-batch reads no device tensor (on a GPU, each
+    read would stall the host until the device catches up)."""
+
+    prompt_spans: list[int]  # P - the row's first real prompt column; 0 for a row without prompt tokens
+    completion_lengths: list[int]  # the row's real completion tokens
+    groups: list[int]  # the row's distinct prompt (``prompt_group``)
+
+    @classmethod
+    def of(cls, prompt_mask: torch.Tensor, completion_attention: torch.Tensor, prompt_group: torch.Tensor
+           ) -> "RowWidths":
+        """prompt_mask [N, P], completion_attention [N, C], prompt_group [N] -> their widths, in one host copy."""
+        N, P = prompt_mask.shape
+        real = prompt_mask != 0  # [N, P]
+        # [N]: P - the first real column (argmax takes the first maximum), 0 for a row without prompt tokens
+        spans = torch.where(real.any(1), P - real.int().argmax(1), 0) if P else real.new_zeros(N, dtype=torch.long)
+        lengths = (completion_attention != 0).sum(1)  # [N]
+        table = torch.stack([spans.long(), lengths.long(), prompt_group.to(spans.device).long()]).tolist()  # [3, N]
+        return cls(*table)
+
+    def subset(self, index: Sequence[int]) -> "RowWidths":
+        return RowWidths(*([values[i] for i in index] for values in
+                           (self.prompt_spans, self.completion_lengths, self.groups)))
+
+    def columns(self, P: int, C: int, multiple: int | None = None) -> tuple[int, int]:
+        """The first prompt column that is not padding in every row, and the completion width that is (at least
+        1), of [., P] left-padded prompts and [., C] right-padded completions. With ``multiple``
+        (pad_to_multiple_of; P and C are multiples of it), as few padding columns are kept as make both kept
+        widths multiples of it too."""
+        span = max(self.prompt_spans, default=0)
+        first = P - span if span else P - 1
+        width = max(max(self.completion_lengths, default=0), 1)
+        if multiple:
+            first = P - min(P, round_up(P - first, multiple))
+            width = min(C, round_up(width, multiple))
+        return first, width
 
 
 @dataclass(frozen=True)
@@ -49,12 +83,22 @@ class Rollout:
     sampler_weights: torch.Tensor | None = None
     # pad_to_multiple_of: P and C are multiples of it, and so are the widths of the rows' slices (``rows``)
     pad_to_multiple_of: int | None = None
+    # the rows' widths as host integers: read from the masks when the round is built, passed on to its slices
+    widths: RowWidths | None = field(default=None, compare=False, repr=False)
 
-    def rows(self, index: torch.Tensor):
-        """Some of the rows (``index``: [b] indices), as the same type, all-padding columns trimmed and prompt
-        groups renumbered."""
-        first, width = unpadded_columns(self.prompt_mask[index], self.completion_attention[index],
-                                        self.pad_to_multiple_of)
+    def __post_init__(self) -> None:
+        if self.widths is None:  # a new round (or one restored from a checkpoint): its one device-to-host copy
+            object.__setattr__(self, "widths", RowWidths.of(self.prompt_mask, self.completion_attention,
+                                                            self.prompt_group))
+
+    def rows(self, index: torch.Tensor, host_index: Sequence[int] | None = None):
+        """Some of the rows (``index``: [b] indices; ``host_index``: the same as host integers, else read from
+        ``index``), as the same type, all-padding columns trimmed and prompt groups renumbered: from ``widths``,
+        without reading the masks."""
+        host_index = index.tolist() if host_index is None else list(host_index)
+        widths = self.widths.subset(host_index)
+        first, width = widths.columns(self.prompt_mask.shape[1], self.completion_attention.shape[1],
+                                      self.pad_to_multiple_of)
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -66,7 +110,10 @@ class Rollout:
                 fields[f.name] = value[index, :width]
             else:  # per row
                 fields[f.name] = value[index]
-        fields["prompt_group"] = renumbered(self.prompt_group[index])
+        groups = prompt_groups([[g] for g in widths.groups])  # renumbered 0..U-1 in order of first appearance
+        fields["prompt_group"] = torch.tensor(groups, dtype=torch.long, device=self.prompt_group.device)
+        # the trimmed prompt columns change no span: the spans fit in the kept P - first columns
+        fields["widths"] = RowWidths(widths.prompt_spans, widths.completion_lengths, groups)
         return type(self)(**fields)
 
     def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> "MicroBatch":
@@ -76,7 +123,7 @@ class Rollout:
 
     def micro_batch_of(self, index: Sequence[int], count_tokens: bool = True) -> "MicroBatch":
         """The rows ``index`` (ascending) as a micro-batch, as ``micro_batch``."""
-        rows = self.rows(torch.tensor(list(index), dtype=torch.long, device=self.advantages.device))
+        rows = self.rows(torch.tensor(list(index), dtype=torch.long, device=self.advantages.device), index)
         tokens = rows.prompt_mask.sum() + rows.completion_attention.sum()
         tokens = tokens if count_tokens else tokens * 0
         return MicroBatch(**rows.__dict__, num_input_tokens=tokens, num_padded_tokens=tokens)
@@ -144,17 +191,10 @@ def budget_micro_batches(accelerator, parts: list[RoundPart], budget: int) -> li
 
 def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor,
                      multiple: int | None = None) -> tuple[int, int]:
-    """The first prompt column that is not padding in every row, and the completion width that is (at least 1).
-    prompt_mask: [B, P] left-padded; completion_attention: [B, C] right-padded. With ``multiple``
-    (pad_to_multiple_of; P and C are multiples of it), as few padding columns are kept as make both kept widths
-    multiples of it too."""
-    P, C = prompt_mask.shape[1], completion_attention.shape[1]
-    first = int((prompt_mask.sum(0) > 0).nonzero()[0]) if prompt_mask.any() else P - 1
-    width = max(int(completion_attention.sum(1).max()), 1)
-    if multiple:
-        first = P - min(P, round_up(P - first, multiple))
-        width = min(C, round_up(width, multiple))
-    return first, width
+    """``RowWidths.columns`` of these masks (prompt_mask: [B, P] left-padded; completion_attention: [B, C]
+    right-padded)."""
+    widths = RowWidths.of(prompt_mask, completion_attention, torch.zeros(prompt_mask.shape[0], dtype=torch.long))
+    return widths.columns(prompt_mask.shape[1], completion_attention.shape[1], multiple)
 
 
 def round_shape(args, per_device: int, world: int) -> tuple[int, int]:

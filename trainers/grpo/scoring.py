@@ -69,7 +69,7 @@ class LogProbScorer:
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                          batch.completion_attention, batch.prompt_group, self.args.temperature,
-                                         with_entropy, entropy_grad)
+                                         with_entropy, entropy_grad, groups=_host_groups(batch))
             if out is not None:  # None: no two rows of this micro-batch share a prompt
                 return out
         input_ids, attention_mask, position_ids = batch.model_inputs()
@@ -140,3 +140,9 @@ class LogProbScorer:
             logps = logps.index_copy(0, rows, torch.nn.functional.pad(out["logps"], pad))
             entropy = entropy.index_copy(0, rows, torch.nn.functional.pad(out["entropy"], pad))
         return {"logps": logps, "entropy": entropy}
+
+
+def _host_groups(batch) -> list[int] | None:
+    """A micro-batch's prompt groups as host integers (``RowWidths``), None for a batch without them."""
+    widths = getattr(batch, "widths", None)
+    return None if widths is None else widths.groups

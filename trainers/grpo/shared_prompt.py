@@ -113,6 +113,7 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    groups: list[int] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Per-token log-probs (and entropy, with a gradient if ``entropy_grad``) of completions, running each
     distinct prompt once (module docstring).
@@ -123,14 +124,15 @@ def shared_prompt_logprobs(
 
     prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
     prompt_group: [B], each row's distinct prompt numbered 0..U-1 (trainers/grpo/batch.py ``prompt_groups``):
-    rows of one group hold the same prompt. Returns tensors of shape [B, C], or None when no two rows share a
+    rows of one group hold the same prompt; ``groups``: the same as host integers (a micro-batch's
+    ``widths.groups``), else read from ``prompt_group``. Returns tensors of shape [B, C], or None when no two rows share a
     prompt or the model's gradient checkpoints would lose the cache (``_replayed_layers``): use
     ``token_logprobs`` then.
     """
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     row_prompt = prompt_group.to(prompt_ids.device)  # [B]: row -> its prompt
-    groups = row_prompt.tolist()
+    groups = row_prompt.tolist() if groups is None else list(groups)  # host ints: no device read when given
     distinct = max(groups) + 1
     if distinct == B:
         return None
