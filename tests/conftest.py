@@ -150,19 +150,26 @@ def run_job(script: str, *args, report: str, timeout: int = 600) -> dict:
         return json.load(f)
 
 
-def reports_of_one_job(script: str, modes: list[str], server, tmp_path_factory, timeout: int = 1200):
-    """``report(mode)``: the report of one of ``modes``, which the vLLM job ``script`` runs against ``server`` once,
-    one after the other in one process (each in OUT/MODE/report.json), when a test first needs one of them."""
+def reports_of_one_job(script: str, modes: list[str], tmp_path_factory, arguments=lambda: [],
+                       report_name: str = "report.json", timeout: int = 1200):
+    """``report(mode)``: the report of one of ``modes``, which the vLLM job ``script`` runs once, one after the other
+    in one process (``script MODES *arguments() OUT``; each writes OUT/MODE/``report_name``), when a test first
+    needs one of them. ``arguments`` is called then (a port it picks is free at that moment)."""
     out = []
 
     def report(mode: str) -> dict:
         if not out:
             out.append(tmp_path_factory.mktemp("together"))
-            run_script(script, ",".join(modes), server.url, server.model_dir, free_port(), out[0], timeout=timeout)
-        with open(out[0] / mode / "report.json") as f:
+            run_script(script, ",".join(modes), *arguments(), out[0], timeout=timeout)
+        with open(out[0] / mode / report_name) as f:
             return json.load(f)
 
     return report
+
+
+def against(server):
+    """The arguments a vLLM server job takes before OUT: the server's URL and model, and a free group port."""
+    return lambda: [server.url, server.model_dir, free_port()]
 
 
 def child_processes(pid: int | None = None) -> list[str]:

@@ -65,15 +65,15 @@ def chunk_bytes_for(device_type: str, total_memory: int | None = None) -> int:
     return max(CHUNK_BYTES, min(GPU_CHUNK_BYTES, total_memory // GPU_CHUNK_FRACTION))
 
 
+_OUT_DTYPE_WORKS: dict[torch.dtype, bool] = {}  # set when a GPU's addmm(out_dtype=float32) first ran or failed
+
+
 def low_precision_weight_grad(device_type: str, dtype: torch.dtype) -> bool:
     """Whether the head's weight gradient is computed in the model's dtype (bf16/fp16 products on a GPU's tensor
     cores, accumulated and written in float32: ``torch.addmm(..., out_dtype=torch.float32)``) rather than as a
     float32 product. Float32 on CPU (no such kernel; AVX float32 is as fast as bf16 there without AMX) and for a
     float32 model."""
     return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _OUT_DTYPE_WORKS.get(dtype, True)
-
-
-_OUT_DTYPE_WORKS: dict[torch.dtype, bool] = {}  # set when a GPU's addmm(out_dtype=float32) first ran or failed
 
 
 def add_weight_grad(out: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor, dtype: torch.dtype) -> None:
@@ -239,8 +239,8 @@ def chunked_head_scores(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     """Per-position scores of the head ``weight`` [V, H] (``bias`` [V]; ``low_rank`` = (low_in [N, r],
     low_weight [V, r]) adds low_in @ low_weight.T) over ``hidden`` [N, H] for ``targets`` [N] (ids >= 0):
     {"logps", "entropy" (0 unless ``with_entropy``), "correct"}, each [N]. ``dtype``: the product's (default:
-    hidden's); ``chunk``: positions per chunk (default: about chunk_bytes_for(the device) of float32 logits); ``saved_bytes``: how
-    much of the log-probabilities backward may keep instead of recomputing them."""
+    hidden's); ``chunk``: positions per chunk (default: about ``chunk_bytes_for`` the device of float32 logits);
+    ``saved_bytes``: how much of the log-probabilities backward may keep instead of recomputing them."""
     low_in, low_weight = low_rank if low_rank is not None else (None, None)
     chunk = chunk or chunk_positions(weight.shape[0], chunk_bytes_for(weight.device.type))
     hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.conftest import free_port, launch, rank_reports, reports_of_one_job, run_job
+from tests.conftest import against, free_port, launch, rank_reports, reports_of_one_job, run_job
 from tests.integration.test_vllm_server import group_members, serve
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_async_job.py")
@@ -28,7 +28,7 @@ def job(out, mode, server, *extra) -> dict:
 @pytest.fixture(scope="module")
 def together(server, tmp_path_factory):
     """``together(mode)``: the report of exact or learn, both run once for the module in one process."""
-    return reports_of_one_job(JOB, ["exact", "learn"], server, tmp_path_factory)
+    return reports_of_one_job(JOB, ["exact", "learn"], tmp_path_factory, against(server))
 
 
 def test_bound_zero_is_the_synchronous_run(together):
@@ -59,8 +59,8 @@ def test_bound_one_learns_with_every_round_one_step_stale(together):
 
 
 def test_two_processes_under_zero3_sample_their_own_rows(server, tmp_path):
-    """2 processes, ZeRO-3, max_staleness=1, 3 steps: each process's producer sends its own rows; the weights are pushed by
-    the main process from both processes' shards; both processes end with the same weights and metrics."""
+    """2 processes, ZeRO-3, max_staleness=1, 3 steps: each process's producer sends its own rows; the weights are
+    pushed by the main process from both processes' shards; both processes end with the same weights and metrics."""
     launch("zero3", JOB, "zero3", server.url, server.model_dir, str(free_port()), str(tmp_path), timeout=600)
     reports = rank_reports(tmp_path)
     assert [r["is_main_process"] for r in reports] == [True, False]

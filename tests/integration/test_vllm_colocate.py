@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO, launch, run_job, run_script
+from tests.conftest import REPO, launch, reports_of_one_job, run_job
 
 pytestmark = pytest.mark.usefixtures("vllm_python")  # skipped where vLLM is not installed
 JOB = os.path.join(REPO, "tests", "integration", "vllm_colocate_job.py")
@@ -29,16 +29,7 @@ def job(mode: str, out) -> dict:
 def together(tmp_path_factory):
     """``together(mode)``: the report of one of the TOGETHER modes, all run once for the module, one after the other
     in one process, when a test first needs one."""
-    out = []
-
-    def report(mode: str) -> dict:
-        if not out:
-            out.append(tmp_path_factory.mktemp("together"))
-            run_script(JOB, ",".join(TOGETHER), out[0], timeout=1200)
-        with open(out[0] / mode / "report-0.json") as f:
-            return json.load(f)
-
-    return report
+    return reports_of_one_job(JOB, TOGETHER, tmp_path_factory, report_name="report-0.json")
 
 
 def engine_processes(state: dict) -> list[str]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, launch, noisy_model, rank_reports, reports_of_one_job, run_job
+from tests.conftest import (REPO, against, free_port, launch, noisy_model, rank_reports, reports_of_one_job,
+                            run_job)
 from tests.integration.vllm_tool_rounds import check_tool_rounds
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMClient
@@ -239,7 +240,7 @@ TOGETHER = ["follow", "repeat", "rloo", "distill", "tools"]  # vllm_server_job.p
 def together(server, tmp_path_factory):
     """``together(mode)``: the report of one of the TOGETHER modes, all run once for the module, one after the other
     in one process (each pushes its own weights to the server first), when a test first needs one."""
-    return reports_of_one_job(JOB, TOGETHER, server, tmp_path_factory)
+    return reports_of_one_job(JOB, TOGETHER, tmp_path_factory, against(server))
 
 
 def test_a_served_teacher_with_the_whole_vocabulary_is_the_local_teacher(client, server, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainers import GRPOConfig, SFTConfig
-from trainers.grpo.batch import unpadded_columns
+from trainers.grpo.batch import RowWidths
 from trainers.generation.sampling import left_pad, right_pad
 from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
 from trainers.sft.packing import pack_samples
@@ -155,6 +155,7 @@ def test_grpo_padding_keeps_multiples():
     # a micro-batch's slice keeps widths that are multiples as well: the fewest padding columns that do
     prompt_mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]])  # P = 8, 3 real columns
     completion = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])  # C = 8, 5 real columns
-    assert unpadded_columns(prompt_mask, completion) == (5, 5)
-    assert unpadded_columns(prompt_mask, completion, 4) == (4, 8)  # 4 prompt columns kept, 8 completion
-    assert unpadded_columns(prompt_mask, completion, 2) == (4, 6)
+    widths = RowWidths.of(prompt_mask, completion, prompt_group=torch.tensor([0, 1]))
+    assert widths.columns(8, 8) == (5, 5)
+    assert widths.columns(8, 8, 4) == (4, 8)  # 4 prompt columns kept, 8 completion
+    assert widths.columns(8, 8, 2) == (4, 6)

@@ -389,7 +389,7 @@ def wire_tensor(tensor: torch.Tensor, server_dtype: torch.dtype | None) -> torch
     """The tensor as it is sent: in the server's dtype when that is narrower (float32 weights to a bfloat16 server:
     half the bytes), else as it is (a wider server widens it exactly)."""
     if (server_dtype is None or not tensor.is_floating_point() or not server_dtype.is_floating_point
-            or torch.empty((), dtype=server_dtype).element_size() >= tensor.element_size()):
+            or server_dtype.itemsize >= tensor.element_size()):
         return tensor
     return tensor.to(server_dtype)
 

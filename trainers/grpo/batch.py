@@ -189,14 +189,6 @@ def budget_micro_batches(accelerator, parts: list[RoundPart], budget: int) -> li
     return [part.rollout.micro_batch_of(rows, part.count_tokens) for part, rows in groups]
 
 
-def unpadded_columns(prompt_mask: torch.Tensor, completion_attention: torch.Tensor,
-                     multiple: int | None = None) -> tuple[int, int]:
-    """``RowWidths.columns`` of these masks (prompt_mask: [B, P] left-padded; completion_attention: [B, C]
-    right-padded)."""
-    widths = RowWidths.of(prompt_mask, completion_attention, torch.zeros(prompt_mask.shape[0], dtype=torch.long))
-    return widths.columns(prompt_mask.shape[1], completion_attention.shape[1], multiple)
-
-
 def round_shape(args, per_device: int, world: int) -> tuple[int, int]:
     """(steps_per_generation, generation_batch_size): the micro-steps a generation round serves and its
     completions over every process, from GRPOConfig's generation_batch_size or steps_per_generation (TRL's
