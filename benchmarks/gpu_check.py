@@ -32,7 +32,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("runs", "head", "rows", "templates", "profile")
-LIMITS = {"runs": 90, "head": 30, "rows": 240, "templates": 60, "profile": 90}  # seconds each: 8.5 minutes at most
+LIMITS = {"runs": 90, "head": 30, "rows": 210, "templates": 60, "profile": 90}  # seconds each: 8 minutes at most
 
 
 # ---------------------------------------------------------------------------------------------- the parts

@@ -6,8 +6,9 @@
 
 It builds a Qwen2-shaped model offline (width 2048, 8 layers: ~303M parameters by default), then for each
 template runs ``benchmarks/memory_job.py`` through ``accelerate launch --num_processes 2`` and prints, per
-rank: RSS after loading, after prepare, peak during training, steady state after the last step, and the
-model-state bytes the rank holds (parameters, fp32 master weights, gradients, optimizer states). Results
+rank: RSS after loading, after prepare, peak during training, steady state after the last step, on a GPU the
+peak of torch's allocator, and the model-state bytes the rank holds (parameters, fp32 master weights,
+gradients, optimizer states). Results
 and the analysis are in docs/distributed.md.
 """
 
@@ -56,16 +57,22 @@ def stage(report: dict, name: str, key: str = "rss_gb") -> float:
     return next((s[key] for s in report["stages"] if s["stage"] == name), float("nan"))
 
 
+def gpu(report: dict) -> str:
+    """The rank's peak of torch's CUDA allocator over the run (what the planner's GPU figures are checked
+    against; its RSS columns are then host memory); "-" for a CPU run."""
+    return f"{report['peak_gpu_gb']:.2f}" if "peak_gpu_gb" in report else "-"
+
+
 def table(rows: list[tuple[str, dict]]) -> str:
-    head = ("| template | rank | after load | after prepare | peak | steady | params | master | grads | "
+    head = ("| template | rank | after load | after prepare | peak | steady | peak GPU | params | master | grads | "
             "optimizer | model states | model states × N |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for template, r in rows:
         s = r["model_states_gb"]
         total = sum(v for k, v in s.items() if k != "gathered_parameters")
         lines.append(
             f"| {template} | {r['rank']} | {stage(r, 'after_load'):.2f} | {stage(r, 'after_prepare'):.2f} | "
-            f"{r['peak_rss_gb']:.2f} | {r['steady_rss_gb']:.2f} | {s.get('parameters', 0):.2f} | "
+            f"{r['peak_rss_gb']:.2f} | {r['steady_rss_gb']:.2f} | {gpu(r)} | {s.get('parameters', 0):.2f} | "
             f"{s.get('master_weights', 0):.2f} | {s.get('gradients', 0):.2f} | {s.get('optimizer_states', 0):.2f} | "
             f"{total:.2f} | {total * r['num_processes']:.2f} |")
     return "\n".join(lines)

@@ -315,6 +315,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     with_logits: bool = False,
     with_mean_logit: bool = False,
+    kept: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the model once and return, per position, log p(target) (and optionally entropy, argmax hit, the
     logits' mean over the vocabulary as "mean_logit" (no gradient), and the model's logits themselves as
@@ -324,7 +325,8 @@ def token_logprobs(
     are don't-care (their values are meaningless, 0 where the head is chunked; mask them). Returns tensors of
     shape [B, K], and with ``with_router_loss`` the MoE model's router load-balancing loss as "aux_loss" (a
     scalar, unweighted). The output head runs chunked (trainers/output_head.py: no [B, K, V] logits) unless the
-    logits are asked for or the head is one it does not take.
+    logits are asked for or the head is one it does not take. ``kept``: how many of target_ids are >= 0, where the
+    caller knows it (a host integer: the head then finds them without reading target_ids).
     """
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
     if with_router_loss:
@@ -340,7 +342,7 @@ def token_logprobs(
         else:  # the head's targets line up with the positions it gets: [B, K + 1] or [B, n + T]
             pad = (0, 1) if logits_to_keep is not None else (virtual, 0)
             with scoring_head(plan, torch.nn.functional.pad(target_ids, pad, value=-1), temperature, with_entropy,
-                              entropy_grad, with_mean_logit=with_mean_logit):
+                              entropy_grad, with_mean_logit=with_mean_logit, kept=kept):
                 outputs = model(**kwargs)
     logits = outputs.logits  # [B, K(+1), V] (or scores, [.., 3]); [B, n + T, V] with n virtual tokens first
     logits = logits[:, :-1] if logits_to_keep is not None else logits[:, virtual:]

@@ -311,19 +311,20 @@ def _foreign_hooks(module: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def scoring_head(plan: HeadPlan, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
                  entropy_grad: bool = False, rows: torch.Tensor | None = None, chunk: int | None = None,
-                 with_mean_logit: bool = False):
+                 with_mean_logit: bool = False, kept: int | None = None):
     """Within this block, the model's head returns scores instead of logits: for hidden states [b, K, H], a
     [B, K, 3] float32 tensor of (log p(target), entropy (0 unless ``with_entropy``), argmax hit) per position, 0
     where ``targets`` [B, K] is negative (those positions are not computed); ``with_mean_logit``: [B, K, 4], the
     logits' mean over the vocabulary fourth (no gradient). ``rows`` [B]: row i reads hidden row rows[i]
-    (completions sharing a prompt's last position); None: b == B."""
+    (completions sharing a prompt's last position); None: b == B. ``kept``: how many targets are >= 0, where
+    the caller knows it as a host integer (``true_positions``)."""
     def forward(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if rows is not None:
             hidden = hidden[rows]
         if hidden.shape[:2] != targets.shape:
             raise RuntimeError(f"the output head got hidden states {tuple(hidden.shape)} for targets "
                                f"{tuple(targets.shape)}: this model's forward slices its positions differently.")
-        return _scores(plan, hidden, targets, temperature, with_entropy, entropy_grad, chunk, with_mean_logit)
+        return _scores(plan, hidden, targets, temperature, with_entropy, entropy_grad, chunk, with_mean_logit, kept)
 
     with swapped_forward(plan.module, forward):
         yield
@@ -345,9 +346,10 @@ def swapped_forward(module: torch.nn.Module, forward):
 
 
 def _scores(plan: HeadPlan, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-            entropy_grad: bool, chunk: int | None, with_mean_logit: bool = False) -> torch.Tensor:
+            entropy_grad: bool, chunk: int | None, with_mean_logit: bool = False, kept: int | None = None
+            ) -> torch.Tensor:
     """[B, K, H] hidden states -> [B, K, 3] scores ([B, K, 4] ``with_mean_logit``); only positions whose target
-    is >= 0 are computed."""
+    is >= 0 (``kept`` of them, where known) are computed."""
     linear = plan.linear
     if plan.float32:
         dtype = torch.float32
@@ -355,16 +357,27 @@ def _scores(plan: HeadPlan, hidden: torch.Tensor, targets: torch.Tensor, tempera
         dtype = torch.get_autocast_dtype(hidden.device.type)
     else:
         dtype = linear.weight.dtype
-    keep = targets >= 0  # [B, K]
-    picked = hidden[keep]  # [N, H]
+    index = true_positions(targets >= 0, kept)  # [N] of the B x K positions
+    picked = hidden.flatten(0, 1)[index]  # [N, H] (its backward accumulates as a boolean selection's does)
     low_rank = _lora_path(plan.lora, picked) if plan.lora is not None else None
-    scores = chunked_head_scores(picked, linear.weight, targets[keep], linear.bias, low_rank, temperature,
-                                 with_entropy, entropy_grad, dtype, chunk)
+    scores = chunked_head_scores(picked, linear.weight, targets.flatten()[index], linear.bias,
+                                 low_rank, temperature, with_entropy, entropy_grad, dtype, chunk)
     columns = [scores["logps"], scores["entropy"], scores["correct"].float()]
     if with_mean_logit:
         columns.append(_mean_logits(linear, picked, low_rank, temperature))
     stacked = torch.stack(columns, dim=-1)  # [N, 3 or 4]
-    return stacked.new_zeros((*targets.shape, len(columns))).masked_scatter(keep.unsqueeze(-1), stacked)
+    out = stacked.new_zeros((targets.numel(), len(columns))).index_copy(0, index, stacked)  # [B x K, 3 or 4]
+    return out.view(*targets.shape, len(columns))
+
+
+def true_positions(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """The flat indices of ``mask``'s True entries, in order: [count]. ``count``: how many there are, where the
+    caller knows it as a host integer; then they are found without reading the mask (``nonzero_static``): on a
+    GPU, reading it (``nonzero``, boolean indexing) stalls the host until the device catches up."""
+    flat = mask.flatten()
+    if count is None:
+        return flat.nonzero().squeeze(1)
+    return torch.nonzero_static(flat, size=count).squeeze(1)
 
 
 @torch.no_grad()

@@ -100,7 +100,8 @@ def test_lora_sigterm_resume_and_crash(tmp_path):
 def test_two_processes_each_with_an_engine(tmp_path, template):
     """DDP and ZeRO-3 (weights gathered one module at a time for the sync), bf16 mixed precision as the templates
     set it: each process's engine equals its policy after every step; shutting the engines down leaves the run's
-    own process group working. A probe whose greedy completion differs only where the policy's two largest logits
+    own process group working; an engine that cannot start on process 1 alone (before vLLM's start, which joins
+    the process group) makes both processes raise, neither entering vLLM's start. A probe whose greedy completion differs only where the policy's two largest logits
     tie (within two roundings of their dtype, bf16 under the templates' autocast, and 1e-4 at least: rounding in
     either implementation decides) counts as equal."""
     launch(template, JOB, "distributed", str(tmp_path), timeout=600)
@@ -114,6 +115,9 @@ def test_two_processes_each_with_an_engine(tmp_path, template):
         after = report["after_train"]
         assert after["llm_is_none"] and after["llm_collected"] and engine_processes(after) == [], after
         assert report["gather_after_close"] == [0.0, 1.0]
+        # a second engine that process 1 alone cannot start (no temporary folder): both raise, before vLLM
+        assert "cannot write the colocated engine's model folder" in report["start_failure"], report
+        assert report["start_failure"].startswith("(process 1) ") == (rank == 0), report["start_failure"]
 
 
 def test_tool_loop_on_the_colocated_engine(together):

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import weakref
 
@@ -29,6 +30,7 @@ from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainers.cli.tiny import save_tiny_model
+from trainers.errors import ConfigError
 from trainers.generation.backend import register_backend
 from trainers.generation.sampling import SamplingParams
 from trainers.generation.vllm_colocate import VLLMColocate
@@ -176,10 +178,27 @@ def run(mode, out, model_dir, threads_before):
     if mode == "distributed":  # the run's own process group survives the engine's shutdown
         gathered = trainer.accelerator.gather(torch.tensor([float(rank)]))
         report["gather_after_close"] = gathered.tolist()
+        report["start_failure"] = start_failure(out, model_dir, rank)
         write(out, rank, report)
         trainer.end()
     else:
         write(out, rank, report)
+
+
+def start_failure(out, model_dir, rank) -> str | None:
+    """A second trainer whose engine cannot start on process 1 alone (its temporary folder is missing, so the
+    engine's model folder cannot be written): the error each process raised, None if it raised none. Both must
+    raise, before either enters vLLM's start (whose collectives would hold process 0 until their timeout)."""
+    tempdir = tempfile.tempdir
+    if rank == 1:
+        tempfile.tempdir = os.path.join(out, "missing")
+    try:
+        trainer_for(os.path.join(out, "failing"), "distributed", model_dir)
+    except ConfigError as error:
+        return str(error)
+    finally:
+        tempfile.tempdir = tempdir
+    return None
 
 
 def lora(out, model_dir, threads_before):

@@ -14,6 +14,7 @@ from tests.unit.test_shared_prompts import (
     one_forward,
     run,
 )
+from trainers.grpo.batch import MicroBatch
 from trainers.grpo.packed_forward import packed_logprobs
 from trainers.output_head import plan_head
 
@@ -42,6 +43,19 @@ def test_single_token_completions_and_one_row():
     assert_same(run(one_forward, model, batch), run(packed, model, batch), 1e-4, 1e-5, batch.completion_attention)
     one = make_batch(groups=((7, 1),))
     assert_same(run(one_forward, model, one), run(packed, model, one), 1e-4, 1e-5, one.completion_attention)
+
+
+@pytest.mark.parametrize("groups", [((7, 3), (4, 3), (9, 2)), ((0, 2), (3, 1))])
+def test_host_counts_select_what_the_masks_do(groups):
+    """Given the micro-batch's counts as host integers (RowWidths.counts, read once per round), the packed forward
+    selects the same positions as when it reads the masks: the same scores, bit for bit, also for rows without
+    prompt tokens (whose first completion token no real position predicts) and without completion tokens."""
+    model, batch = make_model(), make_batch(groups=groups)
+    batch.completion_attention[-1] = 0  # a row without completion tokens
+    batch = MicroBatch(**batch.init_fields() | {"widths": None})  # its widths read again, from the new mask
+    read, given = packed(model, batch), packed(model, batch, counts=batch.widths.counts())
+    for key in ("logps", "entropy"):
+        assert torch.equal(read[key], given[key]), key
 
 
 def test_bf16_autocast_within_bf16_tolerance():

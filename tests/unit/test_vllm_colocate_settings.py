@@ -3,12 +3,13 @@
 backend drives it: asleep after start and after each round; every step's weight sync wakes the weights only; a
 round wakes the KV cache too. vLLM has no sleep mode on CPU, so the engine here is a stand-in that keeps vLLM's
 contract (level 2 discards weights and KV cache; ``wake_up(tags)`` brings back what it names; generating or loading
-weights into discarded memory fails); the real one runs in benchmarks/gpu_check.py on a GPU."""
+weights into discarded memory fails); the real one runs in benchmarks/gpu_check.py on a GPU. And the free-memory
+check made before vLLM starts, so that every process raises together (``free_memory_error``)."""
 
 import pytest
 import torch
 
-from trainers.generation.vllm_colocate import SleepMode, engine_settings
+from trainers.generation.vllm_colocate import SleepMode, engine_settings, free_memory_error
 
 
 class SleepingEngine:
@@ -75,3 +76,13 @@ def test_on_cpu_the_engine_is_the_policys_as_before():
         "dtype": torch.float32, "max_num_batched_tokens": 32768, "enforce_eager": True}
     assert engine_settings("cpu", torch.bfloat16, "no", 1024, False) == {
         "dtype": torch.bfloat16, "max_num_batched_tokens": 4096, "enforce_eager": False}
+
+
+def test_a_card_too_full_for_the_engine_is_found_before_vllm_starts():
+    """vLLM's own rule (free >= utilization x total), with the numbers and the option in the message; a card
+    with exactly enough passes."""
+    total = 80 * 2**30
+    assert free_memory_error(free=24 * 2**30, total=total, utilization=0.3) is None
+    error = free_memory_error(free=20 * 2**30, total=total, utilization=0.3)
+    assert "vllm_gpu_memory_utilization=0.3" in str(error)
+    assert "24.0 GiB of its device's 80.0 GiB and 20.0 GiB are free" in str(error)

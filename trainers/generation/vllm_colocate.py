@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -57,6 +58,19 @@ def engine_settings(device_type: str, policy_dtype: torch.dtype, mixed_precision
                     enforce_eager=True if enforce_eager is None else enforce_eager)
     training = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, policy_dtype)
     return dict(dtype=training, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enforce_eager=bool(enforce_eager))
+
+
+def free_memory_error(free: int, total: int, utilization: float) -> ConfigError | None:
+    """vLLM's own start-up check (free device memory >= ``utilization`` x total), made before the engine starts
+    so that a process whose card is fuller than the others' raises with them rather than alone inside vLLM's start
+    (which it reaches after joining the process group). vLLM checks again, a little later, after its own buffers."""
+    wanted = math.ceil(total * utilization)
+    if free >= wanted:
+        return None
+    return ConfigError(f"vllm_gpu_memory_utilization={utilization}: this process's colocated engine asks for "
+                       f" {wanted / 2**30:.1f} GiB of its device's {total / 2**30:.1f} GiB and "
+                       f"{free / 2**30:.1f} GiB are free (the policy, its optimizer and any other process on the "
+                       f"device hold the rest). Lower vllm_gpu_memory_utilization, or free the device.")
 
 
 class VLLMColocate(VLLMBackend):
@@ -165,8 +179,20 @@ class VLLMColocate(VLLMBackend):
         self._owns_process_group = not torch.distributed.is_initialized()  # single process: vLLM makes its own
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process: restored on close
         self._restore_set_num_threads = torch.set_num_threads
-        self._model_dir = self._save_model_folder()
+        # vLLM's start joins the world's process group (external_launcher): a process that raised alone before it
+        # would leave the others inside it until its timeout. What can fail on one process alone is done first,
+        # and every process raises together if any failed.
         failure = None
+        try:
+            self._model_dir = self._save_model_folder()
+        except OSError as error:
+            failure = ConfigError(f"use_vllm=True: cannot write the colocated engine's model folder"
+                                  f" (the policy's config and tokenizer) in {tempfile.gettempdir()}: "
+                                  f"{error}. Point TMPDIR at a writable folder on every machine.")
+        if failure is None and not self.on_cpu:
+            free, total = torch.cuda.mem_get_info(acc.device)
+            failure = free_memory_error(free, total, options["gpu_memory_utilization"])
+        self._raise_together(failure)
         try:
             self.llm = LLM(model=self._model_dir, **options)
             # some models start but cannot run (on CPU: an attention head_dim vLLM's kernels lack): one token
@@ -178,18 +204,23 @@ class VLLMColocate(VLLMBackend):
             self._shut_down_failed_start()
             failure = ConfigError(self._unloadable_message(error))
             failure.__cause__ = error
-        # An engine can fail on one process alone (its device's memory, its host): every process raises, the
-        # others with its message, instead of waiting for it in the first weight sync until the NCCL timeout;
-        # the engines that did start are shut down first.
-        try:
-            dist.raise_together(acc, failure, shared=(ConfigError,))
-        except Exception:
-            self.close()  # idempotent: after a failed start it only removes what is left
-            raise
+        # An engine can fail on one process alone after vLLM's collectives too (its device's memory, its host):
+        # every process raises, the others with its message, instead of waiting for it in the first weight sync
+        # until the NCCL timeout; the engines that did start are shut down first.
+        self._raise_together(failure)
         super().sync_weights(None)
         if self.config.vllm_enable_sleep_mode:
             self.sleep_mode = SleepMode(self.llm)
             self.sleep_mode.sleep()
+
+    def _raise_together(self, failure: ConfigError | None) -> None:
+        """Every process raises if any failed to start (the others with its message), after shutting down what
+        it started."""
+        try:
+            dist.raise_together(self.context.accelerator, failure, shared=(ConfigError,))
+        except Exception:
+            self.close()  # idempotent: after a failed start it only removes what is left
+            raise
 
     def _unloadable_message(self, error: Exception) -> str:
         """The error for a model vLLM cannot load or run: the model, its architecture and vLLM's reason (cut:

@@ -11,6 +11,7 @@ prompt are known from the start (``prompt_groups``) and carried on both records,
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +51,14 @@ class RowWidths:
         return RowWidths(*([values[i] for i in index] for values in
                            (self.prompt_spans, self.completion_lengths, self.groups)))
 
+    def counts(self) -> tuple[int, int]:
+        """What a padding-free forward of these rows keeps and scores (trainers/grpo/packed_forward.py): (real
+        tokens, completion tokens predicted from a real position: all but the first of a row without prompt
+        tokens)."""
+        completion = sum(self.completion_lengths)
+        unpredicted = sum(1 for span, length in zip(self.prompt_spans, self.completion_lengths) if not span and length)
+        return sum(self.prompt_spans) + completion, completion - unpredicted
+
     def columns(self, P: int, C: int, multiple: int | None = None) -> tuple[int, int]:
         """The first prompt column that is not padding in every row, and the completion width that is (at least
         1), of [., P] left-padded prompts and [., C] right-padded completions. With ``multiple``
@@ -62,6 +71,14 @@ class RowWidths:
             first = P - min(P, round_up(P - first, multiple))
             width = min(C, round_up(width, multiple))
         return first, width
+
+
+class RowRole(enum.IntEnum):
+    """A row's part in a training forward with skip_zero_gradient_rows (``LogProbScorer.training_forward``)."""
+
+    NO_LOSS = 0  # no loss tokens: not forwarded at all
+    NO_GRADIENT = 1  # its loss has no gradient (advantage 0, ...): forwarded without one, for its logged entropy
+    TRAINED = 2
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,10 @@ class Rollout:
     pad_to_multiple_of: int | None = None
     # the rows' widths as host integers: read from the masks when the round is built, passed on to its slices
     widths: RowWidths | None = field(default=None, compare=False, repr=False)
+    # skip_zero_gradient_rows: each row's RowRole as host integers, read once when the round is built
+    # (``with_roles``). Not copied by dataclasses.replace, whose copy may have other advantages or masks: None
+    # there, read from the micro-batch when it is trained.
+    roles: list[int] | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.widths is None:  # a new round (or one restored from a checkpoint): its one device-to-host copy
@@ -102,6 +123,8 @@ class Rollout:
         fields = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if not f.init:  # roles: below
+                continue
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 fields[f.name] = value
             elif f.name in ("prompt_ids", "prompt_mask"):
@@ -114,7 +137,17 @@ class Rollout:
         fields["prompt_group"] = torch.tensor(groups, dtype=torch.long, device=self.prompt_group.device)
         # the trimmed prompt columns change no span: the spans fit in the kept P - first columns
         fields["widths"] = RowWidths(widths.prompt_spans, widths.completion_lengths, groups)
-        return type(self)(**fields)
+        return type(self)(**fields).with_roles(None if self.roles is None else [self.roles[i] for i in host_index])
+
+    def with_roles(self, roles: list[int] | None) -> "Rollout":
+        """A copy whose rows have these ``RowRole``s (as host integers, in row order)."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "roles", roles)
+        return copy
+
+    def init_fields(self) -> dict:
+        """The fields a constructor takes (all but ``roles``), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def micro_batch(self, start: int, end: int, count_tokens: bool = True) -> "MicroBatch":
         """Rows [start, end), all-padding columns trimmed. ``count_tokens=False``: a round trained on again
@@ -126,7 +159,8 @@ class Rollout:
         rows = self.rows(torch.tensor(list(index), dtype=torch.long, device=self.advantages.device), index)
         tokens = rows.prompt_mask.sum() + rows.completion_attention.sum()
         tokens = tokens if count_tokens else tokens * 0
-        return MicroBatch(**rows.__dict__, num_input_tokens=tokens, num_padded_tokens=tokens)
+        batch = MicroBatch(**rows.init_fields(), num_input_tokens=tokens, num_padded_tokens=tokens)
+        return batch.with_roles(rows.roles)
 
     def row_lengths(self) -> list[int]:
         """Each row's real tokens, prompt and completion: what it costs a padding-free forward. [N] ints."""
@@ -140,7 +174,9 @@ class Rollout:
         return input_ids, attention_mask, positions_from_mask(attention_mask)
 
     def to(self, device):
-        return type(self)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
+        moved = type(self)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                              for k, v in self.init_fields().items()})
+        return moved.with_roles(self.roles)
 
 
 @dataclass(frozen=True)

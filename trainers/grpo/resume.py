@@ -33,8 +33,9 @@ def save_grpo_state(folder: str, accelerator, prompt_batches, reference, entropy
             json.dump(dataclasses.asdict(entropy_control), f)
     if rounds:  # the last round may serve the next step too
         index = max(rounds)
-        # its tensors only (loaded with weights_only=True); the host widths are read again from them on load
-        rollout = {k: v for k, v in rounds[index].to("cpu").__dict__.items() if k != "widths"}
+        # its tensors only (loaded with weights_only=True); the host widths are read again from them on load, and
+        # the rows' roles (skip_zero_gradient_rows) from each micro-batch
+        rollout = {k: v for k, v in rounds[index].to("cpu").init_fields().items() if k != "widths"}
         torch.save({"round": index, "rollout": rollout},
                    os.path.join(folder, f"rollout-{rank}.pt"))
 

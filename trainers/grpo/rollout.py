@@ -186,6 +186,8 @@ class RolloutStage:
             width = rollout.completion_ids.shape[1]
             sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
             rollout, sampler_metrics = self.with_sampler_logps(rollout, sampler, model_tokens.to(acc.device))
+        # which rows skip_zero_gradient_rows leaves out of the backward, read once here, not per micro-batch
+        rollout = rollout.with_roles(self.scorer.row_roles(rollout))
 
         lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()

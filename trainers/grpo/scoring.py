@@ -11,7 +11,7 @@ import torch
 
 from trainers import distributed as dist
 from trainers.generation import engine
-from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_groups
+from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, RowRole, budget_groups
 from trainers.grpo.objectives import FOLDS_SAMPLER_WEIGHTS
 from trainers.grpo.packed_forward import packed_logprobs
 from trainers.grpo.shared_prompt import shared_prompt_logprobs
@@ -62,20 +62,24 @@ class LogProbScorer:
         # padding_free packs every forward. plan_head is None only where the trainer could not check the head
         # before training (a LoRA head sharded by ZeRO-3); the padded forward below gives the same log-probs.
         plan = plan_head(model) if self.args.padding_free else None
+        widths = getattr(batch, "widths", None)  # host integers read once per round (RowWidths), if it has them
         if plan is not None:
             return packed_logprobs(model, plan, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                    batch.completion_attention, self.args.temperature, with_entropy, entropy_grad,
-                                   with_router_loss)
+                                   with_router_loss, counts=None if widths is None else widths.counts())
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                          batch.completion_attention, batch.prompt_group, self.args.temperature,
-                                         with_entropy, entropy_grad, groups=_host_groups(batch))
+                                         with_entropy, entropy_grad,
+                                         groups=None if widths is None else widths.groups)
             if out is not None:  # None: no two rows of this micro-batch share a prompt
                 return out
         input_ids, attention_mask, position_ids = batch.model_inputs()
+        # every target is a completion token (>= 0, padding included): the head keeps them all, without reading
         return token_logprobs(model, input_ids, batch.completion_ids, attention_mask, position_ids,
                               temperature=self.args.temperature, logits_to_keep=batch.completion_ids.shape[1],
-                              with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad)
+                              with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad,
+                              kept=batch.completion_ids.numel())
 
     def round_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of a round, in micro-batches of ``batch_size`` rows (with
@@ -112,26 +116,26 @@ class LogProbScorer:
         logged entropy needs them; on the unwrapped model, as a forward with no backward needs none of DDP's
         bookkeeping), or, without loss tokens, not at all: their log-probs are set to the old ones (every ratio
         1, every term finite) and their entropy to 0 (masked). The result covers the whole micro-batch
-        ({"logps", "entropy"}, [B, C]), so the loss and every statistic are computed as without skipping."""
+        ({"logps", "entropy"}, [B, C]), so the loss and every statistic are computed as without skipping. Which
+        rows are which comes from host integers (``row_roles``, read once per round), so that choosing them reads
+        nothing from the device."""
         if not self.skips_zero_gradient_rows:
             return self.policy_logprobs(model, batch, **options)
-        mask = batch.loss_mask  # [B, C]
-        silent = mask.sum(-1) == 0  # [B]: no loss tokens
-        idle = silent.clone()  # [B]: rows whose loss gradient is zero
-        if self.args.reference_kl == 0 and not self.entropy_bonus:
-            idle |= batch.advantages == 0
-            if batch.sampler_weights is not None and self.args.loss_type not in FOLDS_SAMPLER_WEIGHTS:
-                idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction
-        if not idle.any():
+        roles = batch.roles if batch.roles is not None else self.row_roles(batch)  # host integers
+        trained = [i for i, role in enumerate(roles) if role == RowRole.TRAINED]
+        if len(trained) == len(roles):
             return self.policy_logprobs(model, batch, **options)
-        if idle.all():  # one row keeps a backward, so DDP's and DeepSpeed's gradient hooks fire on every process
-            idle[0] = False
-        trained, frozen = (~idle).nonzero().squeeze(1), (idle & ~silent).nonzero().squeeze(1)
-        parts = [(trained, self.policy_logprobs(model, batch.rows(trained), **options))]
-        if frozen.numel():
+        # one row keeps a backward, so DDP's and DeepSpeed's gradient hooks fire on every process
+        trained = trained or [0]
+        frozen = [i for i, role in enumerate(roles) if role == RowRole.NO_GRADIENT and i not in trained]
+        trained_at = torch.tensor(trained, device=batch.advantages.device)  # [b]
+        parts = [(trained_at, self.policy_logprobs(model, batch.rows(trained_at, trained), **options))]
+        if frozen:
+            frozen_at = torch.tensor(frozen, device=batch.advantages.device)
             with torch.no_grad():
-                parts.append((frozen, self.policy_logprobs(dist.unwrap(self.accelerator, model), batch.rows(frozen),
-                                                           with_entropy=True)))
+                parts.append((frozen_at, self.policy_logprobs(dist.unwrap(self.accelerator, model),
+                                                              batch.rows(frozen_at, frozen), with_entropy=True)))
+        mask = batch.loss_mask  # [B, C]
         width = mask.shape[1]
         logps = batch.old_logps if batch.old_logps is not None else torch.zeros_like(mask)
         entropy = torch.zeros_like(mask)
@@ -141,8 +145,20 @@ class LogProbScorer:
             entropy = entropy.index_copy(0, rows, torch.nn.functional.pad(out["entropy"], pad))
         return {"logps": logps, "entropy": entropy}
 
-
-def _host_groups(batch) -> list[int] | None:
-    """A micro-batch's prompt groups as host integers (``RowWidths``), None for a batch without them."""
-    widths = getattr(batch, "widths", None)
-    return None if widths is None else widths.groups
+    def row_roles(self, batch: Rollout) -> list[int] | None:
+        """Each row's ``RowRole`` in ``training_forward`` (``skip_zero_gradient_rows``), as host integers read in
+        one copy: for a round when it is built, so that its micro-batches read none. None where no row is
+        skipped. A row's loss has no gradient without loss tokens, or, with beta=0 and no entropy bonus, with
+        advantage 0 (every policy loss is a multiple of it) or sampler weights (vllm_importance_sampling_*) 0 on
+        all its loss tokens."""
+        if not self.skips_zero_gradient_rows:
+            return None
+        mask = batch.loss_mask  # [B, C]
+        silent = mask.sum(-1) == 0  # [B]: no loss tokens
+        idle = silent.clone()  # [B]: rows whose loss gradient is zero
+        if self.args.reference_kl == 0 and not self.entropy_bonus:
+            idle |= batch.advantages == 0
+            if batch.sampler_weights is not None and self.args.loss_type not in FOLDS_SAMPLER_WEIGHTS:
+                idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction
+        roles = torch.full_like(silent, RowRole.TRAINED, dtype=torch.long)  # [B]
+        return roles.masked_fill(idle, RowRole.NO_GRADIENT).masked_fill(silent, RowRole.NO_LOSS).tolist()

@@ -149,7 +149,8 @@ def shared_prompt_logprobs(
             logits = model(**inputs).logits
             return token_scores(logits if rows is None else logits[rows], targets, temperature, with_entropy,
                                 entropy_grad=entropy_grad)
-        with scoring_head(plan, targets, temperature, with_entropy, entropy_grad, rows=rows):
+        # every target is a completion token (>= 0): the head keeps them all, without reading them
+        with scoring_head(plan, targets, temperature, with_entropy, entropy_grad, rows=rows, kept=targets.numel()):
             return split_scores(model(**inputs).logits, with_entropy)
 
     with float32_attention_on_cpu(model, prompt_ids.device), _cache_kept(replayed):
