@@ -94,14 +94,15 @@ class Round:
 class RolloutStage:
     """The rollout stage, built once the policy is prepared, from what it uses: the generation ``backend``, the
     ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions and their
-    weights, the log-prob ``scorer`` (old and reference log-probs), the config, the processes' ``accelerator``,
+    weights, the log-prob ``scorer`` (old and reference log-probs, the rows skip_zero_gradient_rows skips; None
+    for rounds that need none of them), the config, the processes' ``accelerator``,
     the tokenizer (decoding), the EOS ids, the default sampling parameters, ``trainer_state`` (a function: the
     TrainerState the reward functions get), ``advantages`` (every process's rewards [G, F] and this process's
     Rollout, its old and reference log-probs in, -> RoundAdvantages over the G rows; called by every process
     together) and ``on_episode`` (told of each tool-loop Episode). Every process calls its methods together."""
 
     def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
-                 reward_weights: torch.Tensor, scorer: LogProbScorer, args: Any, accelerator, tokenizer,
+                 reward_weights: torch.Tensor, scorer: LogProbScorer | None, args: Any, accelerator, tokenizer,
                  eos_ids: set[int], sampling: SamplingParams, need_old_logps: bool,
                  trainer_state: Callable[[], Any], advantages: Callable[[torch.Tensor, Rollout], RoundAdvantages],
                  on_episode: Callable[[Episode], None] | None = None):
@@ -187,7 +188,8 @@ class RolloutStage:
             sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
             rollout, sampler_metrics = self.with_sampler_logps(rollout, sampler, model_tokens.to(acc.device))
         # which rows skip_zero_gradient_rows leaves out of the backward, read once here, not per micro-batch
-        rollout = rollout.with_roles(self.scorer.row_roles(rollout))
+        if self.scorer is not None:
+            rollout = rollout.with_roles(self.scorer.row_roles(rollout))
 
         lengths = acc.gather(model_tokens.sum(1).to(acc.device)).float().cpu()  # TRL: the model's tokens only
         all_truncated = acc.gather(truncated.float().to(acc.device)).cpu()
