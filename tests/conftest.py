@@ -235,3 +235,16 @@ class MicroBatches(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.per_step.append(self.current)
         self.current = 1
+
+
+class Rounds(TrainerCallback):
+    """Each generation round as the trainer announced it (on_rollout_end): ``rollouts`` (its Rollout: the rows,
+    masks, advantages and log-probs this process trains on), ``metrics`` and ``samples``, in order."""
+
+    def __init__(self):
+        self.rollouts, self.metrics, self.samples = [], [], []
+
+    def on_rollout_end(self, args, state, control, rollout=None, metrics=None, samples=None, **kwargs):
+        self.rollouts.append(rollout)
+        self.metrics.append(metrics)
+        self.samples.append(samples)

@@ -2,7 +2,7 @@
 
 Read ``train`` top to bottom: for each optimizer step, ``prepare_step``, then its micro-batches (``step_batches``:
 ``gradient_accumulation_steps`` of them, unless a subclass regroups them), counted over every process
-(``_count``), then forward, loss, backward on each and the optimizer step (``_optimizer_step``),
+(``batch_counts``), then forward, loss, backward on each and the optimizer step (``_optimizer_step``),
 ``after_optimizer_step``, the step's bookkeeping, then log, evaluate, save, and the checks that stop a run. A
 subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``) and how its loss is
 computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
@@ -428,7 +428,10 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         gradients are dropped (DeepSpeed does the same inside its step). ``stop_requested`` is this process's
         signal flag; the returned ``stop_requested`` is the sum over processes, so all stop together."""
         acc = self.accelerator
-        counts, local_input_tokens, local_padded_tokens = self._count(batches)
+        counts = self.batch_counts(batches)
+        # this process's input tokens, without and with padding (summed over processes with the statistics)
+        local_input_tokens = float(sum(batch.num_input_tokens for batch in batches))
+        local_padded_tokens = float(sum(batch.num_padded_tokens for batch in batches))
         # accelerator.backward divides by the configured accumulation steps (whatever len(batches) is) and
         # DDP/DeepSpeed average over processes; our losses are already normalized by global counts, so undo both.
         scale = acc.num_processes * self.args.gradient_accumulation_steps
@@ -462,20 +465,18 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
         metrics["nonfinite_steps"] = self.state.total_nonfinite + (grad_norm is not None and not math.isfinite(grad_norm))
         return metrics
 
-    def _count(self, batches: list[MicroBatch]) -> tuple[BatchCounts, float, float]:
-        """Tokens and sequences the loss covers in this step, summed over micro-batches and processes; and this
-        process's input tokens, without and with padding."""
+    def batch_counts(self, batches: list[MicroBatch]) -> BatchCounts:
+        """What one optimizer step's losses are normalized by (``compute_loss``'s ``counts``): the loss tokens and
+        sequences of its micro-batches ``batches``, summed over them and over the processes (a collective: every
+        process calls it), and how many micro-batches the step has in all."""
         acc = self.accelerator
-        local = torch.zeros(4, device=acc.device)
+        local = torch.zeros(2, device=acc.device)
         for batch in batches:
             mask = batch.loss_mask  # [B, T]
             local[0] += mask.sum()
             local[1] += (mask.sum(-1) > 0).sum()
-            local[2] += batch.num_input_tokens
-            local[3] += batch.num_padded_tokens
-        tokens, sequences = dist.all_reduce_sum(acc, local[:2]).tolist()
-        counts = BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches))
-        return counts, float(local[2]), float(local[3])
+        tokens, sequences = dist.all_reduce_sum(acc, local).tolist()
+        return BatchCounts(tokens=tokens, sequences=sequences, micro_batches=acc.num_processes * len(batches))
 
     def _clip_gradients(self):
         max_norm = self.args.max_grad_norm or float("inf")

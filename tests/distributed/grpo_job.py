@@ -28,7 +28,7 @@ from trainers.generation.sampling import Samples
 from trainers.samplers import group_slots
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
-from tests.conftest import MicroBatches  # noqa: E402
+from tests.conftest import MicroBatches, Rounds  # noqa: E402
 from tests.conftest import digits_varied as digits  # noqa: E402
 
 
@@ -164,12 +164,15 @@ def train_and_report(trainer, args, ragged: bool) -> dict:
     with gathered_parameters(acc, trainer.model):
         initial = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
 
+    rounds = Rounds()  # what each process holds of round 0 (the first on_rollout_end), recorded as it trains
+    trainer.add_callback(rounds)
+    trainer.train()
+    hook.remove()
     round_report = None
-    if not ragged:  # one round by hand, to record what each process holds
+    if not ragged:
         slots = group_slots(trainer.prompt_sampler.batch(0), args.num_generations, acc.num_processes,
                             acc.process_index)
-        trainer.prepare_step(0)
-        batch = trainer.micro_batch(0, 0)
+        batch = rounds.rollouts[0].micro_batch(0, args.per_device_train_batch_size)
         rows_of_round = [trainer.train_rows[i] for i in slots]
         completion_ids = [ids[m.bool()].tolist()
                           for ids, m in zip(batch.completion_ids, batch.completion_attention)]
@@ -178,10 +181,6 @@ def train_and_report(trainer, args, ragged: bool) -> dict:
             rows_of_round, prompts, completions, Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
         round_report = {"slots": slots, "completions": batch.completion_ids.tolist(),
                         "rewards": local_rewards[:, 0].tolist(), "advantages": batch.advantages.tolist()}
-        trainer._rounds, trainer._round_metrics = {}, []  # let training build round 0 itself
-
-    trainer.train()
-    hook.remove()
     with gathered_parameters(acc, trainer.model):
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     return {"rank": acc.process_index, "num_processes": acc.num_processes, "zero_stage": zero_stage(acc),

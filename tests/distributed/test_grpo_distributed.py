@@ -84,9 +84,9 @@ def test_grpo_two_processes(name, rollout_func, runs):
     assert all("reward" in r and "kl" in r for r in history)
     assert all(r["rank"] == 0.5 and r["only_rank_1"] == 7.0 for r in history)  # log_metric: over both processes
     assert history[-1]["kl"] > 0
-    if rollout_func:  # each call got this process's 2 prompts: the job's round by hand, then 3 in training
+    if rollout_func:  # each call got this process's 2 prompts: one call a round, 3 rounds
         calls = [r["rollout_prompts"] for r in reports]
-        assert [len(c) for c in calls] == [4, 4] and all(len(p) == 2 for c in calls for p in c)
+        assert [len(c) for c in calls] == [3, 3] and all(len(p) == 2 for c in calls for p in c)
         assert calls[0][0] == calls[1][0] == rows_of(reports[0]["round"]["slots"])
         assert all(r["sampling/sampling_logp_difference/mean"] > 1.0 for r in history)  # |log p| under made-up 0s
         # process 1's sequence weights exp(sum log p - 0) are ~0; process 0 (no log-probs, weight 1) counts nothing

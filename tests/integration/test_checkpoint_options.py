@@ -4,12 +4,13 @@ include_num_input_tokens_seen, eval_delay, data_seed, torch_empty_cache_steps an
 
 import json
 import os
+import signal
 
 import pytest
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import trainers.base
 from tests.conftest import step_records
@@ -130,12 +131,30 @@ def test_save_only_model_writes_a_loadable_model_that_cannot_be_resumed(tiny_mod
                     again.train(resume_from_checkpoint=resume)
             else:
                 again.train(resume_from_checkpoint=resume)
-    # a stop (signal, non-finite steps) needs a checkpoint to resume from: it is whole even with save_only_model
-    path = trainer._checkpoint_now()
-    assert path == str(folder) and "model_only" not in saved_state(folder)
-    resumed = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=3), train_dataset=ROWS)
+    # a stop (signal, non-finite steps) needs a checkpoint to resume from: it is whole even with save_only_model.
+    # SIGTERM during step 2: the step ends, its model-only checkpoint is written, then the stop's whole one over it
+    stopped = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / "stopped", max_steps=4, save_strategy="steps",
+                                                           save_steps=2, save_only_model=True),
+                         train_dataset=ROWS, callbacks=[SignalDuring(step=2)])
+    with pytest.raises(SystemExit) as stop:
+        stopped.train()
+    assert stop.value.code == 128 + signal.SIGTERM
+    folder = tmp_path / "stopped" / "out" / "checkpoint-2"
+    assert "model_only" not in saved_state(folder)
+    resumed = SFTTrainer(model=tiny_model_dir, args=config(tmp_path / "stopped", max_steps=3), train_dataset=ROWS)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
+
+
+class SignalDuring(TrainerCallback):
+    """Sends this process SIGTERM as step ``step`` (1-based) begins; the trainer stops after it."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            signal.raise_signal(signal.SIGTERM)
 
 
 @pytest.mark.parametrize("mode", ["no", "non_padding", "all", True])

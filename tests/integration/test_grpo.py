@@ -180,7 +180,7 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
                           train_dataset=PROMPTS)
     trainer.prepare_step(0)
     batch = trainer.micro_batch(0, 0)
-    counts = trainer._count([batch])[0]
+    counts = trainer.batch_counts([batch])
     matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
     weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed too
 

@@ -90,11 +90,25 @@ def count_lines(path) -> int:
         return 0
 
 
-def small_trainer(model, out, **overrides):
+def small_trainer(model, out, trainer_class=SFTTrainer, **overrides):
     args = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=4, logging_steps=1, save_steps=2,
                 disable_tqdm=True, seed=0, bf16=False)
-    return SFTTrainer(model=model, args=SFTConfig(**{**args, **overrides}),
-                      train_dataset=as_sft_rows(reverse_digits_rows(16)))
+    return trainer_class(model=model, args=SFTConfig(**{**args, **overrides}),
+                         train_dataset=as_sft_rows(reverse_digits_rows(16)))
+
+
+def poisoning(value: float):
+    """An SFTTrainer subclass (compute_loss overridden, as TRL's users do) whose third step's loss is multiplied
+    by ``value``; it keeps every loss it computed (before the poison) in ``losses``."""
+    class Poisoned(SFTTrainer):
+        losses: list[float] = []  # a new list with each class
+
+        def compute_loss(self, model, batch, counts):
+            loss, stats = super().compute_loss(model, batch, counts)
+            self.losses.append(float(loss.detach()))
+            return (loss * value if self.state.global_step == 2 else loss), stats
+
+    return Poisoned
 
 
 def test_damaged_or_incomplete_checkpoints(tiny_model_dir, tmp_path):
@@ -152,15 +166,9 @@ def test_rotation_keeps_the_best_checkpoint(tmp_path, keep, best, keep_newest, l
 
 
 def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_dir, tmp_path):
-    trainer = small_trainer(tiny_model_dir, tmp_path, save_strategy="no")
+    trainer = small_trainer(tiny_model_dir, tmp_path, poisoning(float("nan")), save_strategy="no")
     snapshots = []
-    compute_loss = trainer.compute_loss
 
-    def poisoned(model, batch, counts):
-        loss, stats = compute_loss(model, batch, counts)
-        return (loss * float("nan") if trainer.state.global_step == 2 else loss), stats  # the third step
-
-    trainer.compute_loss = poisoned
     class Snapshots(TrainerCallback):  # the weights after each step
         def on_step_end(self, args, state, control, model=None, **kwargs):
             snapshots.append({n: v.clone() for n, v in model.state_dict().items()})
@@ -177,17 +185,10 @@ def test_a_non_finite_step_is_skipped_counted_and_training_goes_on(tiny_model_di
 
 @pytest.mark.parametrize("nan_filter", [True, False])
 def test_logging_nan_inf_filter_keeps_a_non_finite_loss_out_of_the_logged_loss(tiny_model_dir, tmp_path, nan_filter):
-    trainer = small_trainer(tiny_model_dir, tmp_path, save_strategy="no", logging_steps=2,
+    trainer = small_trainer(tiny_model_dir, tmp_path, poisoning(float("inf")), save_strategy="no", logging_steps=2,
                             logging_first_step=False, logging_nan_inf_filter=nan_filter)
-    compute_loss, losses = trainer.compute_loss, []
-
-    def poisoned(model, batch, counts):
-        loss, stats = compute_loss(model, batch, counts)
-        losses.append(float(loss.detach()))
-        return (loss * float("inf") if trainer.state.global_step == 2 else loss), stats  # the third step
-
-    trainer.compute_loss = poisoned
     output = trainer.train()
+    losses = trainer.losses
     last = step_records(trainer)[-1]  # steps 3 and 4
     assert last["nonfinite_steps"] == 1
     if nan_filter:  # transformers' default: the finite steps' mean

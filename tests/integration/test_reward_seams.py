@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import Rounds
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, RewardFunctionError
 from trainers.grpo.trl_attributes import TRL_CONFIG_ATTRIBUTES
@@ -186,8 +187,9 @@ def test_a_completion_no_function_scores_is_warned_about_as_trl_does(tiny_model_
     def never(completions, **kwargs):
         return [None] * len(completions)
 
+    rounds = Rounds()
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[only_scored, never], train_dataset=rows,
-                          args=grpo_args(tmp_path, shuffle_dataset=False, scale_rewards="none"))
+                          args=grpo_args(tmp_path, shuffle_dataset=False, scale_rewards="none"), callbacks=[rounds])
     with caplog.at_level(logging.WARNING, logger="trainers"):
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
@@ -199,7 +201,7 @@ def test_a_completion_no_function_scores_is_warned_about_as_trl_does(tiny_model_
     assert values[:4].isfinite().all() and values[4:].isnan().all()
     record = trainer.state.log_history[0]
     assert record["reward"] == pytest.approx(values[:4].mean().item())  # the unscored ones left out, not 0
-    advantages = trainer._rounds[0].advantages  # scale_rewards="none": r - mean(group)
+    advantages = rounds.rollouts[0].advantages  # scale_rewards="none": r - mean(group)
     assert advantages[:4].tolist() == pytest.approx((values[:4] - values[:4].mean()).tolist(), abs=1e-5)
     assert advantages[4:].tolist() == [0.0] * 4
 

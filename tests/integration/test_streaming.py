@@ -56,17 +56,15 @@ def losses(trainer) -> list[float]:
     return [r["loss"] for r in step_records(trainer) if "loss" in r]
 
 
-def record_rows(trainer) -> list[list[list[int]]]:
-    """The token ids of every row each micro-batch trains on, in order (SFT's padded rows, padding removed)."""
-    seen, original = [], trainer.micro_batch
+class RecordingSFT(SFTTrainer):
+    """SFTTrainer (micro_batch overridden, as a subclass may) that keeps the token ids of every row each
+    micro-batch trains on, in order, padding removed: ``seen``, a list per micro-batch."""
 
-    def micro_batch(step, accumulation_index):
-        batch = original(step, accumulation_index)
-        seen.append([row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)])
+    def micro_batch(self, step, accumulation_index):
+        batch = super().micro_batch(step, accumulation_index)
+        rows = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)]
+        self.__dict__.setdefault("seen", []).append(rows)
         return batch
-
-    trainer.micro_batch = micro_batch
-    return seen
 
 
 class StopAt(TrainerCallback):
@@ -83,13 +81,12 @@ class StopAt(TrainerCallback):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_streamed_sft_run_equals_the_same_rows_in_memory_in_order(tiny_model_dir, tmp_path, workers):
     """16 rows = 2 global batches of 8: the stream's first pass is the map-style run's first epoch."""
-    in_memory = SFTTrainer(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=2), train_dataset=ROWS[:16])
-    memory_rows = record_rows(in_memory)
+    in_memory = RecordingSFT(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=2), train_dataset=ROWS[:16])
     in_memory.train()
-    streamed = SFTTrainer(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=2, dataloader_num_workers=workers),
-                          train_dataset=stream(ROWS[:16], shards=2))
-    stream_rows = record_rows(streamed)
+    streamed = RecordingSFT(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=2, dataloader_num_workers=workers),
+                            train_dataset=stream(ROWS[:16], shards=2))
     streamed.train()
+    memory_rows, stream_rows = in_memory.seen, streamed.seen
     assert stream_rows == memory_rows and len(stream_rows) == 4
     assert losses(streamed) == losses(in_memory)
     assert_same_weights(weights(streamed), weights(in_memory))
@@ -97,10 +94,9 @@ def test_a_streamed_sft_run_equals_the_same_rows_in_memory_in_order(tiny_model_d
 
 
 def test_a_stream_is_read_on_into_its_next_pass(tiny_model_dir, tmp_path, tokenizer):
-    trainer = SFTTrainer(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=3), train_dataset=stream(ROWS))
-    seen = record_rows(trainer)
+    trainer = RecordingSFT(model=tiny_model_dir, args=sft_config(tmp_path, max_steps=3), train_dataset=stream(ROWS))
     trainer.train()
-    texts = [tokenizer.decode(ids) for micro in seen for ids in micro]
+    texts = [tokenizer.decode(ids) for micro in trainer.seen for ids in micro]
     expected = [row["prompt"] + row["completion"] + tokenizer.eos_token for row in ROWS]
     assert texts == expected + expected[:4]  # 24 rows: the 20 of the stream, then its first 4 again
 
@@ -131,12 +127,11 @@ def test_sft_resumed_mid_stream_sees_the_rows_and_reaches_the_weights_of_an_unin
     """A shuffled stream (reshuffled each pass), a checkpoint mid-chunk and mid-pass, 2 workers preparing ahead."""
     def run(folder, stop=None, resume=None):
         data = stream(ROWS, shards=2).shuffle(seed=3, buffer_size=6)
-        trainer = SFTTrainer(model=tiny_model_dir, train_dataset=data, callbacks=[StopAt(stop)] if stop else None,
-                             args=sft_config(tmp_path, output_dir=str(tmp_path / folder), max_steps=6,
-                                             save_strategy="steps", save_steps=3, dataloader_num_workers=2))
-        seen = record_rows(trainer)
+        trainer = RecordingSFT(model=tiny_model_dir, train_dataset=data, callbacks=[StopAt(stop)] if stop else None,
+                               args=sft_config(tmp_path, output_dir=str(tmp_path / folder), max_steps=6,
+                                               save_strategy="steps", save_steps=3, dataloader_num_workers=2))
         trainer.train(resume_from_checkpoint=resume)
-        return trainer, seen
+        return trainer, trainer.seen
 
     straight, straight_rows = run("straight")
     _, first_rows = run("split", stop=3)

@@ -40,7 +40,7 @@ def loss_stats_grads(trainer, batch, skip: bool):
     scorer.policy_logprobs = recording
     try:
         trainer.model.zero_grad(set_to_none=True)
-        counts = trainer._count([batch])[0]
+        counts = trainer.batch_counts([batch])
         loss, stats = trainer.compute_loss(trainer.model, batch, counts)
         loss.backward()
     finally:
