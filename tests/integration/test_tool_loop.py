@@ -11,7 +11,6 @@ log-probs and trains on every token of the rollout.
 
 import asyncio
 import copy
-import dataclasses
 import json
 import threading
 import time
@@ -28,6 +27,8 @@ from trainers.agents.tool_loop import TRUNCATED_MARKER, ToolCounts
 from trainers.cli.tiny import build_tokenizer, save_tiny_model
 from trainers.generation.backend import PolicyBackend, register_backend
 from trainers.generation.sampling import Samples
+from trainers.grpo.objectives import OBJECTIVES, PolicyInputs
+from trainers.losses import AGGREGATIONS, BatchCounts
 
 END = "<|im_end|>"
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 7?"}]} for i in range(4)]
@@ -628,42 +629,34 @@ def test_resume_with_tools_is_exact(model_dir, tmp_path):
 
 
 def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
-    """The gradient of the loss with respect to each completion token's log-prob: exactly 0 on the tool turn's
-    tokens, nonzero on the model's own (rows with a nonzero advantage), so the tool's tokens give the policy no
-    gradient; with the tool turn put back into the loss mask, its tokens get one (the test can fail)."""
+    """The round's loss mask leaves the tool turn out: through GRPO's objective and its aggregation (what
+    compute_loss applies to the policy's log-probs), the gradient of the loss with respect to each completion
+    token's log-prob is exactly 0 on the tool turn's tokens and nonzero on the model's own (rows with a nonzero
+    advantage); with the tool turn put back into the mask, its tokens get one (the test can fail)."""
     def first(index, text):
         return call("multiply", a=index, b=7)
 
-    def gradients(unmask_tool_turn: bool):
-        trainer = build(model_dir, tmp_path / str(unmask_tool_turn), first, tools=[multiply])
-        forward, seen = trainer.scorer.training_forward, {}
+    trainer = build(model_dir, tmp_path, first, tools=[multiply])
+    trainer.train()
+    rollout, args = trainer.rounds[0], trainer.args
 
-        def keep_logps(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            out["logps"].retain_grad()
-            seen["logps"] = out["logps"]
-            return out
+    def gradient(mask: torch.Tensor) -> torch.Tensor:
+        # [n, C]: the policy's log-probs, here equal to the sampler's (on-policy: every ratio 1)
+        old = rollout.old_logps if rollout.old_logps is not None else torch.zeros_like(rollout.loss_mask)
+        logps = old.clone().requires_grad_()
+        policy = OBJECTIVES[args.loss_type](PolicyInputs(logps, old, rollout.advantages, mask), args)
+        counts = BatchCounts(tokens=float(mask.sum()), sequences=float((mask.sum(-1) > 0).sum()), micro_batches=1,
+                             max_completion_length=args.max_completion_length)
+        AGGREGATIONS[args.loss_type](policy.per_token, mask, counts).backward()
+        return logps.grad
 
-        trainer.scorer.training_forward = keep_logps
-        if unmask_tool_turn:
-            build_round = trainer.build_round
-
-            def whole_mask(index):
-                rollout = build_round(index)
-                return dataclasses.replace(rollout, loss_mask=rollout.completion_attention.float())
-
-            trainer.build_round = whole_mask
-        trainer.train()
-        return seen["logps"].grad, trainer.rounds[0]
-
-    grad, rollout = gradients(unmask_tool_turn=False)
     tool_tokens = (rollout.completion_attention == 1) & (rollout.loss_mask == 0)  # [n, C]
     moving = rollout.advantages != 0  # [n]
     assert tool_tokens.sum() > 8 * 40 and moving.sum() >= 4
+    grad = gradient(rollout.loss_mask)
     assert torch.all(grad[tool_tokens] == 0)
-    model_tokens = rollout.loss_mask.bool() & moving[:, None]
-    assert torch.all(grad[model_tokens] != 0)
-    unmasked, _ = gradients(unmask_tool_turn=True)
+    assert torch.all(grad[rollout.loss_mask.bool() & moving[:, None]] != 0)
+    unmasked = gradient(rollout.completion_attention.float())
     assert torch.all(unmasked[tool_tokens & moving[:, None]] != 0)
 
 

@@ -26,7 +26,6 @@ from trainers.distillation.teacher import (
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.generation.sampling import Samples
 from trainers.generation.vllm_client import VLLMClient
-from trainers.grpo.advantages import RoundAdvantages, combine_rewards
 from trainers.grpo.batch import MicroBatch, Rollout
 from trainers.grpo.metrics import round_metrics
 from trainers.grpo.rollout import loss_mask_of
@@ -46,6 +45,7 @@ class DistillationTrainer(GRPOTrainer):
     config_class = DistillationConfig
     _tag_names = ("trainers", "distillation")
     needs_rewards = False
+    advantage_estimator = "none"  # the teacher's distribution is the signal; an environment's reward is logged
     HEALTH_RULES = health.RULES  # the shared rules (non-finite steps); GRPO's judge rewards, KL and exploration
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
@@ -109,13 +109,6 @@ class DistillationTrainer(GRPOTrainer):
         self.student_head = plan_head(self.unwrapped_model)
         self.chunked = chunkable(self.student_head) and (isinstance(self.teacher, ServedTeacher)
                                                          or chunkable(self.teacher.plan))
-
-    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
-                         over_processes: bool = True) -> RoundAdvantages:
-        """No advantages: the teacher's distribution is the signal. An environment's reward, if any, is logged."""
-        n = rewards_per_func.shape[0]
-        return RoundAdvantages(combine_rewards(rewards_per_func, self.reward_weights), torch.zeros(n),
-                               torch.zeros(n, dtype=torch.bool), torch.ones(n))
 
     def build_round(self, round_index: int) -> Rollout:
         """GRPO's round (the student samples), or with ``lmbda`` < 1, for the rounds drawn off-policy, the dataset's

@@ -1,8 +1,17 @@
-"""Group-relative advantages: rewards of a round -> one advantage per completion (pure tensor functions)."""
+"""A round's advantages: rewards of a round -> one advantage per completion.
+
+Every estimator is one entry of ``ADVANTAGE_ESTIMATORS`` (beside the policy objectives' ``OBJECTIVES``,
+trainers/grpo/objectives.py): its function, ``estimate(inputs: AdvantageInputs, args) -> RoundAdvantages``, and
+what it needs of the round besides the rewards (the old log-probs: the round computes them when it says so).
+"grpo" (group-relative, GRPOTrainer's), "none" (no advantages: DistillationTrainer's) are here; "rloo"
+(leave-one-out with a KL penalty, RLOOTrainer's) in trainers/rloo/objective.py. The tensor functions below are
+pure.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -93,3 +102,45 @@ def round_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     # a NaN std (a group with fewer than two scored completions) is not zero
     std = nanstd(rewards) if scale_rewards == "batch" else nanstd(rewards.view(-1, num_generations), dim=1)
     return RoundAdvantages(rewards, advantages, zero_std, std)
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads of one round (or of one process's evaluation batch)."""
+
+    rewards_per_func: torch.Tensor  # [G, F] (NaN: a function's "not applicable"), groups of num_generations
+    weights: torch.Tensor  # [F] reward_weights
+    num_generations: int
+    rollout: Any  # this process's Rollout (trainers/grpo/batch.py): its rows, masks and log-probs
+    accelerator: Any
+    # True: rewards_per_func holds every process's rows and every process calls the estimator together; False:
+    # this process's evaluation batch alone (whole groups), no collectives
+    over_processes: bool = True
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An entry of ``ADVANTAGE_ESTIMATORS``: ``estimate`` and what it needs of the round (config -> bool)."""
+
+    estimate: Callable[[AdvantageInputs, Any], RoundAdvantages]
+    needs_old_logps: Callable[[Any], bool] = lambda args: False
+
+
+def group_relative(inputs: AdvantageInputs, args: Any) -> RoundAdvantages:
+    """GRPO's: ``round_advantages`` with scale_rewards and multi_objective_aggregation."""
+    return round_advantages(inputs.rewards_per_func, inputs.weights, inputs.num_generations, args.scale_rewards,
+                            args.multi_objective_aggregation)
+
+
+def no_advantages(inputs: AdvantageInputs, args: Any) -> RoundAdvantages:
+    """Zero advantages (on-policy distillation: the teacher's distribution is the signal); the rewards of an
+    environment, if any, are still logged."""
+    n = inputs.rewards_per_func.shape[0]
+    return RoundAdvantages(combine_rewards(inputs.rewards_per_func, inputs.weights), torch.zeros(n),
+                           torch.zeros(n, dtype=torch.bool), torch.ones(n))
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": AdvantageEstimator(group_relative),
+    "none": AdvantageEstimator(no_advantages),
+}

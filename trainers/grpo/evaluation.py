@@ -87,7 +87,10 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     rewards_per_func = scored.rewards_per_func
     if rewards_per_func is None:
         rewards_per_func = torch.zeros(n, len(trainer.rewards))
-    advantages = trainer.round_advantages(rewards_per_func, rollout, per_prompt, over_processes=False)
+    estimated = rollout  # with the old log-probs where the estimator reads them (RLOO's KL); the loss's stay unset
+    if trainer.estimator.needs_old_logps(args):
+        estimated = dataclasses.replace(rollout, old_logps=trainer.scorer.old_logprobs(rollout))
+    advantages = trainer.round_advantages(rewards_per_func, estimated, per_prompt, over_processes=False)
     rollout = dataclasses.replace(rollout, advantages=advantages.advantages.to(device))
     batch = rollout.micro_batch(0, n)
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),

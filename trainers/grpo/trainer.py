@@ -35,7 +35,7 @@ from trainers.generation.backend import BACKENDS, Backend, PolicyBackend
 from trainers.generation.sampling import SamplingParams
 from trainers.generation.vllm_common import check_vllm_here
 from trainers.grpo import evaluation
-from trainers.grpo.advantages import RoundAdvantages, round_advantages
+from trainers.grpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, RoundAdvantages
 from trainers.grpo.async_rounds import AsyncRounds
 from trainers.grpo import health as grpo_health
 from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_micro_batches, round_shape
@@ -78,6 +78,7 @@ class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
     config_class = GRPOConfig
     _tag_names = ("trainers", "grpo")  # the model card tags added to the model (TRL: ["trl", "grpo"])
     HEALTH_RULES = grpo_health.RULES + health.RULES  # reward variance, entropy, truncation, length, KL; non-finite
+    advantage_estimator = "grpo"  # the round's advantages: an entry of ADVANTAGE_ESTIMATORS (grpo/advantages.py)
     # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
     # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
     # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
@@ -148,8 +149,12 @@ class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
                               f"{other_sampler} would choose another. Give one of them.")
         if args.use_vllm and args.vllm_mode == "colocate":  # before the model loads
             check_vllm_here()
-        # Old log-probs differ from the current ones once an optimizer step falls inside a round.
-        self.need_old_logps = args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
+        # Old log-probs differ from the current ones once an optimizer step falls inside a round; and the
+        # advantage estimator may read them (RLOO's KL penalty)
+        self.estimator = ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+        self.need_old_logps = (args.num_iterations > 1
+                               or args.gradient_accumulation_steps % self.steps_per_generation != 0
+                               or self.estimator.needs_old_logps(args))
 
         self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs,
                                                      args.model_init_kwargs, args.trust_remote_code)
@@ -348,10 +353,10 @@ class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
         """The advantages of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every process's rows,
         every process calls this together) or of this process's evaluation batch (``rewards_per_func`` its own
         rows, whole groups; no collectives). ``rollout``: this process's rows, with their old and reference
-        log-probs where the loss needs them. GRPO's group-relative advantages; RLOOTrainer has its own."""
-        args = self.args
-        return round_advantages(rewards_per_func, self.reward_weights, num_generations, args.scale_rewards,
-                                args.multi_objective_aggregation)
+        log-probs where the estimator or the loss needs them. From the trainer's ``advantage_estimator``."""
+        inputs = AdvantageInputs(rewards_per_func, self.reward_weights, num_generations, rollout, self.accelerator,
+                                 over_processes)
+        return self.estimator.estimate(inputs, self.args)
 
     # ------------------------------------------------------------------ loss
 

@@ -7,6 +7,8 @@ the sequence-level clipped policy loss. Sampling, reward functions, tools and vL
   (the first-order estimate, which can be negative; GRPO instead adds k3 to the per-token loss).
 - The advantage: the reward minus the mean of its group's other scorable rewards; a completion without a
   scorable sibling (or unscorable itself) gets 0; optionally normalized over the round.
+  Registered as the advantage estimator "rloo" (``leave_one_out_round``), which needs the old log-probs with
+  beta > 0.
 - The loss, per completion: -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) with rho the ratio of the
   sequence probabilities, exp(sum of the token log-ratios); averaged over completions.
 """
@@ -14,10 +16,13 @@ the sequence-level clipped policy loss. Sampling, reward functions, tools and vL
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from trainers.grpo.advantages import combine_rewards, nanstd
+from trainers import distributed as dist
+from trainers.grpo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageEstimator, AdvantageInputs, RoundAdvantages,
+                                      combine_rewards, nanstd)
 
 
 def sequence_kl(old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,3 +80,33 @@ def clipped_sequence_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantag
     per_sequence = -torch.min(ratio * advantages, clipped * advantages)
     return SequenceLoss(per_sequence, (ratio < 1 - eps_low) & (advantages < 0),
                         (ratio > 1 + eps_high) & (advantages > 0))
+
+
+def leave_one_out_round(inputs: AdvantageInputs, args: Any) -> RoundAdvantages:
+    """RLOO's advantages of a round: each completion's weighted reward, clipped to reward_clip_range, less beta x
+    its KL to the reference (summed over its loss tokens, from the old log-probs: the policy that sampled), minus
+    the mean of the other scorable completions of its prompt; normalized over the round with
+    normalize_advantages. Also the round's kl: the per-token mean over every process of log pi_old - log pi_ref
+    (over this process's batch when not ``over_processes``)."""
+    metrics, kl = {}, None
+    if args.beta > 0:
+        rollout, acc = inputs.rollout, inputs.accelerator
+        mask = rollout.loss_mask
+        kl = sequence_kl(rollout.old_logps.float(), rollout.ref_logps.float(), mask)  # [n]
+        totals = torch.stack([kl.sum(), mask.sum()])
+        if inputs.over_processes:
+            kl, totals = acc.gather(kl), dist.all_reduce_sum(acc, totals)
+        metrics["kl"] = float(totals[0] / totals[1].clamp(min=1.0))
+        kl = kl.cpu()
+    rewards = penalized_rewards(inputs.rewards_per_func, inputs.weights, args.reward_clip_range, kl,
+                                args.beta)  # [G]
+    advantages = leave_one_out_advantages(rewards, inputs.num_generations, args.normalize_advantages)
+    std = nanstd(rewards.view(-1, inputs.num_generations), dim=1)  # frac_reward_zero_std, over the penalized rewards
+    zero_std = torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std))
+    # the logged reward is the functions' weighted sum, without the penalty (as TRL logs it)
+    return RoundAdvantages(combine_rewards(inputs.rewards_per_func, inputs.weights), advantages, zero_std, std,
+                           metrics)
+
+
+# the KL penalty is on the policy that sampled (log pi_old - log pi_ref): with beta, the round computes them
+ADVANTAGE_ESTIMATORS["rloo"] = AdvantageEstimator(leave_one_out_round, needs_old_logps=lambda args: args.beta > 0)

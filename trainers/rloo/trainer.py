@@ -1,7 +1,7 @@
 """RLOOTrainer: TRL 1.16's RLOO on GRPO's rollout stage. Everything that samples and scores (the lean engine, HF
 generate, vLLM colocated or as a server, a rollout_func, tools and environments, reward functions and models) is
-GRPOTrainer's; what RLOO changes is the round's advantages (``round_advantages``: the penalized reward and the
-leave-one-out baseline, trainers/rloo/objective.py) and the loss (``compute_loss``: the clipped sequence ratio,
+GRPOTrainer's; what RLOO changes is the round's advantages (the advantage estimator "rloo": the penalized reward and
+the leave-one-out baseline, trainers/rloo/objective.py) and the loss (``compute_loss``: the clipped sequence ratio,
 averaged over the step's completions). The trainer's arguments are TRL's RLOOTrainer's, in its order, then
 GRPOTrainer's tools, rollout_func and environment_factory."""
 
@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from trainers import distributed as dist
-from trainers.grpo.advantages import RoundAdvantages, combine_rewards, nanstd
-from trainers.grpo.batch import MicroBatch, Rollout
+from trainers.grpo.batch import MicroBatch
 from trainers.grpo.trainer import GRPOTrainer
 from trainers.losses import BatchCounts
 from trainers.rloo.config import RLOOConfig
-from trainers.rloo.objective import clipped_sequence_loss, leave_one_out_advantages, penalized_rewards, sequence_kl
+from trainers.rloo.objective import clipped_sequence_loss
 from trainers.stats import Extreme, Stats
 
 
@@ -25,37 +23,7 @@ class RLOOTrainer(GRPOTrainer):
 
     config_class = RLOOConfig
     _tag_names = ("trainers", "rloo")
-
-    def prepare_data(self, train_dataset, eval_dataset) -> None:
-        super().prepare_data(train_dataset, eval_dataset)
-        # the KL penalty is on the policy that sampled (log pi_old - log pi_ref), so with beta it is always needed
-        self.need_old_logps = self.need_old_logps or self.args.beta > 0
-
-    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
-                         over_processes: bool = True) -> RoundAdvantages:
-        """RLOO's advantages (GRPOTrainer.round_advantages' contract): each completion's weighted reward, clipped
-        to reward_clip_range, less beta x its KL to the reference (summed over its loss tokens, from the old
-        log-probs: the policy that sampled), minus the mean of the other scorable completions of its prompt;
-        normalized over the round with normalize_advantages. Also the round's kl: the per-token mean over every
-        process of log pi_old - log pi_ref."""
-        args, acc = self.args, self.accelerator
-        metrics, kl = {}, None
-        if args.beta > 0:
-            old = rollout.old_logps if rollout.old_logps is not None else self.scorer.old_logprobs(rollout)
-            mask = rollout.loss_mask
-            kl = sequence_kl(old.float(), rollout.ref_logps.float(), mask)  # [n]
-            totals = torch.stack([kl.sum(), mask.sum()])
-            if over_processes:
-                kl, totals = acc.gather(kl), dist.all_reduce_sum(acc, totals)
-            metrics["kl"] = float(totals[0] / totals[1].clamp(min=1.0))
-            kl = kl.cpu()
-        weights = self.reward_weights
-        rewards = penalized_rewards(rewards_per_func, weights, args.reward_clip_range, kl, args.beta)  # [G]
-        advantages = leave_one_out_advantages(rewards, num_generations, args.normalize_advantages)
-        std = nanstd(rewards.view(-1, num_generations), dim=1)  # frac_reward_zero_std, over the penalized rewards
-        zero_std = torch.isclose(torch.nan_to_num(std, nan=0.0), torch.zeros_like(std))
-        # the logged reward is the functions' weighted sum, without the penalty (as TRL logs it)
-        return RoundAdvantages(combine_rewards(rewards_per_func, weights), advantages, zero_std, std, metrics)
+    advantage_estimator = "rloo"  # the penalized reward and the leave-one-out baseline (trainers/rloo/objective.py)
 
     def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         """-min(rho A, clip(rho) A) per completion, rho the ratio of its sequence probabilities over the loss
