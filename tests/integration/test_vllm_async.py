@@ -1,7 +1,7 @@
 """Asynchronous GRPO (async_generation) against a real vLLM server: `trainers vllm-serve` started once for this
 module (as tests/integration/test_vllm_server.py starts it), the runs in processes of their own
 (tests/integration/vllm_async_job.py; bound 0 and bound 1 share one). Bound 0 is the synchronous run exactly;
-bound 1 learns the digits task with every round one step stale; two processes under ZeRO-3 each sample their own
+bound 1 learns the digits task with rounds at most one step stale; two processes under ZeRO-3 each sample their own
 rows; a server stopped mid-run (SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within
 the stated timeouts with a checkpoint. The tests run in file order: the last one kills the server."""
 
@@ -43,14 +43,17 @@ def test_bound_zero_is_the_synchronous_run(together):
 
 def test_bound_one_learns_with_every_round_one_step_stale(together):
     """24 steps of the digits task with max_staleness=1 (AsyncGRPOTrainer, TRL's argument order): the reward rises
-    as in the synchronous run (test_vllm_server.py), each round after the first sampled one step before the step
-    that trains on it, its lag seen by the sampler's log-probs."""
+    as in the synchronous run (test_vllm_server.py), each round after the first sampled at most one step before
+    the step that trains on it, its lag seen by the sampler's log-probs. Exactly one step for most rounds, not all:
+    a producer thread that only starts a round after the step's weight push (a busy host: seen once in a clean
+    run, at step 16) samples it with the newer weights, within the bound."""
     report = together("learn")
     records = report["records"]
     rewards = [r["reward"] for r in records]
     print(f"\nasync GRPO, bound 1, 24 steps: {report['seconds']:.1f} s; rewards {[round(r, 2) for r in rewards]}")
     assert rewards[0] < 0.1 and sum(rewards[-4:]) / 4 > 0.5, rewards
-    assert [r["sample/staleness_max"] for r in records] == [0.0] + [1.0] * 23
+    staleness = [r["sample/staleness_max"] for r in records]
+    assert staleness[0] == 0.0 and set(staleness) <= {0.0, 1.0} and staleness.count(1.0) >= 18, staleness
     for name in ("sample/staleness_mean", "sample/rollout_queue_size", "perf/rollout_wait_s",
                  "rollout/backpressure_s", "perf/weight_sync_s", "perf/weight_sync_wait_s"):
         assert all(name in r for r in records), name
