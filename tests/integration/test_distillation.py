@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
-from tests.conftest import digits, step_records
+from tests.conftest import Rounds, digits, step_records
 from trainers import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer
 from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, DatasetFormatError
@@ -45,18 +45,6 @@ def config(tmp_path, **overrides):
     return DistillationConfig(**{**base, **overrides})
 
 
-class Rounds(TrainerCallback):
-    """Each round's rollout and sampled completions, from the rollout_end event."""
-
-    def __init__(self, tokenizer=None):
-        self.rollouts, self.texts, self.tokenizer = [], [], tokenizer
-
-    def on_rollout_end(self, args, state, control, rollout=None, samples=None, **kwargs):
-        self.rollouts.append(rollout)
-        if self.tokenizer is not None:
-            self.texts.append(self.tokenizer.batch_decode(samples.completion_ids, skip_special_tokens=True))
-
-
 def digit_share(texts: list[str]) -> float:
     return sum(digits(texts)) / len(texts)
 
@@ -67,10 +55,11 @@ def test_the_student_learns_the_teachers_digits_and_logs_trls_metrics(tiny_model
     habit, with no reward anywhere."""
     trainer = DistillationTrainer(model=tiny_model_dir, teacher_model=teacher_dir, train_dataset=PROMPTS,
                                   args=config(tmp_path, max_steps=16, logging_steps=4, beta=beta))
-    rounds = Rounds(trainer.processing_class)
+    rounds = Rounds()
     trainer.add_callback(rounds)
     trainer.train()
-    shares = [digit_share(texts) for texts in rounds.texts]
+    decode = trainer.processing_class.batch_decode
+    shares = [digit_share(decode(samples.completion_ids, skip_special_tokens=True)) for samples in rounds.samples]
     assert shares[0] < 0.1 and sum(shares[-4:]) / 4 > 0.8, shares
     records = step_records(trainer)
     assert records[-1]["loss"] < 0.1 * records[0]["loss"], [r["loss"] for r in records]

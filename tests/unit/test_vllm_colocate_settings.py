@@ -85,4 +85,4 @@ def test_a_card_too_full_for_the_engine_is_found_before_vllm_starts():
     assert free_memory_error(free=24 * 2**30, total=total, utilization=0.3) is None
     error = free_memory_error(free=20 * 2**30, total=total, utilization=0.3)
     assert "vllm_gpu_memory_utilization=0.3" in str(error)
-    assert "24.0 GiB of its device's 80.0 GiB and 20.0 GiB are free" in str(error)
+    assert "asks for 24.0 GiB of its device's 80.0 GiB and 20.0 GiB are free" in str(error)

@@ -68,7 +68,7 @@ def free_memory_error(free: int, total: int, utilization: float) -> ConfigError 
     if free >= wanted:
         return None
     return ConfigError(f"vllm_gpu_memory_utilization={utilization}: this process's colocated engine asks for "
-                       f" {wanted / 2**30:.1f} GiB of its device's {total / 2**30:.1f} GiB and "
+                       f"{wanted / 2**30:.1f} GiB of its device's {total / 2**30:.1f} GiB and "
                        f"{free / 2**30:.1f} GiB are free (the policy, its optimizer and any other process on the "
                        f"device hold the rest). Lower vllm_gpu_memory_utilization, or free the device.")
 

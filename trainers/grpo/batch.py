@@ -51,13 +51,16 @@ class RowWidths:
         return RowWidths(*([values[i] for i in index] for values in
                            (self.prompt_spans, self.completion_lengths, self.groups)))
 
+    def lengths(self) -> list[int]:
+        """Each row's real tokens, prompt (a left-padded prompt's are its span) and completion."""
+        return [span + length for span, length in zip(self.prompt_spans, self.completion_lengths)]
+
     def counts(self) -> tuple[int, int]:
         """What a padding-free forward of these rows keeps and scores (trainers/grpo/packed_forward.py): (real
         tokens, completion tokens predicted from a real position: all but the first of a row without prompt
         tokens)."""
-        completion = sum(self.completion_lengths)
         unpredicted = sum(1 for span, length in zip(self.prompt_spans, self.completion_lengths) if not span and length)
-        return sum(self.prompt_spans) + completion, completion - unpredicted
+        return sum(self.lengths()), sum(self.completion_lengths) - unpredicted
 
     def columns(self, P: int, C: int, multiple: int | None = None) -> tuple[int, int]:
         """The first prompt column that is not padding in every row, and the completion width that is (at least
@@ -157,14 +160,13 @@ class Rollout:
     def micro_batch_of(self, index: Sequence[int], count_tokens: bool = True) -> "MicroBatch":
         """The rows ``index`` (ascending) as a micro-batch, as ``micro_batch``."""
         rows = self.rows(torch.tensor(list(index), dtype=torch.long, device=self.advantages.device), index)
-        tokens = rows.prompt_mask.sum() + rows.completion_attention.sum()
-        tokens = tokens if count_tokens else tokens * 0
+        tokens = float(sum(rows.widths.lengths())) if count_tokens else 0.0  # from the host widths
         batch = MicroBatch(**rows.init_fields(), num_input_tokens=tokens, num_padded_tokens=tokens)
         return batch.with_roles(rows.roles)
 
     def row_lengths(self) -> list[int]:
         """Each row's real tokens, prompt and completion: what it costs a padding-free forward. [N] ints."""
-        return (self.prompt_mask.sum(1) + self.completion_attention.sum(1)).tolist()
+        return self.widths.lengths()
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """prompt + completion -> (input_ids, attention_mask, position_ids), each [N, P + C]; positions count
@@ -185,8 +187,8 @@ class MicroBatch(Rollout):
     they count. include_num_input_tokens_seen: TRL's GRPO counts the real prompt and completion tokens; a round
     trained on again (num_iterations > 1) counts them once, as in TRL."""
 
-    num_input_tokens: torch.Tensor | float = 0.0  # 0-d
-    num_padded_tokens: torch.Tensor | float = 0.0  # 0-d: the same (GRPO's forward has no padding it counts)
+    num_input_tokens: torch.Tensor | float = 0.0  # 0-d, or a host number (a round's slices: from its widths)
+    num_padded_tokens: torch.Tensor | float = 0.0  # the same (GRPO's forward has no padding it counts)
 
 
 @dataclass(frozen=True)
