@@ -1,5 +1,5 @@
 """Two CPU hot paths that issue 59 touched, timed alone (one thread): slicing a 256-row GRPO round into 8-row
-micro-batches (trainers/grpo/batch.py, from host widths) and the chunked output head's forward and backward at
+micro-batches (trainers/sampling/batch.py, from host widths) and the chunked output head's forward and backward at
 V 32,768, H 256, 512 positions (trainers/output_head.py). Run it from two checkouts to compare:
 
     PYTHONPATH=. python benchmarks/slicing_and_head.py
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from trainers.grpo.batch import Rollout
+from trainers.sampling.batch import Rollout
 from trainers.output_head import chunked_head_scores
 
 

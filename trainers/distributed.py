@@ -388,7 +388,7 @@ def load_full_state_dict(accelerator: Accelerator, model: torch.nn.Module, state
 class ThisProcess:
     """An accelerator's view of this process alone: the verbs below see one process and do no collectives, so
     code written for every process together (a tool loop, a backend's sampling) runs in a background thread of
-    one process (GRPO's asynchronous producer, trainers/grpo/async_rounds.py). ``process_index`` stays the real
+    one process (GRPO's asynchronous producer, trainers/sampling/async_rounds.py). ``process_index`` stays the real
     one (sampling seeds derive from it)."""
 
     num_processes = 1

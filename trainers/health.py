@@ -8,7 +8,7 @@ its metric, so eval records quietly give None.
 ``HealthMonitor`` runs a trainer's rules (``BaseTrainer.HEALTH_RULES``) after each log and reports each warning
 once per run; ``replay`` gives the warnings a monitor would have raised while the history was being written
 (``trainers report`` shows them). The rule here is every trainer's: a non-finite ``loss`` or ``grad_norm``; GRPO's
-own (reward variance, entropy, truncation, length, KL) are in trainers/grpo/health.py.
+own (reward variance, entropy, truncation, length, KL) are in trainers/sampling/health.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def nonfinite_loss(history: list[dict]) -> str | None:
     return None
 
 
-RULES: tuple[Rule, ...] = (nonfinite_loss,)  # every trainer's; GRPO adds its own (trainers/grpo/health.py)
+RULES: tuple[Rule, ...] = (nonfinite_loss,)  # every trainer's; GRPO adds its own (trainers/sampling/health.py)
 
 
 # ---------------------------------------------------------------------------------------------------- monitor

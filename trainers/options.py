@@ -173,12 +173,3 @@ def check_types(config) -> None:
 def check_field(condition: bool, cls_name: str, name: str, value: Any, valid: str) -> None:
     if not condition:
         raise ConfigError(f"{cls_name}: `{name}={value!r}` is invalid; {valid}.")
-
-
-def refuse_not_taken(config: Any, why: str) -> None:
-    """A config's ``not_taken`` options (fields of the config it extends that its trainer does not have) only at
-    their defaults: any other value is a ConfigError naming the option, then ``why``."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    for option in config.not_taken:
-        if getattr(config, option) != defaults[option]:
-            raise ConfigError(f"{type(config).__name__} has no option `{option}` {why}")

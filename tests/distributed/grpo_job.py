@@ -16,14 +16,14 @@ from unittest import mock
 
 import torch
 
-import trainers.grpo.scoring
+import trainers.sampling.scoring
 import trainers.grpo.trainer
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.distributed import gathered_parameters, zero_stage
 from trainers.grpo import objectives
-from trainers.grpo.rewards import RewardLogs
-from trainers.grpo.rollout import decode
-from trainers.grpo.scoring import LogProbScorer
+from trainers.sampling.rewards import RewardLogs
+from trainers.sampling.rollout import decode
+from trainers.sampling.scoring import LogProbScorer
 from trainers.generation.sampling import Samples
 from trainers.samplers import group_slots
 
@@ -86,14 +86,14 @@ def run(model_dir: str, output_dir: str, one_forward_per_row=False, checkpointin
     if one_forward_per_row:
         patches.enter_context(mock.patch.object(LogProbScorer, "shares_prompt_forward", False))
     shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
-    share = trainers.grpo.scoring.shared_prompt_logprobs
+    share = trainers.sampling.scoring.shared_prompt_logprobs
 
     def recording_share(*call_args, **kwargs):
         out = share(*call_args, **kwargs)
         shared_forwards.append(out is not None)
         return out
 
-    patches.enter_context(mock.patch.object(trainers.grpo.scoring, "shared_prompt_logprobs", recording_share))
+    patches.enter_context(mock.patch.object(trainers.sampling.scoring, "shared_prompt_logprobs", recording_share))
     masks = []  # top_entropy_quantile: each micro-batch's loss-token entropies and which were kept
     if top_entropy_quantile is not None:
         args.top_entropy_quantile = top_entropy_quantile

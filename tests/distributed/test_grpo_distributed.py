@@ -8,7 +8,7 @@ import torch
 
 from tests import tiers
 from tests.conftest import REPO, launch, rank_reports
-from trainers.grpo.advantages import group_advantages
+from trainers.sampling.advantages import group_advantages
 
 JOB = os.path.join(REPO, "tests", "distributed", "grpo_job.py")
 

@@ -2,7 +2,6 @@
 completions, logs TRL's metric names, its loss is TRL's divergence of the round it trained on, TRL's contract
 (options, arguments, the trl/scripts/distillation.py body), lmbda's off-policy rounds, and errors before training."""
 
-import dataclasses
 import inspect
 
 import pytest
@@ -11,7 +10,6 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import Rounds, digits, step_records
 from trainers import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer
-from trainers._trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, DatasetFormatError
 
 try:
@@ -99,13 +97,12 @@ def test_the_loss_is_trls_divergence_of_the_round(tiny_model_dir, teacher_dir, t
 
 
 def test_options_and_defaults_are_trls():
+    """TRL's defaults; GRPO's options are none of its fields (tests/unit/test_trl_config_fields.py holds every field
+    against TRL 1.16's)."""
     args = DistillationConfig(output_dir="unused")
     assert (args.beta, args.temperature, args.learning_rate, args.max_completion_length, args.lmbda,
             args.num_generations) == (1.0, 1.0, 1e-6, 512, 1.0, 1)
-    with pytest.raises(ConfigError, match="num_generations"):
-        DistillationConfig(output_dir="unused", num_generations=4)
-    for option, value in (("loss_type", "grpo"), ("reward_weights", [1.0]),
-                          ("num_iterations", 2), ("epsilon", 0.3)):
+    for option, value in (("loss_type", "grpo"), ("reward_weights", [1.0]), ("epsilon", 0.3)):
         with pytest.raises(ConfigError, match=f"DistillationConfig has no option `{option}`"):
             DistillationConfig(output_dir="unused", **{option: value})
     with pytest.raises(ConfigError, match="beta"):
@@ -114,17 +111,23 @@ def test_options_and_defaults_are_trls():
         DistillationConfig(output_dir="unused", teacher_model_server_url="http://localhost:8001", temperature=0.7)
     with pytest.raises(ConfigError, match="teacher_model_server_url"):
         DistillationConfig(output_dir="unused", teacher_model_server_url="localhost:8001")
-    if HAVE_TRL:  # every option TRL's DistillationConfig adds to TrainingArguments is ours, at TRL's default
-        from transformers import TrainingArguments
 
-        ours = {f.name: f.default for f in dataclasses.fields(DistillationConfig)}
-        inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
-        differ = {"pad_to_multiple_of": "'auto' reads None here", "vllm_gpu_memory_utilization": "0.3: docs/grpo.md",
-                  "log_unique_prompts": "a TRL-only option"}
-        for field in dataclasses.fields(trl.DistillationConfig):
-            if field.name in inherited or field.name in differ or field.default is dataclasses.MISSING:
-                continue
-            assert ours.get(field.name, TRL_ONLY_OPTIONS.get(field.name, "absent")) == field.default, field.name
+
+def test_rounds_of_several_completions_per_prompt_trained_twice(tiny_model_dir, teacher_dir, tmp_path):
+    """The sampling base's round options (this project's additions): num_generations=2 samples each prompt twice
+    (the teacher scores both), and num_iterations=2 trains each round twice: 2 steps from one round of 16
+    completions of 8 prompts."""
+    trainer = DistillationTrainer(model=tiny_model_dir, teacher_model=teacher_dir, train_dataset=PROMPTS,
+                                  args=config(tmp_path, num_generations=2, num_iterations=2))
+    rounds = Rounds()
+    trainer.add_callback(rounds)
+    trainer.train()
+    assert len(rounds.rollouts) == 1 and rounds.rollouts[0].completion_ids.shape[0] == 16
+    prompts = rounds.samples[0].prompt_ids
+    assert all(prompts[i] == prompts[i + 1] for i in range(0, 16, 2))  # a prompt's completions side by side
+    records = step_records(trainer)
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert records[1]["loss"] != pytest.approx(records[0]["loss"], rel=1e-3)  # the same round, after a step on it
 
 
 def test_distillation_takes_trls_arguments_in_trls_order():

@@ -136,7 +136,7 @@ def test_the_accuracy_reward_without_an_answer_column_fails_at_construction(tiny
 
 
 def test_latex_answers_without_math_verify_fail_at_construction(tiny_model_dir, tmp_path, monkeypatch):
-    from trainers.grpo import reward_functions
+    from trainers.sampling import reward_functions
 
     monkeypatch.setattr(reward_functions, "math_verify_missing", lambda: True)
     rows = [{"prompt": "1+1", "solution": "2"}, {"prompt": "1/3", "solution": r"\frac{1}{3}"}]

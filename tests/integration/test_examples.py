@@ -100,7 +100,7 @@ def test_a_trl_grpo_script_runs_with_only_the_import_changed(tiny_model_dir, tmp
 
     # --- a TRL script, verbatim except for the two imports ---
     from trainers import GRPOConfig, GRPOTrainer
-    from trainers.grpo.reward_functions import accuracy_reward, get_soft_overlong_punishment, think_format_reward
+    from trainers.sampling.reward_functions import accuracy_reward, get_soft_overlong_punishment, think_format_reward
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}], "solution": "2"}] * 8)
     training_args = GRPOConfig(

@@ -120,7 +120,7 @@ def test_variants_train(tiny_model_dir, tmp_path, options):
 def test_num_iterations_reuses_each_round_with_its_old_logps(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, max_steps=4, num_iterations=2),
                           train_dataset=PROMPTS)
-    assert trainer.need_old_logps
+    assert trainer.needs.old_logps
     trainer.train()
     history = step_records(trainer)
     assert len(history) == 4 and all(math.isfinite(r["loss"]) for r in history)
@@ -150,17 +150,17 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
 def shared_prompt_calls(monkeypatch) -> list[bool]:
     """Whether each shared_prompt_logprobs call of GRPOTrainer did share (False: it fell back to one forward
     per row)."""
-    import trainers.grpo.scoring
+    import trainers.sampling.scoring
 
     calls = []
-    share = trainers.grpo.scoring.shared_prompt_logprobs
+    share = trainers.sampling.scoring.shared_prompt_logprobs
 
     def recording(*args, **kwargs):
         out = share(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(trainers.grpo.scoring, "shared_prompt_logprobs", recording)
+    monkeypatch.setattr(trainers.sampling.scoring, "shared_prompt_logprobs", recording)
     return calls
 
 
@@ -242,7 +242,7 @@ def test_generation_batch_semantics(tiny_model_dir, tmp_path):
                           args=config(tmp_path, per_device_train_batch_size=4, num_generations=4,
                                       gradient_accumulation_steps=2, steps_per_generation=4))
     assert trainer.generation_batch_size == 16 and trainer.prompts_per_round == 4
-    assert trainer.need_old_logps  # a round spans 2 optimizer steps
+    assert trainer.needs.old_logps  # a round spans 2 optimizer steps
     for step in range(2):
         for a in range(2):
             trainer.prepare_step(step)

@@ -12,7 +12,7 @@ from tests.conftest import step_records
 from tests.floats import FLOAT32_REL, FLOAT64_REL, SAME_HOST_REL
 from trainers import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.grpo.rewards import load_reward_model
+from trainers.sampling.rewards import load_reward_model
 from trainers.losses import BatchCounts
 
 try:

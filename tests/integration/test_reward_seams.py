@@ -11,7 +11,7 @@ import torch
 from tests.conftest import Rounds
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, RewardFunctionError
-from trainers.grpo.trl_attributes import TRL_CONFIG_ATTRIBUTES
+from trainers.sampling.trl_attributes import TRL_CONFIG_ATTRIBUTES
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12"] * 2]
 
@@ -155,7 +155,7 @@ def test_the_trainer_exposes_what_trls_grpo_trainer_does(tiny_model_dir, tmp_pat
     assert trainer.entropy_coef == 0.01 and trainer.aux_loss_enabled is False
     assert trainer.eos_token_ids[0] == trainer.processing_class.eos_token_id
     assert trainer.reward_weights.tolist() == [2.0, 0.5]
-    from trainers.grpo.reward_functions import format_reward
+    from trainers.sampling.reward_functions import format_reward
 
     assert trainer.reward_funcs == [length, format_reward]
     assert trainer.reward_func_names == ["length", "format"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trainers import GRPOConfig, GRPOTrainer
+from trainers.sampling.scoring import LogProbScorer
 from trainers.stats import Extreme
 
 ROWS = [{"prompt": "abc"}, {"prompt": "hello"}]
@@ -17,38 +18,54 @@ def constant_for_abc(prompts, completions, **kwargs):
     return [0.5 if p == "abc" else float(len(c)) for p, c in zip(prompts, completions)]
 
 
+class RecordingScorer(LogProbScorer):
+    """The log-prob scorer, recording each forward's rows and whether it had a gradient."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards: list[tuple[int, bool]] = []
+
+    def policy_logprobs(self, model, batch, **options):
+        self.forwards.append((batch.completion_ids.shape[0], torch.is_grad_enabled()))
+        return super().policy_logprobs(model, batch, **options)
+
+
+class RecordingGRPO(GRPOTrainer):
+    scorer_class = RecordingScorer
+
+
 def trainer_for(tiny_model_dir, tmp_path, **overrides):
     args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=8,
                 max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
                 disable_tqdm=True, seed=0, shuffle_dataset=False, report_to="none")
-    return GRPOTrainer(model=tiny_model_dir, reward_funcs=constant_for_abc, train_dataset=ROWS,
-                       args=GRPOConfig(**{**args, **overrides}))
+    return RecordingGRPO(model=tiny_model_dir, reward_funcs=constant_for_abc, train_dataset=ROWS,
+                         args=GRPOConfig(**{**args, **overrides}))
 
 
-def loss_stats_grads(trainer, batch, skip: bool):
+def first_micro_batch(tiny_model_dir, tmp_path, skip: bool, **options):
+    """A trainer with skip_zero_gradient_rows=``skip``, its first micro-batch, and its weights moved away from
+    the sampling policy (the same way for every trainer), so that ratios differ from 1 and clipping happens."""
+    trainer = trainer_for(tiny_model_dir, tmp_path / str(skip), skip_zero_gradient_rows=skip, **options)
+    trainer.prepare_step(0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    return trainer, trainer.micro_batch(0, 0)
+
+
+def loss_stats_grads(trainer, batch):
     """compute_loss and backward on one micro-batch; also the rows of each forward, with or without gradient."""
-    trainer.args.skip_zero_gradient_rows = skip
-    scorer = trainer.scorer  # the log-prob scorer (trainers/grpo/scoring.py)
-    scorer.__dict__.pop("skips_zero_gradient_rows", None)  # a cached property
-    forwards = []
-    policy_forward = scorer.policy_logprobs
-
-    def recording(model, rows, **options):
-        forwards.append((rows.completion_ids.shape[0], torch.is_grad_enabled()))
-        return policy_forward(model, rows, **options)
-
-    scorer.policy_logprobs = recording
-    try:
-        trainer.model.zero_grad(set_to_none=True)
-        counts = trainer.batch_counts([batch])
-        loss, stats = trainer.compute_loss(trainer.model, batch, counts)
-        loss.backward()
-    finally:
-        del scorer.policy_logprobs
+    scorer = trainer.scorer
+    scorer.forwards.clear()
+    trainer.model.zero_grad(set_to_none=True)
+    counts = trainer.batch_counts([batch])
+    loss, stats = trainer.compute_loss(trainer.model, batch, counts)
+    loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     values = {name: float(value.value) if isinstance(value, Extreme) else tuple(float(v) for v in value)
               for name, value in stats.items()}
-    return float(loss.detach()), values, grads, forwards
+    return float(loss.detach()), values, grads, list(scorer.forwards)
 
 
 # The forwards with skipping, (rows, with gradient), when the "abc" group (the first 8 rows) has advantage 0:
@@ -79,14 +96,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_loss_statistics_and_gradients(tiny_model_dir, tmp_path, case):
     options, expected = CASES[case]
-    trainer = trainer_for(tiny_model_dir, tmp_path, **options)
-    trainer.prepare_step(0)
-    batch = trainer.micro_batch(0, 0)
-    with torch.no_grad():  # away from the sampling policy, so ratios differ from 1 and clipping happens
-        for p in trainer.model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    loss_all, stats_all, grads_all, forwards_all = loss_stats_grads(trainer, batch, skip=False)
-    loss, stats, grads, forwards = loss_stats_grads(trainer, batch, skip=True)
+    every, batch_all = first_micro_batch(tiny_model_dir, tmp_path, skip=False, **options)
+    skipping, batch = first_micro_batch(tiny_model_dir, tmp_path, skip=True, **options)
+    assert torch.equal(batch.completion_ids, batch_all.completion_ids)  # the same round, sampled twice
+    loss_all, stats_all, grads_all, forwards_all = loss_stats_grads(every, batch_all)
+    loss, stats, grads, forwards = loss_stats_grads(skipping, batch)
 
     # the "abc" group (the first 8 rows) has advantage 0; with dynamic_sampling also no loss tokens
     assert torch.all(batch.advantages[:8] == 0) and torch.all(batch.advantages[8:] != 0)
@@ -104,12 +118,13 @@ def test_same_loss_statistics_and_gradients(tiny_model_dir, tmp_path, case):
 
 
 def test_a_micro_batch_of_idle_rows_keeps_one_row_in_the_backward(tiny_model_dir, tmp_path):
-    trainer = trainer_for(tiny_model_dir, tmp_path)
-    trainer.prepare_step(0)
-    batch = trainer.micro_batch(0, 0)
+    every, batch_all = first_micro_batch(tiny_model_dir, tmp_path, skip=False)
+    skipping, batch = first_micro_batch(tiny_model_dir, tmp_path, skip=True)
+    # every advantage 0: a copy reads the rows' roles again (Rollout.roles is not an init field)
+    batch_all = dataclasses.replace(batch_all, advantages=torch.zeros_like(batch_all.advantages))
     batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))
-    loss_all, stats_all, grads_all, _ = loss_stats_grads(trainer, batch, skip=False)
-    loss, stats, grads, forwards = loss_stats_grads(trainer, batch, skip=True)
+    loss_all, stats_all, grads_all, _ = loss_stats_grads(every, batch_all)
+    loss, stats, grads, forwards = loss_stats_grads(skipping, batch)
     assert forwards == [(1, True), (15, False)]
     assert loss == loss_all == 0.0
     assert stats["entropy"] == pytest.approx(stats_all["entropy"], rel=1e-5)

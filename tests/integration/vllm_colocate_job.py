@@ -128,7 +128,7 @@ def trainer_for(out, mode, model_dir, reward=digits, **overrides):
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     if mode == "distributed":
         base.update(per_device_train_batch_size=8, max_steps=3)
-    if mode == "rloo":  # RLOOTrainer on the colocated engine: GRPO's rollout stage
+    if mode == "rloo":  # RLOOTrainer on the colocated engine: the sampling base's rollout stage
         base.update(max_steps=4)
         return RLOOTrainer(model=model_dir, reward_funcs=reward, args=RLOOConfig(**{**base, **overrides}),
                            train_dataset=[{"prompt": p} for p in PROMPTS * 4])

@@ -1,4 +1,4 @@
-"""The advantage estimators (trainers/grpo/advantages.py, ADVANTAGE_ESTIMATORS): each entry's advantages equal
+"""The advantage estimators (trainers/sampling/advantages.py, ADVANTAGE_ESTIMATORS): each entry's advantages equal
 its formula's, and what it says it needs of the round is what it reads (the round computes exactly that)."""
 
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import trainers  # noqa: F401  registers every estimator ("rloo" with RLOO)
-from trainers.grpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, group_advantages
-from trainers.grpo.batch import Rollout
+from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, group_advantages
+from trainers.sampling.batch import Rollout
 from trainers.rloo.objective import leave_one_out_advantages, sequence_kl
 
 REWARDS = torch.tensor([[1.0], [0.0], [3.0], [2.0], [5.0], [5.0], [1.0], [float("nan")]])  # [G=8, F=1], groups of 4

@@ -1,6 +1,6 @@
 """The generation backend interface without a model: a scripted backend registered by name and built from
 explicit arguments, its lifetime (sample, sync_weights, close), the tool loop (trainers/agents/tool_loop.py) and
-GRPO's rollout stage (trainers/grpo/rollout.py) driven by it. Nothing here loads or runs a model."""
+the sampling base's rollout stage (trainers/sampling/rollout.py) driven by it. Nothing here loads or runs a model."""
 
 import json
 
@@ -13,10 +13,10 @@ from trainers.cli.tiny import build_tokenizer
 from trainers.errors import ConfigError
 from trainers.generation.backend import BACKENDS, BackendInputs, build_backend, register_backend
 from trainers.generation.sampling import GenerationContext, Samples, SamplingParams
-from trainers.grpo.advantages import round_advantages
+from trainers.sampling.advantages import round_advantages
 from trainers.grpo.config import GRPOConfig
-from trainers.grpo.rewards import Reward
-from trainers.grpo.rollout import RolloutStage
+from trainers.sampling.rewards import Reward
+from trainers.sampling.rollout import RolloutStage, RoundNeeds
 
 END = "<|im_end|>"
 
@@ -144,7 +144,7 @@ def test_the_rollout_stage_over_a_scripted_backend(tokenizer, accelerator):
     rewards = [Reward("counter", lambda completions, **kw: [float(next(counter)) for _ in completions])]
     stage = RolloutStage(backend, None, rewards, torch.tensor([1.0]), scorer=None, args=args,
                          accelerator=accelerator, tokenizer=tokenizer, eos_ids={tokenizer.eos_token_id},
-                         sampling=SamplingParams(max_new_tokens=8), need_old_logps=False,
+                         sampling=SamplingParams(max_new_tokens=8), needs=RoundNeeds(),
                          trainer_state=lambda: None,
                          advantages=lambda rewards, rollout: round_advantages(rewards, torch.tensor([1.0]), 4,
                                                                               "group", "sum_then_normalize"))

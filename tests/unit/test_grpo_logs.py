@@ -1,11 +1,11 @@
-"""trainers/grpo/metrics.py by hand: TRL's round metrics and the completions records."""
+"""trainers/sampling/metrics.py by hand: TRL's round metrics and the completions records."""
 
 import json
 
 import pytest
 import torch
 
-from trainers.grpo.metrics import round_metrics, sample_records, write_completions
+from trainers.sampling.metrics import round_metrics, sample_records, write_completions
 
 NAN = float("nan")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from trainers import health
-from trainers.grpo import health as grpo_health
-from trainers.grpo.health import (
+from trainers.sampling import health as grpo_health
+from trainers.sampling.health import (
     entropy_collapse,
     kl_growth,
     length_explosion,

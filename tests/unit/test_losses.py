@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from trainers.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from trainers.grpo.objectives import (
     cispo_policy_loss,
     clipped_policy_loss,
@@ -14,11 +13,12 @@ from trainers.grpo.objectives import (
     importance_log_weights,
     k3_kl,
     off_policy_sequence_mask,
-    sampler_importance_weights,
     sapo_policy_loss,
     vespo_policy_loss,
 )
 from trainers.losses import AGGREGATIONS, BatchCounts, entropy_from_logits, logps_and_entropy, selective_log_softmax
+from trainers.sampling.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
+from trainers.sampling.importance import sampler_importance_weights
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])

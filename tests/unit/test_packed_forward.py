@@ -1,4 +1,4 @@
-"""GRPO's padding-free forward (trainers/grpo/packed_forward.py, GRPOConfig.padding_free): a micro-batch's
+"""GRPO's padding-free forward (trainers/sampling/packed_forward.py, GRPOConfig.padding_free): a micro-batch's
 sequences packed into one row give the padded forward's log-probs, entropy and gradients, for ragged prompts and
 completions, temperature, bf16 autocast, LoRA and an MoE model's router loss."""
 
@@ -14,8 +14,8 @@ from tests.unit.test_shared_prompts import (
     one_forward,
     run,
 )
-from trainers.grpo.batch import MicroBatch
-from trainers.grpo.packed_forward import packed_logprobs
+from trainers.sampling.batch import MicroBatch
+from trainers.sampling.packed_forward import packed_logprobs
 from trainers.output_head import plan_head
 
 

@@ -157,7 +157,7 @@ def test_preference_methods_plan_both_sides_and_their_reference():
 
 
 def test_rloo_is_planned_as_grpo_with_its_own_commands():
-    """RLOO runs on GRPO's rollout stage: the same memory; its own example and CLI command."""
+    """RLOO runs on the same sampling base as GRPO: the same memory; its own example and CLI command."""
     rloo, grpo = (plan_for(model_size="1.5B", method=m, beta=0.05) for m in ("rloo", "grpo"))
     assert rloo.estimate_for("zero3").breakdown == grpo.estimate_for("zero3").breakdown
     flags = " ".join(rloo.commands)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trainers.grpo.reward_functions import accuracy_reward, format_reward, soft_overlong_penalty
-from trainers.grpo.rewards import Reward, RewardFunctionError, RewardLogs, call_rewards, resolve_reward
+from trainers.sampling.reward_functions import accuracy_reward, format_reward, soft_overlong_penalty
+from trainers.sampling.rewards import Reward, RewardFunctionError, RewardLogs, call_rewards, resolve_reward
 from trainers.samplers import group_slots
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
@@ -146,7 +146,7 @@ def test_accuracy_compares_latex_answers_like_trl():
 
 
 def test_latex_answers_without_math_verify_are_an_error(monkeypatch):
-    from trainers.grpo import reward_functions
+    from trainers.sampling import reward_functions
 
     monkeypatch.setattr(reward_functions, "math_verify_missing", lambda: True)
     monkeypatch.setattr(reward_functions, "_latex_checker", None)
@@ -228,7 +228,7 @@ def test_group_slots_layout_across_processes():
 
 
 def test_think_format_reward_is_trls():
-    from trainers.grpo.reward_functions import think_format_reward
+    from trainers.sampling.reward_functions import think_format_reward
 
     completions = [[{"content": "<think>\nThis is my reasoning.\n</think>\nThis is my answer."}],
                    [{"content": "<think>\nThis is my reasoning.\nThis is my answer."}],

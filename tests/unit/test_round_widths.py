@@ -1,4 +1,4 @@
-"""Slicing a GRPO round into micro-batches (trainers/grpo/batch.py) reads the rows' widths from host integers taken
+"""Slicing a GRPO round into micro-batches (trainers/sampling/batch.py) reads the rows' widths from host integers taken
 once per round, not from the masks on the device each micro-batch (issue 59, finding 10: on a GPU each such read
 stalls the host until the device catches up). Proved on the ``meta`` device, where any read of a tensor's values
 raises: the round is built on CPU, moved to ``meta``, and sliced."""
@@ -6,7 +6,7 @@ raises: the round is built on CPU, moved to ``meta``, and sliced."""
 import pytest
 import torch
 
-from trainers.grpo.batch import Rollout
+from trainers.sampling.batch import Rollout
 
 
 def ragged_round(prompt_lengths, completion_lengths, groups, P=6, C=5) -> Rollout:

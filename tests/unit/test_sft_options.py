@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainers import GRPOConfig, SFTConfig
-from trainers.grpo.batch import RowWidths
+from trainers.sampling.batch import RowWidths
 from trainers.generation.sampling import left_pad, right_pad
 from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
 from trainers.sft.packing import pack_samples

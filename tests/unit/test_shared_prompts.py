@@ -1,4 +1,4 @@
-"""Completions of one prompt share its forward (trainers/grpo/shared_prompt.py, shared_prompt_logprobs): the same log-probs, entropy and
+"""Completions of one prompt share its forward (trainers/sampling/shared_prompt.py, shared_prompt_logprobs): the same log-probs, entropy and
 gradients as one forward over prompt + completion per row, for ragged prompts, padded completions, groups
 split across micro-batches, LoRA and bf16 autocast."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trainers.grpo.batch import MicroBatch, prompt_groups
-from trainers.grpo.shared_prompt import shared_prompt_logprobs
+from trainers.sampling.batch import MicroBatch, prompt_groups
+from trainers.sampling.shared_prompt import shared_prompt_logprobs
 from trainers.modeling import token_logprobs
 
 

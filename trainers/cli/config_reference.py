@@ -23,11 +23,14 @@ from trainers.kto.config import KTOConfig
 from trainers.options import describe_constraints
 from trainers.reward.config import RewardConfig
 from trainers.rloo.config import RLOOConfig
+from trainers.sampling.config import PolicyGradientConfig, SamplingConfig
 from trainers.sft.config import SFTConfig
 
 REGENERATE = "python -m trainers.cli.config_reference > docs/config-reference.md"
-CONFIG_CLASSES = (TrainingConfig, SFTConfig, GRPOConfig, AsyncGRPOConfig, RLOOConfig, DistillationConfig, DPOConfig,
-                  RewardConfig, KTOConfig)
+# the sampling trainers' configs compose SamplingConfig (and PolicyGradientConfig): those parts have their own section
+CONFIG_CLASSES = (TrainingConfig, SFTConfig, SamplingConfig, PolicyGradientConfig, GRPOConfig, AsyncGRPOConfig,
+                  RLOOConfig, DistillationConfig, DPOConfig, RewardConfig, KTOConfig)
+PARTS = (SamplingConfig, PolicyGradientConfig)  # not a trainer's config: what the sampling trainers' configs compose
 _BASE = TrainingConfig
 
 
@@ -49,22 +52,20 @@ def _code(value: str) -> str:
 
 
 def _base_of(cls):
-    """The config a class's table is relative to: TrainingConfig, or its ``documented_base`` (RLOOConfig's is
-    GRPOConfig)."""
-    return getattr(cls, "documented_base", _BASE)
+    """The config a class's table is relative to: the nearest config it extends that has a section (RLOOConfig's
+    is PolicyGradientConfig), else TrainingConfig."""
+    return next((base for base in cls.__mro__[1:] if base in CONFIG_CLASSES), _BASE)
 
 
 def _fields(cls) -> list[dataclasses.Field]:
-    """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or overrides
-    (and not the ones it does not take, ``not_taken``)."""
+    """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or
+    overrides."""
     fields = dataclasses.fields(cls)
     if cls is _BASE:
         return list(fields)
     base = {f.name: f for f in dataclasses.fields(_base_of(cls))}
     out = []
     for f in fields:
-        if f.name in getattr(cls, "not_taken", ()):
-            continue
         inherited = base.get(f.name)
         if (inherited is None or _default(f) != _default(inherited) or str(f.type) != str(inherited.type)
                 or dict(f.metadata) != dict(inherited.metadata)):
@@ -124,12 +125,10 @@ def render() -> str:
             lines += _table(fields, {}) + [""]
         else:
             base = _base_of(cls)
-            not_taken = getattr(cls, "not_taken", ())
-            except_ = (f" except {', '.join(_code(name) for name in not_taken)} (a value for one is refused)"
-                       if not_taken else "")
-            lines += [(f"`from trainers import {cls.__name__}`. It also takes every field of "
-                       f"[{base.__name__}]({_anchor(base.__name__)}){except_}; the table lists only the fields it "
-                       f"adds or whose default it overrides."), ""]
+            where = (f"`from trainers.sampling.config import {cls.__name__}`: not a trainer's config, the part the "
+                     f"sampling trainers' configs compose." if cls in PARTS else f"`from trainers import {cls.__name__}`.")
+            lines += [(f"{where} It also takes every field of [{base.__name__}]({_anchor(base.__name__)}); the "
+                       f"table lists only the fields it adds or whose default it overrides."), ""]
             base_fields_of = {f.name: f for f in dataclasses.fields(base)}
             overridden = {f.name: base_fields_of[f.name] for f in fields if f.name in base_fields_of}
             lines += _table(fields, overridden, base) + [""]

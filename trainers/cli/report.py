@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from trainers.errors import TrainersError
-from trainers.grpo import health as grpo_health
+from trainers.sampling import health as grpo_health
 from trainers.health import RULES as HEALTH_RULES
 from trainers.health import HealthMonitor, series
 from trainers.logs import METRICS_FILE, RUN_INFO_FILE  # RUN_INFO_FILE: written at the start of train()

@@ -1,4 +1,4 @@
-"""On-policy distillation (TRL 1.16's DistillationTrainer): the config, the trainer on GRPO's rollout stage, the
+"""On-policy distillation (TRL 1.16's DistillationTrainer): the config, the trainer on the sampling base, the
 teacher (local or served) and the divergence."""
 
 from trainers.distillation.config import DistillationConfig

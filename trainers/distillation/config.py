@@ -1,44 +1,32 @@
-"""DistillationConfig: TRL 1.16's DistillationConfig options. Its generation, vLLM and tool options are GRPO's (the
-same names and meaning in TRL), so it is GRPOConfig with distillation's own options (the teacher, ``beta`` as the
-divergence, ``lmbda``, the served teacher's ``teacher_model_server_url``/``loss_top_k``/``loss_add_tail``, named
-as TRL's experimental ServerDistillationConfig), without GRPO's reward, advantage, loss and reference options (TRL's
-DistillationConfig has none of them: a value for one is refused)."""
+"""DistillationConfig: TRL 1.16's DistillationConfig options. The sampling base's options (generation, vLLM, tools:
+trainers/sampling/config.py, the same names and meaning as TRL's) and distillation's own: the teacher, ``beta`` as
+the divergence, ``lmbda``, and the served teacher's ``teacher_model_server_url``/``loss_top_k``/``loss_add_tail``
+(named as TRL's experimental ServerDistillationConfig). No reward, advantage, loss or reference options: there are
+none to take."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from trainers.grpo.config import GRPO_LOSS_OPTIONS, GRPOConfig
-from trainers.options import check_field, opt, refuse_not_taken, reject_unknown_options
-
-# GRPOConfig's options that TRL 1.16's DistillationConfig does not have: one completion per prompt, trained on once,
-# with no reward, advantage, reference model or policy loss
-NOT_DISTILLATION = GRPO_LOSS_OPTIONS + (
-    "num_generations_eval", "generation_batch_size", "steps_per_generation", "num_iterations",
-    "epsilon", "epsilon_high", "reward_weights", "dynamic_sampling", "sync_ref_model", "ref_model_mixup_alpha",
-    "ref_model_sync_steps", "padding_free", "token_budget", "skip_zero_gradient_rows", "router_aux_loss_coef")
+from trainers.options import check_field, opt, reject_unknown_options
+from trainers.sampling.config import SamplingConfig
 
 
 @reject_unknown_options
 @dataclass
-class DistillationConfig(GRPOConfig):
+class DistillationConfig(SamplingConfig):
     """On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649): the student samples one completion per
     prompt, the teacher scores every position of it, and the loss is the per-token divergence between the two
     next-token distributions (``beta``: forward KL, reverse KL or the generalized JSD between), averaged over
     the step's completion tokens."""
 
-    documented_base = GRPOConfig  # the reference page lists what it adds to and changes of GRPOConfig
-    not_taken = NOT_DISTILLATION
-
-    num_generations: int = opt(1, "Completions per prompt: one (TRL's distillation samples n=1).", ge=1, le=1,
-                               note="the teacher scores each completion; there is no group to compare")
+    num_generations: int = opt(1, "Completions sampled per prompt, each scored by the teacher (TRL's distillation "
+                               "samples one).", ge=1)
     beta: float = opt(
         1.0, "Which divergence: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), between "
         "them the generalized Jensen-Shannon divergence with the mixture (1 - beta) p_student + beta p_teacher "
         "(0.5: the JSD). Not a KL penalty: there is no reference model.", ge=0, le=1)
-    vllm_importance_sampling_correction: bool = opt(
-        False, "Not a distillation option in TRL 1.16 (GRPO's): only False is accepted.")
     temperature: float = opt(1.0, "Sampling temperature, and the temperature both models' logits are divided by in "
                              "the divergence.", gt=0)
     teacher_model_name_or_path: str | None = opt(
@@ -65,9 +53,6 @@ class DistillationConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         name = type(self).__name__
-        refuse_not_taken(self, "(GRPO's; TRL's DistillationConfig has none): distillation samples one completion per "
-                               "prompt and trains on the teacher's distribution, with no reward, advantage or "
-                               "reference model (docs/distillation.md). Use GRPOConfig for it.")
         url = self.teacher_model_server_url
         check_field(url is None or (url.startswith(("http://", "https://")) and url.split("://", 1)[1].strip("/")),
                     name, "teacher_model_server_url", url, "give the server's URL with its scheme and host, e.g. "
@@ -79,8 +64,3 @@ class DistillationConfig(GRPOConfig):
         check_field(url is None or self.temperature == 1.0, name, "temperature", self.temperature,
                     "a served teacher's log-probs are at temperature 1 (vLLM applies no temperature to prompt "
                     "log-probs), so the divergence must be too: use temperature=1.0, or a local teacher")
-
-    @property
-    def reference_kl(self) -> float:
-        """No KL to a reference model: ``beta`` picks the divergence here."""
-        return 0.0

@@ -29,8 +29,8 @@ from trainers.distillation.divergence import (
     token_divergence,
 )
 from trainers.errors import ConfigError
-from trainers.grpo.batch import MicroBatch
 from trainers.output_head import HeadPlan, plan_head, swapped_forward
+from trainers.sampling.batch import MicroBatch
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""DistillationTrainer: TRL 1.16's on-policy distillation on GRPO's rollout stage. Everything that samples (the lean
-engine, HF generate, vLLM colocated or as a server, a rollout_func, tools and environments) is GRPOTrainer's,
-with one completion per prompt and no rewards; what distillation changes is the loss (``compute_loss``: the
+"""DistillationTrainer: TRL 1.16's on-policy distillation, a sibling of GRPO on the sampling base. Everything that
+samples (the lean engine, HF generate, vLLM colocated or as a server, a rollout_func, tools and environments) is the
+sampling base's (trainers/sampling/trainer.py), with no reward functions (an environment's reward is logged) and no
+advantages; what distillation changes is the loss (``compute_loss``: the
 per-token divergence from the teacher, trainers/distillation/teacher.py) and where a round's completions come
 from with ``lmbda`` < 1 (``build_round``: some rounds take the dataset's completions instead of sampling). The
-trainer's arguments are TRL's DistillationTrainer's, in its order, then GRPOTrainer's rollout_func and
-environment_factory."""
+trainer's arguments are TRL's DistillationTrainer's, in its order, then rollout_func and environment_factory."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import random
 import torch
 
 from trainers import distributed as dist
-from trainers import health
 from trainers.data import chat_ids, is_conversational
 from trainers.distillation.config import DistillationConfig
 from trainers.distillation.teacher import (
@@ -26,27 +25,24 @@ from trainers.distillation.teacher import (
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.generation.sampling import Samples
 from trainers.generation.vllm_client import VLLMClient
-from trainers.grpo.batch import MicroBatch, Rollout
-from trainers.grpo.metrics import round_metrics
-from trainers.grpo.rollout import loss_mask_of
-from trainers.grpo.trainer import GRPOTrainer
 from trainers.losses import BatchCounts
 from trainers.modeling import load_causal_lm
 from trainers.output_head import plan_head
-from trainers.samplers import group_slots
+from trainers.sampling.batch import MicroBatch, Rollout
+from trainers.sampling.metrics import round_metrics
+from trainers.sampling.rollout import loss_mask_of
+from trainers.sampling.trainer import SamplingTrainer
 from trainers.stats import Stats
 
 
-class DistillationTrainer(GRPOTrainer):
+class DistillationTrainer(SamplingTrainer):
     """Distills ``teacher_model`` (a folder, Hub id or model with the student's vocabulary; or
     ``args.teacher_model_name_or_path``, or a served teacher: ``args.teacher_model_server_url``) into ``model``
     on the student's own completions of ``train_dataset``'s prompts."""
 
     config_class = DistillationConfig
     _tag_names = ("trainers", "distillation")
-    needs_rewards = False
     advantage_estimator = "none"  # the teacher's distribution is the signal; an environment's reward is logged
-    HEALTH_RULES = health.RULES  # the shared rules (non-finite steps); GRPO's judge rewards, KL and exploration
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
@@ -54,8 +50,9 @@ class DistillationTrainer(GRPOTrainer):
         self._teacher_source = teacher_model
         self.teacher_model: torch.nn.Module | None = None  # TRL's attribute: the prepared local teacher
         self.teacher: LocalTeacher | ServedTeacher | None = None
-        super().__init__(model, None, args, train_dataset, eval_dataset, processing_class, None, callbacks,
-                         optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory)
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
+                         quantization_config, peft_config, tools=tools, rollout_func=rollout_func,
+                         environment_factory=environment_factory, rewards_required=False)
 
     # ------------------------------------------------------------------ data and the teacher
 
@@ -111,18 +108,15 @@ class DistillationTrainer(GRPOTrainer):
                                                          or chunkable(self.teacher.plan))
 
     def build_round(self, round_index: int) -> Rollout:
-        """GRPO's round (the student samples), or with ``lmbda`` < 1, for the rounds drawn off-policy, the dataset's
-        own completions of the round's prompts."""
+        """The sampling base's round (the student samples), or with ``lmbda`` < 1, for the rounds drawn
+        off-policy, the dataset's own completions of the round's prompts."""
         if self.on_policy(round_index):
             return super().build_round(round_index)
-        prompts = self.prompt_batches.batch(round_index)
-        slots = group_slots(list(range(len(prompts))), 1, self.accelerator.num_processes,
-                            self.accelerator.process_index)
-        rows = [prompts[i].row for i in slots]
+        rows, prompt_ids = self._my_rows(self.prompt_batches.batch(round_index))
         if self.prompt_sampler is None:  # a stream: its rows are checked as they are read
             self._check_completions(rows, "train_dataset")
-        completions = [self._completion_ids(row, prompts[i].ids) for row, i in zip(rows, slots)]
-        samples = Samples([prompts[i].ids for i in slots], completions)
+        completions = [self._completion_ids(row, ids) for row, ids in zip(rows, prompt_ids)]
+        samples = Samples(prompt_ids, completions)
         padded, acc = self.stage.pad(samples), self.accelerator
         loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, self.args)
         rollout = padded.rollout(loss_mask, torch.zeros(len(rows))).to(acc.device)

@@ -98,7 +98,7 @@ class VLLMRemote(VLLMBackend):
                           request_timeout=args.request_timeout)
 
     def producer(self) -> ServerSampler:
-        """A sampler for this process alone, for GRPO's asynchronous producer thread (trainers/grpo/async_rounds.py):
+        """A sampler for this process alone, for GRPO's asynchronous producer thread (trainers/sampling/async_rounds.py):
         its own client, its own rows, no collectives, no weights (this backend pushes them)."""
         inputs = dataclasses.replace(self.inputs, context=dataclasses.replace(
             self.context, accelerator=dist.ThisProcess(self.context.accelerator)))

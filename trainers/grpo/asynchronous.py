@@ -1,7 +1,7 @@
 """TRL's experimental asynchronous GRPO contract (``trl.experimental.async_grpo``) on GRPOTrainer: a TRL script ports
 by changing its import. ``AsyncGRPOConfig`` is GRPOConfig with async_generation on, the vLLM server on, and the
 defaults of TRL's AsyncGRPOConfig; every GRPOConfig option stays available (TRL's takes a subset). The pipeline
-itself is trainers/grpo/async_rounds.py; docs/grpo.md, "Asynchronous generation", maps the options."""
+itself is trainers/sampling/async_rounds.py; docs/grpo.md, "Asynchronous generation", maps the options."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class AsyncGRPOConfig(GRPOConfig):
     """GRPOConfig with generation ahead of training, against a `trainers vllm-serve` server, and the defaults of
     TRL's experimental AsyncGRPOConfig."""
-
-    documented_base = GRPOConfig  # the reference page lists what it adds to and changes of GRPOConfig
 
     async_generation: bool = opt(True, "Generate rounds ahead of training (GRPOConfig's switch; on here).")
     use_vllm: bool = opt(True, "Sample from a vLLM server (on here: TRL's async trainer has no other sampler).")

@@ -9,7 +9,10 @@ last step's entropy is at or below the target, so the first step (no entropy mea
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
 
 
@@ -41,3 +44,17 @@ class EntropyControl:
         else:
             self.coef = max(self.coef - self.delta, self.low)
         self.last_entropy = step_entropy
+
+
+def save_entropy_control(folder: str, rank: int, control: EntropyControl) -> None:
+    """The adaptive coefficient and the entropy it last saw, per process (a resumed run continues from them)."""
+    with open(os.path.join(folder, f"entropy-{rank}.json"), "w") as f:
+        json.dump(dataclasses.asdict(control), f)
+
+
+def load_entropy_control(folder: str, rank: int, control: EntropyControl) -> None:
+    path = os.path.join(folder, f"entropy-{rank}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        control.coef, control.last_entropy = saved["coef"], saved["last_entropy"]

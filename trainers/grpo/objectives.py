@@ -16,6 +16,7 @@ import torch
 
 from trainers.errors import ConfigError
 from trainers.losses import BatchCounts
+from trainers.stats import Extreme, Stats
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, counts: "BatchCounts") -> torch.Tensor:
@@ -121,27 +122,6 @@ def off_policy_sequence_mask(logps: torch.Tensor, old_logps: torch.Tensor, advan
     kl = torch.nan_to_num(old_logps - logps.detach(), nan=0.0)  # [B, T]; NaN: a token the sampler did not score
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
     return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
-
-
-def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                               clip_min: float | None, clip_max: float | None) -> torch.Tensor:
-    """Importance weights π_old / π_sampler that correct for completions sampled by another engine than the
-    policy (TRL's vLLM importance sampling: truncated or masked IS): per token ([B, T]) for
-    'token_*' modes, per completion ([B, 1], the product over its masked tokens) for 'sequence_*'. '*_truncate'
-    clips them to [clip_min, clip_max]; '*_mask' sets them to 0 outside it (None: no bound on that side).
-
-    logps (the trainer's, π_old), sampler_logps (NaN where the sampler gave none: a difference of 0, so no
-    correction), mask: [B, T]. Padding columns get weight 1.
-    """
-    diff = torch.nan_to_num((logps - sampler_logps) * mask, nan=0.0)  # [B, T]
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)  # [B, 1]
-    weights = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return weights if clip_min is None and clip_max is None else weights.clamp(min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -250,3 +230,23 @@ def check_loss_options(args: Any, other_sampler: str | None, warn: Callable[[str
         warn("loss_type='vespo' computes its sequence-level weight itself, from token log-ratios; "
              "importance_sampling_level is not used (TRL warns the same).")
 
+
+def policy_loss_stats(policy: PolicyLoss, mask: torch.Tensor, per_completion: bool) -> Stats:
+    """TRL's clip metrics of one micro-batch: the share of clipped tokens (``per_completion``, i.e.
+    importance_sampling_level="sequence": of clipped completions), with its min (low) and max (high) over
+    processes; CISPO's capped share; VESPO's mean weight. mask: [B, T]."""
+    stats: Stats = {}
+    weight = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device) if per_completion else mask
+    if policy.low_clipped is not None:
+        low, high = (policy.low_clipped.float() * weight).sum(), (policy.high_clipped.float() * weight).sum()
+        counted = weight.sum()
+        stats["clip_ratio/low_mean"] = (low, counted)
+        stats["clip_ratio/high_mean"] = (high, counted)
+        stats["clip_ratio/region_mean"] = (low + high, counted)
+        stats["clip_ratio/low_min"] = Extreme(low / counted, "min")  # this micro-batch's ratio, min over processes
+        stats["clip_ratio/high_max"] = Extreme(high / counted, "max")
+    if policy.cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
+        stats["cispo_clip_ratio"] = ((policy.cispo_clipped.float() * weight).sum(), weight.sum())
+    if policy.phi is not None:  # TRL's name: the mean weight over every completion row
+        stats["vespo/phi_seq_mean"] = (policy.phi.sum(), policy.phi.shape[0])
+    return stats

@@ -1,49 +1,31 @@
 """GRPOTrainer: group-relative policy optimization with verifiable rewards (arXiv:2402.03300).
 
-One optimizer step, as the base loop runs it (trainers/base.py):
+The sampling base (trainers/sampling/trainer.py) builds each generation round: ``generation_batch_size /
+num_generations`` prompts (identically on every process), each repeated ``num_generations`` times, this process's
+contiguous share sampled, scored, its advantages computed from every process's rewards, kept as a typed
+``Rollout`` (trainers/sampling/batch.py); PolicyGradientTrainer (sampling/policy_gradient.py) adds the reference
+model and the policy's forward options. What GRPO adds:
 
-1. ``prepare_step``: the generation backend's weight sync (``Backend.sync_weights``, trainers/generation/), then
-   the rollout stage builds each generation round the step trains on that is not built yet
-   (``RolloutStage``, trainers/grpo/rollout.py): ``generation_batch_size / num_generations`` prompts (identically on every
-   process), each repeated ``num_generations`` times, this process's contiguous share sampled, scored, its
-   advantages computed from every process's rewards, kept as a typed ``Rollout`` (trainers/grpo/batch.py). With
-   async_generation the rounds are sampled ahead by a producer thread (trainers/grpo/async_rounds.py, fed and
-   synced by grpo/generation_lifetime.py) and ``build_round`` takes each one's completions from it.
-2. ``micro_batch``: a slice of the round (a ``MicroBatch``). A round serves ``steps_per_generation`` micro-steps,
-   ``num_iterations`` times over. With token_budget, ``step_batches`` regroups a step's slices by tokens.
-3. ``compute_loss``: the policy's log-probs (``LogProbScorer``, trainers/grpo/scoring.py), the objective of ``loss_type``
-   (``OBJECTIVES``, trainers/grpo/objectives.py), its masks, the KL term, averaged as ``AGGREGATIONS`` says.
-4. ``after_optimizer_step``: the round metrics, the adaptive entropy coefficient, the reference model's sync.
+- the advantage estimator "grpo" (group-relative normalization or GDPO, ``ADVANTAGE_ESTIMATORS``,
+  trainers/sampling/advantages.py), and the correction for another sampler (vllm_importance_sampling_*);
+- ``compute_loss``: the policy's log-probs (``LogProbScorer``, trainers/sampling/scoring.py), the objective of
+  ``loss_type`` (``OBJECTIVES``, trainers/grpo/objectives.py), its masks, the KL term, averaged as
+  ``AGGREGATIONS`` says, and the entropy bonus (fixed or adaptive, grpo/entropy_control.py).
 
 docs/grpo.md has the formulas; docs/design.md walks the step with file names.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 
 import torch
 
 from trainers import distributed as dist
-from trainers import health
-from trainers.agents.tool_loop import ToolLoop, ToolOptions
-from trainers.base import BaseTrainer
-from trainers.errors import ConfigError, GenerationError, VLLMServerError
-from trainers.generation.backend import BACKENDS, Backend, PolicyBackend
-from trainers.generation.sampling import SamplingParams
-from trainers.generation.vllm_common import check_vllm_here
-from trainers.grpo import evaluation
-from trainers.grpo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, RoundAdvantages
-from trainers.grpo.async_rounds import AsyncRounds
-from trainers.grpo import health as grpo_health
-from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, budget_micro_batches, round_shape
 from trainers.grpo.config import GRPOConfig
-from trainers.grpo.entropy_control import EntropyControl
-from trainers.grpo.generation_lifetime import GenerationLifetime
-from trainers.grpo.metrics import policy_loss_stats, write_completions
+from trainers.grpo.entropy_control import EntropyControl, load_entropy_control, save_entropy_control
 from trainers.grpo.objectives import (
+    FOLDS_SAMPLER_WEIGHTS,
     OBJECTIVES,
     PolicyInputs,
     check_loss_options,
@@ -52,311 +34,56 @@ from trainers.grpo.objectives import (
     importance_log_weights,
     k3_kl,
     off_policy_sequence_mask,
+    policy_loss_stats,
 )
-from trainers.grpo.prompts import GRPOPrompts
-from trainers.grpo.resume import load_grpo_state, save_grpo_state
-from trainers.grpo.rewards import Reward, RewardModel, resolve_reward, reward_sources
-from trainers.grpo.rollout import RolloutStage
-from trainers.grpo.scoring import LogProbScorer
-from trainers.grpo.trl_attributes import TRLAttributes, add_config_attributes
 from trainers.logs import logger
 from trainers.losses import AGGREGATIONS, BatchCounts
-from trainers.modeling import cast_lm_head_to_fp32, generation_eos_ids, load_causal_lm, prompt_learning_config
-from trainers.output_head import plan_head
-from trainers.samplers import group_slots
+from trainers.sampling.batch import MicroBatch
+from trainers.sampling.policy_gradient import PolicyGradientTrainer
+from trainers.sampling.rollout import RoundNeeds
+from trainers.sampling.scoring import LogProbScorer
 from trainers.stats import Stats
-from trainers.streaming import is_stream, refuse_dispatch_batches
 
 
-@add_config_attributes
-class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
+class GRPOTrainer(PolicyGradientTrainer):
     """Trains a policy with GRPO. ``reward_funcs``: callables, built-in names ("accuracy", "format",
     "overlong"), ``module:function`` strings, or reward models (folders, Hub ids or instances). ``rollout_func``
     replaces the trainer's sampling (trainers/generation/user_rollout.py). Arguments in TRL's order. The trainer's
-    TRL attributes are in grpo/trl_attributes.py, its prompt datasets in grpo/prompts.py."""
+    TRL attributes are in sampling/trl_attributes.py, its prompt datasets in sampling/prompts.py."""
 
     config_class = GRPOConfig
     _tag_names = ("trainers", "grpo")  # the model card tags added to the model (TRL: ["trl", "grpo"])
-    HEALTH_RULES = grpo_health.RULES + health.RULES  # reward variance, entropy, truncation, length, KL; non-finite
-    advantage_estimator = "grpo"  # the round's advantages: an entry of ADVANTAGE_ESTIMATORS (grpo/advantages.py)
-    # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
-    # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
-    # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
-    ddp_defaults = {"broadcast_buffers": False}
-    EVAL_STATE = ("eval_rows", "eval_prompt_ids", "eval_given")
-    needs_rewards = True  # GRPO learns from rewards only (DistillationTrainer from its teacher)
+    advantage_estimator = "grpo"  # the round's advantages: an entry of ADVANTAGE_ESTIMATORS (sampling/advantages.py)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        if dist.launched_with_fsdp():
-            # FSDP2 would need what ZeRO-3 has here: generation synced across processes (a process that finishes
-            # early leaves the others in FSDP's all-gathers), full tensors for the vLLM weight sync and the
-            # reference mix, a global gradient norm. Refused until it is, before anything is built.
-            raise ConfigError(f"{type(self).__name__}: FSDP (fsdp2.yaml) is not supported yet for the trainers that "
-                              f"sample their own completions (GRPO, RLOO, distillation). Launch with zero3.yaml "
-                              f"(the same sharding of weights, gradients and optimizer states) or multi_gpu.yaml.")
-        if rollout_func is not None and not callable(rollout_func):
-            raise ConfigError(f"rollout_func must be a function (prompts, trainer) -> dict, got "
-                              f"{type(rollout_func).__name__}.")
-        if rollout_func is not None and (tools or environment_factory):
-            raise ConfigError("GRPOTrainer: a rollout_func runs its own episodes; pass tools/environment_factory "
-                              "(the trainer's tool loop) or a rollout_func, not both.")
-        if rollout_func is not None and getattr(args, "async_generation", False):
-            raise ConfigError("GRPOConfig: async_generation=True samples in a producer thread of its own; a "
-                              "rollout_func runs the trainer's code, so it cannot run there. Give one of them.")
-        # TRL's tool calling: built with the tokenizer (prepare_data); trainers/agents/tool_loop.py
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise ConfigError(f"tools must be a list of functions, got {type(tools).__name__}.")
-        self._tools, self._environment_factory = list(tools or []), environment_factory
-        self.tool_loop: ToolLoop | None = None
-        if train_dataset is None and environment_factory:  # the environment owns the data (TRL's rule)
-            train_dataset = self._placeholder_rows(environment_factory, args)
-        self.rollout_func = rollout_func
-        self.backend: Backend | None = None  # chosen once the policy is prepared (_choose_backend)
-        self.policy_sampler: PolicyBackend | None = None  # the policy itself (trainer.generate: a rollout_func's)
-        self._vllm: Backend | None = None  # with use_vllm: TRL's trainer.vllm_generation
-        self.stage: RolloutStage | None = None  # the rollout stage, built with the backend
-        self.async_rounds: AsyncRounds | None = None  # async_generation: the backend, rounds sampled ahead
-        self._reward_specs, self._reward_tokenizers = reward_sources(
-            reward_funcs, reward_processing_classes, environment_factory is not None or not self.needs_rewards)
-        self._model_source = model
-        self._rounds: dict[int, Rollout] = {}  # the rounds the current step trains on, by round index
-        self._round_metrics: list[dict] = []  # one per round built since the last optimizer step
-        self._samples: list[dict] = []  # log_completions: the last round's records, until they are logged
-        if peft_config is not None and getattr(args, "sync_ref_model", False):
-            raise ConfigError("GRPOConfig: `sync_ref_model=True` does not work with a PEFT model (as in TRL): its "
-                              "reference is the base model with the adapters off, not a copy to move.")
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, quantization_config,
-                         callbacks, optimizers)
+        self.entropy_control: EntropyControl | None = None  # the entropy bonus's coefficient (after_prepare)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
+                         rollout_func, environment_factory)
 
-    # ------------------------------------------------------------------ data and rounds
+    def round_needs(self) -> RoundNeeds:
+        """The base's, and the importance weights of another sampler's completions (vllm_importance_sampling_*)."""
+        return dataclasses.replace(super().round_needs(), importance=self.args.importance_correction)
 
     def prepare_data(self, train_dataset, eval_dataset) -> None:
-        args, world = self.args, self.accelerator.num_processes
-        self.steps_per_generation, self.generation_batch_size = round_shape(args, self.per_process_train_batch_size,
-                                                                            world)
-        self.prompts_per_round = self.generation_batch_size // args.num_generations
+        args = self.args
         other_sampler = "a rollout_func" if self.rollout_func is not None else "use_vllm" if args.use_vllm else None
         warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
         check_loss_options(args, other_sampler, warn)
-        if args.generation_backend is not None and args.generation_backend not in BACKENDS:
-            raise ConfigError(f"GRPOConfig: generation_backend={args.generation_backend!r} is not a registered "
-                              f"backend; registered: {sorted(BACKENDS)} (trainers.generation.backend.register_backend "
-                              f"adds one).")
-        if args.generation_backend is not None and other_sampler is not None:
-            raise ConfigError(f"GRPOConfig: generation_backend={args.generation_backend!r} chooses the sampler; "
-                              f"{other_sampler} would choose another. Give one of them.")
-        if args.use_vllm and args.vllm_mode == "colocate":  # before the model loads
-            check_vllm_here()
-        # Old log-probs differ from the current ones once an optimizer step falls inside a round; and the
-        # advantage estimator may read them (RLOO's KL penalty)
-        self.estimator = ADVANTAGE_ESTIMATORS[self.advantage_estimator]
-        self.need_old_logps = (args.num_iterations > 1
-                               or args.gradient_accumulation_steps % self.steps_per_generation != 0
-                               or self.estimator.needs_old_logps(args))
+        super().prepare_data(train_dataset, eval_dataset)
 
-        self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs,
-                                                     args.model_init_kwargs, args.trust_remote_code)
-                                      for spec, tok in zip(self._reward_specs, self._reward_tokenizers)]
-        weights = args.reward_weights or [1.0] * len(self.rewards)
-        if len(weights) != len(self.rewards):
-            raise ConfigError(f"reward_weights has {len(weights)} entries but reward_funcs has {len(self.rewards)}; "
-                              f"give one weight per reward function.")
-        if self._tools or self._environment_factory:
-            options = ToolOptions(args.chat_template_kwargs, args.max_tool_calling_iterations, args.tool_workers,
-                                  args.tool_timeout)
-            self.tool_loop = ToolLoop(self._tools, self._environment_factory, options, self.processing_class,
-                                      len(self.rewards))
-            # an environment's get_reward is one more reward function, weight 1, named after its class (as TRL)
-            self.rewards += [Reward(name, func) for name, func in self.tool_loop.reward_functions]
-            weights = list(weights) + [1.0] * len(self.tool_loop.reward_functions)
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        if is_stream(train_dataset) or any(is_stream(data) for data in evals):
-            refuse_dispatch_batches(args)
-        self.read_train_prompts(train_dataset)
-        if self.train_prompt_ids is not None:  # a stream's chunks: when each is first used (after_load)
-            self._check_budget("train_dataset", self.train_prompt_ids)
-        self.eval_rows = self.eval_prompt_ids = self.eval_given = None
-        if eval_dataset is not None:
-            self.tokenize_eval(eval_dataset, "eval_dataset")  # its context check waits for the model (after_load)
-        self.eos_ids = {i for i in {self.processing_class.eos_token_id} if i is not None}
-        self.sampling = SamplingParams(
-            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k or 0, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            extra=dict(args.generation_kwargs or {}))
-
-    def optimizer_steps_per_epoch(self) -> int:
-        if self.prompt_sampler is None:  # a stream's length is unknown: as transformers, one "epoch" is max_steps
-            return self.args.max_steps
-        micro_steps = self.prompt_sampler.steps_per_epoch * self.steps_per_generation * self.args.num_iterations
-        return max(1, math.ceil(micro_steps / self.args.gradient_accumulation_steps))
-
-    def _place(self, step: int, accumulation_index: int) -> tuple[int, int, int]:
-        """Where micro-batch ``accumulation_index`` of optimizer step ``step`` comes from: (round, iteration over
-        the round, slice of the round)."""
-        micro_step = step * self.args.gradient_accumulation_steps + accumulation_index
-        round_index, within = divmod(micro_step, self.steps_per_generation * self.args.num_iterations)
-        iteration, part = divmod(within, self.steps_per_generation)
-        return round_index, iteration, part
-
-    def prepare_step(self, step: int) -> None:
-        """The rollout stage: build, in order, the generation rounds optimizer step ``step`` trains on that are
-        not built yet (a round may serve several steps); drop the rounds it no longer needs."""
-        needed = list(dict.fromkeys(self._place(step, a)[0] for a in range(self.args.gradient_accumulation_steps)))
-        self._rounds = {index: self._rounds[index] for index in needed if index in self._rounds}
-        position, built = self.prompt_batches.state(), []  # a stream's position before this step's rounds
-        try:
-            if self.async_rounds is not None:
-                self._generate_ahead(step, needed)
-            elif any(index not in self._rounds for index in needed):
-                # the weight sync: an engine apart from the policy (vLLM) gets the weights of the optimizer step
-                # just done (nothing when it holds them: a round built for this step already, or evaluation's)
-                self.backend.sync_weights(step)
-            for index in needed:
-                if index not in self._rounds:
-                    self._rounds[index] = self.build_round(index)
-                    built.append(index)
-        except (VLLMServerError, GenerationError):
-            # the run stops with a checkpoint of the step before (train()): its data position must not count
-            # this step's prompts as read, or the resumed run would skip them (a stream is read in order)
-            self._rounds = {index: rollout for index, rollout in self._rounds.items() if index not in built}
-            self.prompt_batches.restore(position)
-            raise
-
-    def _first_step(self, round_index: int) -> int:
-        """The first optimizer step that trains on generation round ``round_index``."""
-        micro_steps = self.steps_per_generation * self.args.num_iterations
-        return round_index * micro_steps // self.args.gradient_accumulation_steps
-
-    def _my_rows(self, prompts: list) -> tuple[list[dict], list[list[int]]]:
-        """This process's rows of a round's ``prompts`` (the same on every process): its contiguous share."""
-        slots = group_slots(list(range(len(prompts))), self.args.num_generations, self.accelerator.num_processes,
-                            self.accelerator.process_index)
-        return [prompts[i].row for i in slots], [prompts[i].ids for i in slots]
-
-    def on_policy(self, round_index: int) -> bool:
-        """Whether round ``round_index`` samples from the policy (DistillationTrainer's lmbda draws some rounds
-        from the dataset instead)."""
-        return True
-
-    def build_round(self, round_index: int) -> Rollout:
-        """Generation round ``round_index`` on this process (trainers/grpo/rollout.py); its metrics and
-        completions wait for the step's log. With async_generation its completions come from the producer."""
-        rows, ids = self._my_rows(self.prompt_batches.batch(round_index))  # the same prompts on every process
-        sampled, lag = None, {}
-        if self.async_rounds is not None:
-            sampled, lag = self.async_rounds.take(round_index, self._first_step(round_index))
-        built = self.stage.build(rows, ids, sampled=sampled)
-        self._round_metrics.append(built.metrics | lag)
-        if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
-            self._samples = built.completions
-        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=built.rollout, samples=built.samples,
-                                   metrics=built.metrics)
-        return built.rollout
-
-    def micro_batch(self, step: int, accumulation_index: int) -> MicroBatch:
-        round_index, iteration, part = self._place(step, accumulation_index)
-        if round_index not in self._rounds:
-            raise RuntimeError(f"round {round_index} is not built: call prepare_step({step}) before micro_batch.")
-        size = self.per_process_train_batch_size
-        # a round trained on again (num_iterations > 1): its tokens were counted once, as in TRL
-        return self._rounds[round_index].micro_batch(part * size, (part + 1) * size, count_tokens=iteration == 0)
-
-    def step_batches(self, step: int) -> list[MicroBatch]:
-        """The step's micro-batches: ``micro_batch`` for each accumulation index, or with token_budget, the same
-        rows regrouped by tokens (``budget_micro_batches``), as many on every process."""
-        if self.args.token_budget is None:
-            return super().step_batches(step)
-        spans: dict[tuple[int, int], list[int]] = {}  # (round, iteration over it) -> its slices this step trains on
-        for a in range(self.args.gradient_accumulation_steps):
-            round_index, iteration, part = self._place(step, a)
-            spans.setdefault((round_index, iteration), []).append(part)
-        size = self.per_process_train_batch_size  # a slice's rows; a span's slices are consecutive
-        parts = [RoundPart(self._rounds[r], range(min(p) * size, (max(p) + 1) * size), count_tokens=iteration == 0)
-                 for (r, iteration), p in spans.items()]
-        return budget_micro_batches(self.accelerator, parts, self.args.token_budget)
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
-        """Completions from the policy (eval mode, no gradients), for a rollout function. Every process must call
-        this together."""
-        return self.policy_sampler.generate(prompt_ids, params or self.sampling)
-
-    # ------------------------------------------------------------------ models
-
-    def after_load(self, model) -> None:
-        args = self.args
-        prompt_learning = prompt_learning_config(model)
-        if prompt_learning is not None:
-            # generation (the lean engine, the shared prompt cache), left-padded prompts' position ids and the
-            # reference (adapters off) all assume the model's inputs are the tokens themselves
-            raise ConfigError(
-                f"GRPOTrainer: a PEFT prompt-learning adapter ({prompt_learning.peft_type.value}, from peft_config "
-                f"or the PeftModel given as model) is not supported: its virtual tokens are not handled in "
-                f"generation or the policy log-probs. Use an adapter such as LoRA (peft_config=LoraConfig(...)).")
-        # Generation also ends on the model's own end ids (as in TRL): Qwen3's generation config adds
-        # <|endoftext|> to the tokenizer's <|im_end|>, Llama 3 Instruct <|eom_id|>.
-        self.eos_ids |= set(generation_eos_ids(model))
-        if self.train_prompt_ids is not None:  # the eval datasets: check_eval_fit
-            self._check_context(model, "train_dataset", self.train_prompt_ids)
-        else:  # a stream: each chunk when it is first used (the one read already: now)
-            def validate(prompts, first):
-                self._check_context(model, "train_dataset", [p.ids for p in prompts], first)
-                self._check_budget("train_dataset", [p.ids for p in prompts], first)
-
-            self.prompt_batches.validate = validate
-        if args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        if args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(model)
-        if args.padding_free and plan_head(model) is None:
-            raise ConfigError(
-                f"GRPOConfig.padding_free=True needs an output head the chunked head computes "
-                f"(trainers/output_head.py); {type(getattr(model, 'module', model)).__name__}'s is not one (its "
-                f"logits are scaled or soft-capped after the head, a hook watches the head, or a PEFT adapter on it "
-                f"is not plain LoRA). Set padding_free=False.")
-        self.ref_model = None
-        if args.reference_kl > 0 and not self.is_peft:  # with PEFT the reference: the base model, adapters off
-            source = self._model_source
-            self.ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
-                              if isinstance(source, str) else copy.deepcopy(model))
-            if args.cast_lm_head_to_fp32 and isinstance(source, str):  # a deep copy has it already
-                cast_lm_head_to_fp32(self.ref_model)
+    def build_scorer(self) -> LogProbScorer:
+        return super().build_scorer(entropy_bonus=self.entropy_control is not None,
+                                    folds_sampler_weights=self.args.loss_type in FOLDS_SAMPLER_WEIGHTS)
 
     def after_prepare(self) -> None:
         args = self.args
         self.entropy_control = EntropyControl(
             args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta,
             args.entropy_coef_min, args.entropy_coef_max) if args.entropy_coef or args.use_adaptive_entropy else None
-        if self.ref_model is not None:
-            self.ref_model = dist.prepare_frozen(self.accelerator, self.ref_model)
-        for reward in self.rewards:
-            if isinstance(reward.func, RewardModel):
-                reward.func.model = dist.prepare_frozen(self.accelerator, reward.func.model)
-        self.scorer = LogProbScorer(self.accelerator, args, self.unwrapped_model, self.model_wrapped, self.ref_model,
-                                    self.per_process_train_batch_size, self.entropy_control is not None,
-                                    self.router_aux_loss_coef)
-        self.backend = self._choose_backend()
-        if args.async_generation:  # the backend seen through the producer's pipeline (trainers/grpo/async_rounds.py)
-            self.backend = self._generate_asynchronously(self.backend)
-        self.stage = RolloutStage(self.backend, self.tool_loop, self.rewards, self.reward_weights, self.scorer, args,
-                                  self.accelerator, self.processing_class, self.eos_ids, self.sampling,
-                                  self.need_old_logps, lambda: self.state,
-                                  lambda rewards, rollout: self.round_advantages(rewards, rollout, args.num_generations),
-                                  lambda episode: self.callback_handler.fire("episode_end", episode=episode))
-
-    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
-                         over_processes: bool = True) -> RoundAdvantages:
-        """The advantages of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every process's rows,
-        every process calls this together) or of this process's evaluation batch (``rewards_per_func`` its own
-        rows, whole groups; no collectives). ``rollout``: this process's rows, with their old and reference
-        log-probs where the estimator or the loss needs them. From the trainer's ``advantage_estimator``."""
-        inputs = AdvantageInputs(rewards_per_func, self.reward_weights, num_generations, rollout, self.accelerator,
-                                 over_processes)
-        return self.estimator.estimate(inputs, self.args)
+        super().after_prepare()
 
     # ------------------------------------------------------------------ loss
 
@@ -412,47 +139,38 @@ class GRPOTrainer(GRPOPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):
         return torch.quantile(values, 1.0 - self.args.top_entropy_quantile)
 
     def after_optimizer_step(self, metrics: dict) -> None:
-        """The step's round metrics (the mean over the rounds built for it, as TRL averages what it appended);
-        the entropy bonus's coefficient adapted to the step's entropy (and logged); and with sync_ref_model,
-        every ref_model_sync_steps steps, the reference moved toward the policy (TRL's SyncRefModelCallback), so
-        later rounds' KL is to the moved reference."""
-        rounds, self._round_metrics = self._round_metrics, []
-        for name in dict.fromkeys(name for m in rounds for name in m):
-            metrics[name] = sum(m[name] for m in rounds if name in m) / sum(name in m for m in rounds)
-        if self.async_rounds is not None:  # the pipeline's waits and syncs since the last step
-            metrics.update(self.async_rounds.step_metrics())
+        """The base's (round metrics, the reference's sync); then the entropy bonus's coefficient adapted to the
+        step's entropy (and logged)."""
+        super().after_optimizer_step(metrics)
         if self.entropy_control is not None:
             self.entropy_control.update(metrics.pop("entropy_bonus/entropy"))
             metrics["entropy_coef"] = self.entropy_control.coef
-        args = self.args
-        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:  # the step just done
-            dist.mix_parameters(self.accelerator, self.unwrapped_model, self.ref_model, args.ref_model_mixup_alpha)
 
-    # ------------------------------------------------------------------ evaluation and logging
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's attribute: the entropy bonus's coefficient now (with use_adaptive_entropy it moves every step)."""
+        control = self.entropy_control  # set once training is set up (after_prepare)
+        return control.coef if control is not None else self.args.entropy_coef
 
-    def eval_rows_per_batch(self) -> int:
-        """Prompts per evaluation batch: per_device_eval_batch_size counts completions."""
-        per_prompt = self.args.num_generations_eval or self.args.num_generations
-        return max(1, self.per_process_eval_batch_size // per_prompt)
-
-    def evaluation_stats(self) -> Stats:
-        """Rewards, eval_loss and the loss's statistics of num_generations_eval (default num_generations) sampled
-        completions per eval prompt (trainers/grpo/evaluation.py)."""
-        return evaluation.evaluation_stats(self)
-
-    def on_log(self, record: dict) -> None:
-        if self.args.log_completions and self._samples and self.accelerator.is_main_process:
-            write_completions(self.args.output_dir, record["step"], self._samples, self.args.num_completions_to_print)
-            self._samples = []
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's public helper: DeepSeek-V3.2's off-policy sequence mask, [B, 1] (1 keep, 0 drop), for
+        advantages [B, 1] or [B] and log-probs and mask [B, T] (padding: mask 0). A completion is dropped when its
+        advantage is negative and its mean KL(sampler || policy) over the mask exceeds the threshold; tokens the
+        sampler did not score (NaN) count 0. The loss uses the same function (``off_policy_sequence_mask``)."""
+        return off_policy_sequence_mask(per_token_logps, sampling_per_token_logps, advantages.reshape(-1), mask,
+                                        off_policy_threshold)
 
     # ------------------------------------------------------------------ resume
 
     def save_extra_state(self, folder: str) -> None:
-        reference = self.ref_model if self.args.sync_ref_model else None
-        save_grpo_state(folder, self.accelerator, self.prompt_batches, reference, self.entropy_control, self._rounds)
+        super().save_extra_state(folder)
+        if self.entropy_control is not None:
+            save_entropy_control(folder, self.accelerator.process_index, self.entropy_control)
 
     def load_extra_state(self, folder: str) -> None:
-        reference = self.ref_model if self.args.sync_ref_model else None
-        rounds = load_grpo_state(folder, self.accelerator, self.prompt_batches, reference, self.entropy_control)
-        if rounds:
-            self._rounds = rounds
+        super().load_extra_state(folder)
+        if self.entropy_control is not None:
+            load_entropy_control(folder, self.accelerator.process_index, self.entropy_control)

@@ -1,6 +1,6 @@
 """What RLOO (TRL 1.16's RLOOTrainer; Ahmadian et al. 2024, arXiv:2402.14740) does differently from GRPO, as pure
 tensor functions on a generation round: the reward a completion is trained on, its leave-one-out advantage, and
-the sequence-level clipped policy loss. Sampling, reward functions, tools and vLLM are GRPO's rollout stage.
+the sequence-level clipped policy loss. Sampling, reward functions, tools and vLLM are the sampling base's.
 
 - The reward: the reward functions' weighted sum (NaN where none applied), clipped to ``reward_clip_range``,
   minus ``beta`` times the completion's KL to the reference: the sum over its tokens of log pi_old - log pi_ref
@@ -21,8 +21,14 @@ from typing import Any
 import torch
 
 from trainers import distributed as dist
-from trainers.grpo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageEstimator, AdvantageInputs, RoundAdvantages,
-                                      combine_rewards, nanstd)
+from trainers.sampling.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageInputs,
+    RoundAdvantages,
+    combine_rewards,
+    nanstd,
+)
 
 
 def sequence_kl(old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

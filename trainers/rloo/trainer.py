@@ -1,29 +1,38 @@
-"""RLOOTrainer: TRL 1.16's RLOO on GRPO's rollout stage. Everything that samples and scores (the lean engine, HF
-generate, vLLM colocated or as a server, a rollout_func, tools and environments, reward functions and models) is
-GRPOTrainer's; what RLOO changes is the round's advantages (the advantage estimator "rloo": the penalized reward and
-the leave-one-out baseline, trainers/rloo/objective.py) and the loss (``compute_loss``: the clipped sequence ratio,
-averaged over the step's completions). The trainer's arguments are TRL's RLOOTrainer's, in its order, then
-GRPOTrainer's tools, rollout_func and environment_factory."""
+"""RLOOTrainer: TRL 1.16's RLOO, a sibling of GRPO on the sampling base. Everything that samples and scores (the
+lean engine, HF generate, vLLM colocated or as a server, a rollout_func, tools and environments, reward functions and
+models) is the sampling base's (trainers/sampling/trainer.py), the reference model and the policy's forwards the
+policy gradient's (sampling/policy_gradient.py); what RLOO adds is the round's advantages (the advantage estimator
+"rloo": the penalized reward and the leave-one-out baseline, trainers/rloo/objective.py) and the loss
+(``compute_loss``: the clipped sequence ratio, averaged over the step's completions). The trainer's arguments are
+TRL's RLOOTrainer's, in its order, then tools, rollout_func and environment_factory."""
 
 from __future__ import annotations
 
 import torch
 
-from trainers.grpo.batch import MicroBatch
-from trainers.grpo.trainer import GRPOTrainer
 from trainers.losses import BatchCounts
 from trainers.rloo.config import RLOOConfig
 from trainers.rloo.objective import clipped_sequence_loss
+from trainers.sampling.batch import MicroBatch
+from trainers.sampling.policy_gradient import PolicyGradientTrainer
 from trainers.stats import Extreme, Stats
 
 
-class RLOOTrainer(GRPOTrainer):
+class RLOOTrainer(PolicyGradientTrainer):
     """Trains a policy with RLOO (REINFORCE Leave-One-Out). The same arguments and reward contract as
     GRPOTrainer."""
 
     config_class = RLOOConfig
     _tag_names = ("trainers", "rloo")
     advantage_estimator = "rloo"  # the penalized reward and the leave-one-out baseline (trainers/rloo/objective.py)
+
+    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None):
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
+                         rollout_func, environment_factory)
 
     def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         """-min(rho A, clip(rho) A) per completion, rho the ratio of its sequence probabilities over the loss

@@ -125,7 +125,7 @@ def shape_from_folder(path: str) -> ModelShape:
 
 
 METHODS = ("grpo", "rloo", "distill", "sft", "dpo", "reward", "kto")
-# the methods that generate: planned alike (RLOO and distillation run on GRPO's rollout stage)
+# the methods that generate: planned alike (GRPO, RLOO and distillation share the sampling base's rollout stage)
 SAMPLING = ("grpo", "rloo", "distill")
 
 

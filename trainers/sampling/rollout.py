@@ -1,4 +1,5 @@
-"""GRPO's rollout stage: one generation round, built forward from the round's dataset rows to a ``Rollout``.
+"""The rollout stage of the sampling trainers (GRPO, RLOO, distillation): one generation round, built forward
+from the round's dataset rows to a ``Rollout``.
 
     rows -> sample (the generation backend: the policy,       RolloutStage.sample_and_score
             vLLM, a rollout_func or a registered one; with tools,
@@ -6,16 +7,16 @@
          -> decode -> score (the reward functions)               RolloutStage.sample_and_score
          -> gather the rewards of every process
          -> loss masks (model tokens, truncation)
-         -> old and reference log-probs (when the loss needs them: LogProbScorer, trainers/grpo/scoring.py)
-         -> advantages (``advantages``: GRPO's, trainers/grpo/advantages.py; RLOO's, trainers/rloo/)
+         -> old and reference log-probs (as ``RoundNeeds`` says: LogProbScorer, trainers/sampling/scoring.py)
+         -> advantages (``advantages``: the trainer's estimator, trainers/sampling/advantages.py)
          -> dynamic sampling's dropped groups out of the loss masks
          -> the sampler's log-probs against the trainer's (importance weights)
          -> metrics and the completions table
-         -> Rollout (trainers/grpo/batch.py), which the micro-batches are cut from
+         -> Rollout (trainers/sampling/batch.py), which the micro-batches are cut from
 
 ``RolloutStage`` is built once, from what it uses (never the trainer). Every process runs it together: sampling
 may gather weights (ZeRO-3), rewards are gathered, and a failure in user code on one process stops all
-(``dist.raise_together``). The backend's weights are synced before the stage runs (GRPOTrainer.prepare_step).
+(``dist.raise_together``). The backend's weights are synced before the stage runs (SamplingTrainer.prepare_step).
 Evaluation samples and scores through the same ``sample_and_score``.
 """
 
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,12 +36,12 @@ from trainers.data import is_conversational
 from trainers.generation.backend import Backend, PolicyBackend
 from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
 from trainers.generation.user_rollout import logprob_gap, padded_logprobs
-from trainers.grpo.advantages import RoundAdvantages
-from trainers.grpo.batch import Rollout, prompt_groups
-from trainers.grpo.metrics import round_metrics, sample_records
-from trainers.grpo.objectives import sampler_importance_weights
-from trainers.grpo.rewards import Reward, RewardLogs, call_rewards
-from trainers.grpo.scoring import LogProbScorer
+from trainers.sampling.advantages import RoundAdvantages
+from trainers.sampling.batch import Rollout, prompt_groups
+from trainers.sampling.importance import ImportanceCorrection
+from trainers.sampling.metrics import round_metrics, sample_records
+from trainers.sampling.rewards import Reward, RewardLogs, call_rewards
+from trainers.sampling.scoring import LogProbScorer
 from trainers.stats import Extreme, reduce_extremes, reduce_pairs
 
 
@@ -82,6 +83,19 @@ class Scored:
 
 
 @dataclass(frozen=True)
+class RoundNeeds:
+    """What a round computes beyond its samples and rewards, as the trainer's loss and advantage estimator ask:
+    the old log-probs (the policy before the round's optimizer steps), the reference's (a KL), dynamic_sampling's
+    groups without reward variance out of the loss, and the importance weights of another sampler's completions
+    (None: not weighted; the sampler's log-probs are still compared with the policy's, as metrics)."""
+
+    old_logps: bool = False
+    ref_logps: bool = False
+    dynamic_sampling: bool = False
+    importance: ImportanceCorrection | None = None
+
+
+@dataclass(frozen=True)
 class Round:
     """What building a round gives the trainer: the rows to train on, and what it logs about them."""
 
@@ -96,20 +110,21 @@ class RolloutStage:
     ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions and their
     weights, the log-prob ``scorer`` (old and reference log-probs, the rows skip_zero_gradient_rows skips; None
     for rounds that need none of them), the config, the processes' ``accelerator``,
-    the tokenizer (decoding), the EOS ids, the default sampling parameters, ``trainer_state`` (a function: the
+    the tokenizer (decoding), the EOS ids, the default sampling parameters, what the round computes (``needs``),
+    ``trainer_state`` (a function: the
     TrainerState the reward functions get), ``advantages`` (every process's rewards [G, F] and this process's
     Rollout, its old and reference log-probs in, -> RoundAdvantages over the G rows; called by every process
     together) and ``on_episode`` (told of each tool-loop Episode). Every process calls its methods together."""
 
     def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
                  reward_weights: torch.Tensor, scorer: LogProbScorer | None, args: Any, accelerator, tokenizer,
-                 eos_ids: set[int], sampling: SamplingParams, need_old_logps: bool,
+                 eos_ids: set[int], sampling: SamplingParams, needs: RoundNeeds,
                  trainer_state: Callable[[], Any], advantages: Callable[[torch.Tensor, Rollout], RoundAdvantages],
                  on_episode: Callable[[Episode], None] | None = None):
         self.backend, self.tool_loop, self.rewards, self.reward_weights = backend, tool_loop, rewards, reward_weights
         self.advantages = advantages
         self.scorer, self.args, self.accelerator, self.tokenizer = scorer, args, accelerator, tokenizer
-        self.eos_ids, self.sampling, self.need_old_logps = eos_ids, sampling, need_old_logps
+        self.eos_ids, self.sampling, self.needs = eos_ids, sampling, needs
         self.trainer_state, self.on_episode = trainer_state, on_episode  # on_episode: told of each tool-loop Episode
         # a backend other than the policy itself: its log-probs are compared with the policy's (importance weights)
         self.other_sampler = not isinstance(backend, PolicyBackend)
@@ -163,7 +178,7 @@ class RolloutStage:
     @torch.no_grad()
     def build(self, rows: list[dict], prompt_ids: list[list[int]], sampled: Sampled | None = None) -> Round:
         """The rollout stage for this process's ``rows`` of one round (module docstring); ``sampled``: its
-        completions sampled already (GRPO's asynchronous producer, trainers/grpo/async_rounds.py)."""
+        completions sampled already (GRPO's asynchronous producer, trainers/sampling/async_rounds.py)."""
         args, acc = self.args, self.accelerator
         scored = self.sample_and_score(rows, prompt_ids, sampled=sampled)
         samples = scored.samples
@@ -174,11 +189,12 @@ class RolloutStage:
         truncated, model_tokens = padded.truncated, padded.model_tokens
         loss_mask, _ = loss_mask_of(model_tokens, truncated, None, start, args)  # before dynamic sampling
         rollout = padded.rollout(loss_mask, torch.zeros(n)).to(acc.device)  # its advantages: below
-        old = self.scorer.old_logprobs(rollout) if self.need_old_logps else None
-        ref = self.scorer.reference_logprobs(rollout) if args.reference_kl > 0 else None
+        old = self.scorer.old_logprobs(rollout) if self.needs.old_logps else None
+        ref = self.scorer.reference_logprobs(rollout) if self.needs.ref_logps else None
         rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
         adv = self.advantages(rewards_per_func, rollout)
-        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std, start, args)
+        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std if self.needs.dynamic_sampling
+                                                 else None, start, args)
         local_advantages = adv.advantages[start:start + n]  # [n]
         rollout = dataclasses.replace(rollout, loss_mask=loss_mask.to(acc.device),
                                       advantages=local_advantages.to(acc.device))
@@ -196,7 +212,7 @@ class RolloutStage:
         names = [r.name for r in self.rewards]
         metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
         metrics.update(adv.metrics)
-        if args.dynamic_sampling:
+        if self.needs.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
         metrics.update(sampler_metrics)
         if scored.tool_counts is not None:
@@ -220,7 +236,7 @@ class RolloutStage:
         vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is multiplied by,
         with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process; processes without
         sampler log-probs take part in the collectives and count nothing."""
-        acc, args = self.accelerator, self.args
+        acc = self.accelerator
         given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
         if given.item() == 0:
             return rollout, {}
@@ -232,11 +248,9 @@ class RolloutStage:
         total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
         metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
                    "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
-        weights = None
-        if args.vllm_importance_sampling_correction:
-            weights = sampler_importance_weights(current, sampler, mask, args.vllm_importance_sampling_mode,
-                                                 args.vllm_importance_sampling_clip_min,
-                                                 args.vllm_importance_sampling_clip_max)  # [n, C] or [n, 1]
+        weights, correction = None, self.needs.importance
+        if correction is not None:
+            weights = correction.weights(current, sampler, mask)  # [n, C] or [n, 1]
             # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
             # log-prob (a process whose rollout gave none) count nothing
             counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
@@ -295,13 +309,13 @@ def pad_samples(samples: Samples, pad_id: int, multiple: int | None, eos_ids: se
 def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor | None, start: int,
                  args: Any) -> tuple[torch.Tensor, int]:
     """The tokens the loss counts ([n, C] float): the model's own, less truncated completions
-    (mask_truncated_completions) and groups without reward variance (dynamic_sampling; ``zero_std`` [G/num_generations]
-    over the round, this process's rows starting at row ``start``; None: no groups dropped, as in evaluation).
+    (mask_truncated_completions) and the groups ``zero_std`` marks (dynamic_sampling: [G/num_generations] over the
+    round, this process's rows starting at row ``start``; None: no groups dropped, as in evaluation).
     Returns it and the number of groups dropped."""
     loss_mask = model_tokens.float()
     if args.mask_truncated_completions:
         loss_mask[truncated] = 0.0
-    if not args.dynamic_sampling or zero_std is None:
+    if zero_std is None:
         return loss_mask, 0
     group_of_row = torch.arange(start, start + len(loss_mask)) // args.num_generations
     loss_mask[zero_std[group_of_row]] = 0.0

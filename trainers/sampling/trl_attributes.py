@@ -1,13 +1,13 @@
 """TRL's public attributes of ``GRPOTrainer`` that user code reads (``trainer.beta``, ``trainer.reward_funcs``,
 ``trainer.vllm_generation``, ...), in one mixin: each reads the config or the part of the trainer that holds it,
-the one place it is kept. The trainer itself (grpo/trainer.py) holds none of them."""
+the one place it is kept. The trainers themselves hold none of them."""
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from trainers.grpo.objectives import off_policy_sequence_mask
-from trainers.grpo.rewards import RewardModel
+from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.sampling.rewards import RewardModel
 
 # TRL's GRPOTrainer copies these GRPOConfig fields onto itself and user code reads them there (trainer.temperature,
 # trainer.beta). Here each reads the config, the one place they are kept. They are read-only: set after
@@ -28,14 +28,22 @@ def _config_attribute(name: str) -> property:
         return getattr(self.args, name)
 
     def refuse(self, value):
-        raise AttributeError(f"GRPOTrainer.{name} reads args.{name}, which the trainer was set up with; set "
-                             f"GRPOConfig({name}=...) before building the trainer.")
+        raise AttributeError(f"{type(self).__name__}.{name} reads args.{name}, which the trainer was set up with; set "
+                             f"{type(self.args).__name__}({name}=...) before building the trainer.")
 
     return property(read, refuse, doc=f"``args.{name}``, as TRL's trainer attribute of that name.")
 
 
 class TRLAttributes:
-    """TRL's ``GRPOTrainer`` attributes (module docstring)."""
+    """TRL's ``GRPOTrainer`` attributes (module docstring). Each subclass reads, of TRL_CONFIG_ATTRIBUTES, those its
+    config has (a field, or a TRL option accepted at TRL's default)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        options = {f.name for f in dataclasses.fields(cls.config_class)} | set(TRL_ONLY_OPTIONS)
+        for name in TRL_CONFIG_ATTRIBUTES:
+            if name in options and name not in cls.__dict__:
+                setattr(cls, name, _config_attribute(name))
 
     @property
     def reward_funcs(self) -> list:
@@ -64,20 +72,6 @@ class TRLAttributes:
         return self.args.chat_template_kwargs or {}
 
     @property
-    def epsilon_low(self) -> float:
-        return self.args.epsilon
-
-    @property
-    def epsilon_high(self) -> float:
-        return self.args.epsilon if self.args.epsilon_high is None else self.args.epsilon_high
-
-    @property
-    def entropy_coef(self) -> float:
-        """The entropy bonus's coefficient now: with use_adaptive_entropy it moves every step, as TRL's does."""
-        control = getattr(self, "entropy_control", None)  # set once training is set up (after_prepare)
-        return control.coef if control is not None else self.args.entropy_coef
-
-    @property
     def eos_token_ids(self) -> list[int]:
         """The ids that end a completion: the tokenizer's EOS first, then the model's own end ids (as TRL)."""
         first = self.processing_class.eos_token_id
@@ -89,18 +83,7 @@ class TRLAttributes:
         ``.vllm_client`` as a server; trainers/generation/vllm_colocate.py, vllm_remote.py); None without."""
         return getattr(self, "_vllm", None)
 
-    @staticmethod
-    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
-                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
-                            off_policy_threshold: float) -> torch.Tensor:
-        """TRL's public helper: DeepSeek-V3.2's off-policy sequence mask, [B, 1] (1 keep, 0 drop), for
-        advantages [B, 1] or [B] and log-probs and mask [B, T] (padding: mask 0). A completion is dropped when its
-        advantage is negative and its mean KL(sampler || policy) over the mask exceeds the threshold; tokens the
-        sampler did not score (NaN) count 0. The loss uses the same function (``off_policy_sequence_mask``)."""
-        return off_policy_sequence_mask(per_token_logps, sampling_per_token_logps, advantages.reshape(-1), mask,
-                                        off_policy_threshold)
-
-    # the log-prob scorer's (trainers/grpo/scoring.py), where tests and scripts read them on the trainer
+    # the log-prob scorer's (trainers/sampling/scoring.py), where tests and scripts read them on the trainer
 
     def policy_logprobs(self, model, batch, **options) -> dict:
         return self.scorer.policy_logprobs(model, batch, **options)
@@ -124,10 +107,3 @@ class TRLAttributes:
         if self.eval_sets:
             return {name: eval_set["eval_given"] for name, eval_set in self.eval_sets.items()}
         return self.eval_given
-
-
-def add_config_attributes(cls: type) -> type:
-    """``cls.<name>`` reads ``args.<name>`` for each of TRL_CONFIG_ATTRIBUTES."""
-    for name in TRL_CONFIG_ATTRIBUTES:
-        setattr(cls, name, _config_attribute(name))
-    return cls

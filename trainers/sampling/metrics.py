@@ -9,11 +9,9 @@ import os
 
 import torch
 
-from trainers.grpo.advantages import nanstd
-from trainers.grpo.objectives import PolicyLoss
-from trainers.grpo.reward_functions import completion_text
 from trainers.logs import logger
-from trainers.stats import Extreme, Stats
+from trainers.sampling.advantages import nanstd
+from trainers.sampling.reward_functions import completion_text
 
 
 def round_metrics(rewards: torch.Tensor, rewards_per_func: torch.Tensor, reward_names: list[str],
@@ -67,24 +65,3 @@ def write_completions(output_dir: str, step: int, records: list[dict], num_to_pr
         prompt = completion_text(r["prompt"]) if not isinstance(r["prompt"], str) else r["prompt"]
         lines.append(f"{r['reward']:7.3f} {r['advantage']:6.2f}  {prompt[-40:]!r} -> {r['completion'][:60]!r}")
     logger.info("completions at step %d:\n%s", step, "\n".join(lines))
-
-
-def policy_loss_stats(policy: PolicyLoss, mask: torch.Tensor, per_completion: bool) -> Stats:
-    """TRL's clip metrics of one micro-batch: the share of clipped tokens (``per_completion``, i.e.
-    importance_sampling_level="sequence": of clipped completions), with its min (low) and max (high) over
-    processes; CISPO's capped share; VESPO's mean weight. mask: [B, T]."""
-    stats: Stats = {}
-    weight = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device) if per_completion else mask
-    if policy.low_clipped is not None:
-        low, high = (policy.low_clipped.float() * weight).sum(), (policy.high_clipped.float() * weight).sum()
-        counted = weight.sum()
-        stats["clip_ratio/low_mean"] = (low, counted)
-        stats["clip_ratio/high_mean"] = (high, counted)
-        stats["clip_ratio/region_mean"] = (low + high, counted)
-        stats["clip_ratio/low_min"] = Extreme(low / counted, "min")  # this micro-batch's ratio, min over processes
-        stats["clip_ratio/high_max"] = Extreme(high / counted, "max")
-    if policy.cispo_clipped is not None:  # TRL's name; SAPO has no clip to count
-        stats["cispo_clip_ratio"] = ((policy.cispo_clipped.float() * weight).sum(), weight.sum())
-    if policy.phi is not None:  # TRL's name: the mean weight over every completion row
-        stats["vespo/phi_seq_mean"] = (policy.phi.sum(), policy.phi.shape[0])
-    return stats

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from trainers.agents.tool_loop import ToolCounts, tool_metrics
-from trainers.grpo.advantages import combine_rewards
-from trainers.grpo.rollout import Scored, logged_names, loss_mask_of
 from trainers.losses import BatchCounts
+from trainers.sampling.advantages import combine_rewards
+from trainers.sampling.rollout import Scored, logged_names, loss_mask_of
 from trainers.stats import Extreme, Stats
 
 
@@ -80,7 +80,7 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     padded = trainer.stage.pad(scored.samples)
     loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
     rollout = padded.rollout(loss_mask, torch.zeros(n)).to(device)
-    if args.reference_kl > 0:
+    if trainer.needs.ref_logps:
         rollout = dataclasses.replace(rollout, ref_logps=trainer.scorer.reference_logprobs(rollout))
     # this batch's own groups; a companion batch, unscored, gets rewards of 0 (it weighs nothing, and reports the
     # same names as the others, which the caller sums over processes)

@@ -34,8 +34,8 @@ import torch
 
 from trainers import distributed as dist
 from trainers.errors import GenerationError, VLLMServerError
-from trainers.grpo.rollout import Sampled, sample_rows
 from trainers.logs import logger
+from trainers.sampling.rollout import Sampled, sample_rows
 
 POLL_SECONDS = 0.5  # how often a waiting side looks at the clock (a stop, a stalled producer)
 

@@ -2,7 +2,7 @@
 built-ins by TRL's names (``think_format_reward``, ``get_soft_overlong_punishment``; trainers/rewards.py re-exports
 them at TRL's ``trl.rewards`` path).
 
-Each follows the reward-function contract (trainers/grpo/rewards.py, which resolves names to these and calls
+Each follows the reward-function contract (trainers/sampling/rewards.py, which resolves names to these and calls
 them): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``. Kept apart from that
 machinery because they are ordinary reward functions, written as a user's would be; ``accuracy_reward`` brings
 its answer extraction and the LaTeX comparison (math_verify, imported on first use).

@@ -7,11 +7,11 @@ environment owns the data. A mixin of GRPOTrainer: what it sets (``train_rows``,
 from __future__ import annotations
 
 from trainers.agents.tool_loop import EMPTY_PROMPT
-from trainers.generation.prompts import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.grpo.reward_functions import accuracy_reward, check_accuracy_references
+from trainers.generation.prompts import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.logs import logger
 from trainers.modeling import context_length
+from trainers.sampling.reward_functions import accuracy_reward, check_accuracy_references
 from trainers.streaming import (
     IndexedBatches,
     PerThread,
@@ -26,7 +26,7 @@ class Placeholder(list):
     """train_dataset=None with an environment_factory: prepare_data makes a round's worth of empty prompts."""
 
 
-class GRPOPrompts:
+class SamplingPrompts:
     """The prompt datasets of a GRPOTrainer (module docstring)."""
 
     @staticmethod
@@ -105,14 +105,14 @@ class GRPOPrompts:
     def _check_budget(self, name: str, prompt_ids: list[list[int]], first: int = 0) -> None:
         """With token_budget, every training prompt plus max_completion_length fits in it (rows counted from
         ``first`` in errors: a chunk of a stream)."""
-        budget = self.args.token_budget
+        budget = self.forward_token_budget
         longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]), default=None)
         if budget is None or longest is None:
             return
         need = len(prompt_ids[longest]) + self.args.max_completion_length
         if need > budget:
             raise ConfigError(
-                f"GRPOConfig: token_budget={budget} cannot hold {name} row {first + longest} (its prompt has "
+                f"{type(self.args).__name__}: token_budget={budget} cannot hold {name} row {first + longest} (its prompt has "
                 f"{len(prompt_ids[longest])} tokens) with max_completion_length={self.args.max_completion_length} "
                 f"tokens of completion: set token_budget >= {need}.")
 

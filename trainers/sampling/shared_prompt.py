@@ -123,7 +123,7 @@ def shared_prompt_logprobs(
     decides.
 
     prompt_ids, prompt_mask: [B, P] left-padded. completion_ids, completion_attention: [B, C] right-padded.
-    prompt_group: [B], each row's distinct prompt numbered 0..U-1 (trainers/grpo/batch.py ``prompt_groups``):
+    prompt_group: [B], each row's distinct prompt numbered 0..U-1 (trainers/sampling/batch.py ``prompt_groups``):
     rows of one group hold the same prompt; ``groups``: the same as host integers (a micro-batch's
     ``widths.groups``), else read from ``prompt_group``. Returns tensors of shape [B, C], or None when no two rows
     share a prompt or the model's gradient checkpoints would lose the cache (``_replayed_layers``): use

@@ -1,7 +1,7 @@
-"""The generation backend of a GRPOTrainer, from its choice to its close: which backend samples
+"""The generation backend of a sampling trainer, from its choice to its close: which backend samples
 (``_choose_backend``), asynchronous generation over it (``_generate_asynchronously``, ``_generate_ahead``:
-trainers/grpo/async_rounds.py), and its lifetime (closed when train() ends, a run stopped by a failed server or
-producer with a checkpoint). A mixin of GRPOTrainer (grpo/trainer.py), as grpo/prompts.py is."""
+trainers/sampling/async_rounds.py), and its lifetime (closed when train() ends, a run stopped by a failed server or
+producer with a checkpoint). A mixin of SamplingTrainer (sampling/trainer.py), as sampling/prompts.py is."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from trainers.generation.backend import Backend, BackendInputs, PolicyBackend, b
 from trainers.generation.sampling import GenerationContext
 from trainers.generation.user_rollout import RolloutFuncBackend
 from trainers.generation.vllm_common import VLLMBackend
-from trainers.grpo.async_rounds import AsyncRounds, ReadAhead, Work
 from trainers.logs import logger
+from trainers.sampling.async_rounds import AsyncRounds, ReadAhead, Work
 
 
 class GenerationLifetime:
@@ -48,13 +48,14 @@ class GenerationLifetime:
         self.async_rounds = AsyncRounds(backend, twin, self.processing_class, self.eos_ids, self.sampling,
                                         self.accelerator, args)
         self.prompt_batches = ReadAhead(self.prompt_batches)
-        if not args.vllm_importance_sampling_correction and self.accelerator.is_main_process:
-            logger.warning("async_generation=True with vllm_importance_sampling_correction=False: the lag of "
-                           "rounds sampled with older weights is not corrected.")
+        if self.needs.importance is None and self.accelerator.is_main_process:
+            logger.warning(f"async_generation=True without an importance-sampling correction "
+                           f"({type(self).__name__}; GRPO's vllm_importance_sampling_correction=True has one): the "
+                           f"lag of rounds sampled with older weights is not corrected.")
         return self.async_rounds
 
     def _generate_ahead(self, step: int, needed: list[int]) -> None:
-        """async_generation (trainers/grpo/async_rounds.py): the weight sync when this step is due one, then the
+        """async_generation (trainers/sampling/async_rounds.py): the weight sync when this step is due one, then the
         rounds up to the horizon fed to the producer (read in order; the first run's from the rounds this step
         still needs)."""
         pipeline = self.async_rounds

@@ -1,6 +1,6 @@
 """Reward functions: the contract, resolving a spec (a callable, a built-in's name, ``module:function``, a reward
 model) to one, reward models used as reward functions, and calling them all on a batch of completions. The built-in
-rewards themselves are in trainers/grpo/reward_functions.py.
+rewards themselves are in trainers/sampling/reward_functions.py.
 
 The contract (TRL's): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, one value
 per completion. ``prompts``/``completions`` are strings, or lists of messages for conversational data; every
@@ -26,14 +26,14 @@ import torch
 
 from trainers.agents.runner import EventLoopThread
 from trainers.errors import ConfigError, ModelLoadError, RewardFunctionError
-from trainers.grpo.reward_functions import (
+from trainers.logs import logger
+from trainers.modeling import check_model_path
+from trainers.sampling.reward_functions import (
     BUILTIN_REWARDS,
     accuracy_reward,
     format_reward,
     soft_overlong_penalty,
 )
-from trainers.logs import logger
-from trainers.modeling import check_model_path
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reward models
@@ -298,7 +298,7 @@ def call_rewards(rewards: list[Reward], prompts: list, completions: list, comple
     unscorable = torch.isnan(scores).all(dim=1)  # [N]
     if unscorable.any():
         # TRL's warning, worded as TRL's, naming the first such sample. Its reward stays NaN: left out of its
-        # group's mean and std, advantage 0 (trainers/grpo/advantages.py), as in TRL.
+        # group's mean and std, advantage 0 (trainers/sampling/advantages.py), as in TRL.
         index = int(unscorable.nonzero()[0])
         sample = {key: values[index] for key, values in columns.items()}
         sample["prompt"], sample["completion"] = prompts[index], completions[index]

@@ -111,7 +111,7 @@ class AdvantageInputs:
     rewards_per_func: torch.Tensor  # [G, F] (NaN: a function's "not applicable"), groups of num_generations
     weights: torch.Tensor  # [F] reward_weights
     num_generations: int
-    rollout: Any  # this process's Rollout (trainers/grpo/batch.py): its rows, masks and log-probs
+    rollout: Any  # this process's Rollout (trainers/sampling/batch.py): its rows, masks and log-probs
     accelerator: Any
     # True: rewards_per_func holds every process's rows and every process calls the estimator together; False:
     # this process's evaluation batch alone (whole groups), no collectives

@@ -1,11 +1,11 @@
 """The typed records a GRPO round travels in: ``Rollout`` (one generation round's rows on this process, built by
-the rollout stage, trainers/grpo/rollout.py) and ``MicroBatch`` (the slice of it one forward/backward trains on).
+the rollout stage, trainers/sampling/rollout.py) and ``MicroBatch`` (the slice of it one forward/backward trains on).
 
 A round is sampled and scored once and then serves ``steps_per_generation`` micro-steps, ``num_iterations``
 times over; each micro-batch is a contiguous slice with its all-padding columns trimmed, or, with
 token_budget, a group of a step's rows of at most that many tokens (``budget_groups``). Rows that share a
 prompt are known from the start (``prompt_groups``) and carried on both records, so the shared prompt forward
-(trainers/grpo/shared_prompt.py) needs no search for them.
+(trainers/sampling/shared_prompt.py) needs no search for them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RowWidths:
         return [span + length for span, length in zip(self.prompt_spans, self.completion_lengths)]
 
     def counts(self) -> tuple[int, int]:
-        """What a padding-free forward of these rows keeps and scores (trainers/grpo/packed_forward.py): (real
+        """What a padding-free forward of these rows keeps and scores (trainers/sampling/packed_forward.py): (real
         tokens, completion tokens predicted from a real position: all but the first of a row without prompt
         tokens)."""
         unpredicted = sum(1 for span, length in zip(self.prompt_spans, self.completion_lengths) if not span and length)

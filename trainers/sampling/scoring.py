@@ -1,37 +1,43 @@
-"""GRPO's log-prob scorer: the policy's, the old and the reference log-probs of a round's completions, in one
+"""The sampling trainers' log-prob scorer: the policy's, the old and the reference log-probs of a round's completions, in one
 place (``LogProbScorer``). The rollout stage asks it for old and reference log-probs; the loss for the policy's,
 with the rows that cannot have a gradient left out of the backward (``training_forward``)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
 from trainers import distributed as dist
 from trainers.generation import engine
-from trainers.grpo.batch import MicroBatch, RoundPart, Rollout, RowRole, budget_groups
-from trainers.grpo.objectives import FOLDS_SAMPLER_WEIGHTS
-from trainers.grpo.packed_forward import packed_logprobs
-from trainers.grpo.shared_prompt import shared_prompt_logprobs
 from trainers.modeling import token_logprobs
 from trainers.output_head import plan_head
+from trainers.sampling.batch import MicroBatch, Rollout, RoundPart, RowRole, budget_groups
+from trainers.sampling.packed_forward import packed_logprobs
+from trainers.sampling.shared_prompt import shared_prompt_logprobs
 
 
 class LogProbScorer:
     """Per-token log-probs of completions under the policy (``wrapped``: what trains it; ``policy``: unwrapped)
     or the reference (``reference``: a prepared copy; None with PEFT, where it is the policy with its adapters
-    off). ``batch_size``: rows per forward (per_device_train_batch_size); ``entropy_bonus``: whether the loss
-    has one (its rows all have a gradient); ``router_aux_loss_coef``: an MoE router loss's weight (0: none)."""
+    off). ``batch_size``: rows per forward (per_device_train_batch_size); ``temperature``: the logits' divisor.
+    The policy-gradient trainers' forward options: ``padding_free`` (one packed row per forward), ``token_budget``
+    (scoring forwards of at most that many tokens), ``skip_zero_gradient_rows``; and what their loss has, which
+    decides which rows have no gradient: ``kl_in_loss`` (beta > 0), ``entropy_bonus``, ``folds_sampler_weights``
+    (an objective whose loss is not a multiple of the sampler's importance weights, GRPO's vespo);
+    ``router_aux_loss_coef``: an MoE router loss's weight (0: none)."""
 
-    def __init__(self, accelerator, args: Any, policy: torch.nn.Module, wrapped: torch.nn.Module,
-                 reference: torch.nn.Module | None, batch_size: int, entropy_bonus: bool,
-                 router_aux_loss_coef: float):
-        self.accelerator, self.args = accelerator, args
+    def __init__(self, accelerator, policy: torch.nn.Module, wrapped: torch.nn.Module,
+                 reference: torch.nn.Module | None, batch_size: int, *, temperature: float,
+                 router_aux_loss_coef: float = 0.0, padding_free: bool = False, token_budget: int | None = None,
+                 skip_zero_gradient_rows: bool = False, kl_in_loss: bool = False, entropy_bonus: bool = False,
+                 folds_sampler_weights: bool = False):
+        self.accelerator = accelerator
         self.policy, self.wrapped, self.reference = policy, wrapped, reference
-        self.batch_size, self.entropy_bonus = batch_size, entropy_bonus
+        self.batch_size, self.temperature = batch_size, temperature
         self.router_aux_loss_coef = router_aux_loss_coef
+        self.padding_free, self.token_budget, self.skip_rows = padding_free, token_budget, skip_zero_gradient_rows
+        self.kl_in_loss, self.entropy_bonus, self.folds_sampler_weights = kl_in_loss, entropy_bonus, folds_sampler_weights
 
     @functools.cached_property
     def shares_prompt_forward(self) -> bool:
@@ -50,7 +56,7 @@ class LogProbScorer:
         """skip_zero_gradient_rows where it holds: not where forwards are collective (ZeRO-3, FSDP, DDP with
         ddp_broadcast_buffers=True: the extra forward runs on some processes only), nor with an MoE router loss
         (every row's routing counts in it)."""
-        return (self.args.skip_zero_gradient_rows and not dist.forwards_are_collective(self.accelerator, self.wrapped)
+        return (self.skip_rows and not dist.forwards_are_collective(self.accelerator, self.wrapped)
                 and not self.router_aux_loss_coef)
 
     def policy_logprobs(self, model, batch: MicroBatch, with_entropy: bool = False, with_router_loss: bool = False,
@@ -61,15 +67,15 @@ class LogProbScorer:
         prompt share its forward where that holds (``shares_prompt_forward``)."""
         # padding_free packs every forward. plan_head is None only where the trainer could not check the head
         # before training (a LoRA head sharded by ZeRO-3); the padded forward below gives the same log-probs.
-        plan = plan_head(model) if self.args.padding_free else None
+        plan = plan_head(model) if self.padding_free else None
         widths = getattr(batch, "widths", None)  # host integers read once per round (RowWidths), if it has them
         if plan is not None:
             return packed_logprobs(model, plan, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_attention, self.args.temperature, with_entropy, entropy_grad,
+                                   batch.completion_attention, self.temperature, with_entropy, entropy_grad,
                                    with_router_loss, counts=None if widths is None else widths.counts())
         if self.shares_prompt_forward:
             out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                         batch.completion_attention, batch.prompt_group, self.args.temperature,
+                                         batch.completion_attention, batch.prompt_group, self.temperature,
                                          with_entropy, entropy_grad,
                                          groups=None if widths is None else widths.groups)
             if out is not None:  # None: no two rows of this micro-batch share a prompt
@@ -77,7 +83,7 @@ class LogProbScorer:
         input_ids, attention_mask, position_ids = batch.model_inputs()
         # every target is a completion token (>= 0, padding included): the head keeps them all, without reading
         return token_logprobs(model, input_ids, batch.completion_ids, attention_mask, position_ids,
-                              temperature=self.args.temperature, logits_to_keep=batch.completion_ids.shape[1],
+                              temperature=self.temperature, logits_to_keep=batch.completion_ids.shape[1],
                               with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad,
                               kept=batch.completion_ids.numel())
 
@@ -86,11 +92,11 @@ class LogProbScorer:
         token_budget, of at most that many tokens: ``budget_groups``): [N, C]."""
         out = torch.zeros_like(rollout.loss_mask)
         rows = range(rollout.loss_mask.shape[0])
-        if self.args.token_budget is None:
+        if self.token_budget is None:
             groups = [list(rows[start:start + self.batch_size]) for start in range(0, len(rows), self.batch_size)]
         else:
             groups = [group for _, group in budget_groups(self.accelerator, [RoundPart(rollout, rows)],
-                                                          self.args.token_budget)]
+                                                          self.token_budget)]
         for group in groups:
             logps = self.policy_logprobs(model, rollout.micro_batch_of(group))["logps"]  # [b, c]
             out[group, : logps.shape[1]] = logps
@@ -156,9 +162,9 @@ class LogProbScorer:
         mask = batch.loss_mask  # [B, C]
         silent = mask.sum(-1) == 0  # [B]: no loss tokens
         idle = silent.clone()  # [B]: rows whose loss gradient is zero
-        if self.args.reference_kl == 0 and not self.entropy_bonus:
+        if not self.kl_in_loss and not self.entropy_bonus:
             idle |= batch.advantages == 0
-            if batch.sampler_weights is not None and self.args.loss_type not in FOLDS_SAMPLER_WEIGHTS:
+            if batch.sampler_weights is not None and not self.folds_sampler_weights:
                 idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction
         roles = torch.full_like(silent, RowRole.TRAINED, dtype=torch.long)  # [B]
         return roles.masked_fill(idle, RowRole.NO_GRADIENT).masked_fill(silent, RowRole.NO_LOSS).tolist()

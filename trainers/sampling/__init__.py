@@ -1,0 +1,1 @@
+"""The sampling base: what every trainer that learns from its own samples shares (GRPO, RLOO, distillation)."""

@@ -1,0 +1,109 @@
+"""PolicyGradientTrainer: what GRPO and RLOO add to the sampling base (sampling/trainer.py), as
+PolicyGradientConfig adds it to SamplingConfig: reward weights, a frozen reference model for the KL (``beta`` > 0;
+with PEFT the policy with its adapters off) that sync_ref_model moves toward the policy, the policy's forwards
+(padding_free, token_budget, skip_zero_gradient_rows), and the health rules on rewards, KL and exploration.
+Each of GRPO and RLOO adds its advantage estimator and its loss; neither is the other's subclass."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from trainers import distributed as dist
+from trainers import health
+from trainers.errors import ConfigError
+from trainers.modeling import cast_lm_head_to_fp32, load_causal_lm
+from trainers.output_head import plan_head
+from trainers.sampling import health as policy_health
+from trainers.sampling.config import PolicyGradientConfig
+from trainers.sampling.resume import load_reference_state, save_reference_state
+from trainers.sampling.rollout import RoundNeeds
+from trainers.sampling.scoring import LogProbScorer
+from trainers.sampling.trainer import SamplingTrainer
+
+
+class PolicyGradientTrainer(SamplingTrainer):
+    """The sampling base with rewards, a reference model and the policy's forward options (module docstring)."""
+
+    config_class = PolicyGradientConfig
+    HEALTH_RULES = policy_health.RULES + health.RULES  # reward variance, entropy, truncation, length, KL; non-finite
+
+    def __init__(self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                 reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
+                 rollout_func, environment_factory):
+        if peft_config is not None and getattr(args, "sync_ref_model", False):
+            raise ConfigError(f"{type(args).__name__}: `sync_ref_model=True` does not work with a PEFT model (as in "
+                              f"TRL): its reference is the base model with the adapters off, not a copy to move.")
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
+                         quantization_config, peft_config, reward_funcs=reward_funcs,
+                         reward_processing_classes=reward_processing_classes, tools=tools, rollout_func=rollout_func,
+                         environment_factory=environment_factory)
+
+    def round_needs(self) -> RoundNeeds:
+        """The reference log-probs with a KL (beta > 0); dynamic_sampling's dropped groups."""
+        return dataclasses.replace(super().round_needs(), ref_logps=self.args.beta > 0,
+                                   dynamic_sampling=self.args.dynamic_sampling)
+
+    def reward_weights_given(self) -> list[float] | None:
+        return self.args.reward_weights
+
+    @property
+    def forward_token_budget(self) -> int | None:
+        return self.args.token_budget
+
+    def build_scorer(self, **loss) -> LogProbScorer:
+        """``loss``: what the algorithm's loss adds (GRPO: an entropy bonus, objectives that fold the sampler's
+        weights in)."""
+        args = self.args
+        return self.scorer_class(self.accelerator, self.unwrapped_model, self.model_wrapped, self.ref_model,
+                             self.per_process_train_batch_size, temperature=args.temperature,
+                             router_aux_loss_coef=self.router_aux_loss_coef, padding_free=args.padding_free,
+                             token_budget=args.token_budget, skip_zero_gradient_rows=args.skip_zero_gradient_rows,
+                             kl_in_loss=args.beta > 0, **loss)
+
+    def after_load(self, model) -> None:
+        super().after_load(model)
+        args = self.args
+        if args.padding_free and plan_head(model) is None:
+            raise ConfigError(
+                f"{type(args).__name__}.padding_free=True needs an output head the chunked head computes "
+                f"(trainers/output_head.py); {type(getattr(model, 'module', model)).__name__}'s is not one (its "
+                f"logits are scaled or soft-capped after the head, a hook watches the head, or a PEFT adapter on it "
+                f"is not plain LoRA). Set padding_free=False.")
+        if args.beta > 0 and not self.is_peft:  # with PEFT the reference: the base model, adapters off
+            source = self._model_source
+            self.ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
+                              if isinstance(source, str) else copy.deepcopy(model))
+            if args.cast_lm_head_to_fp32 and isinstance(source, str):  # a deep copy has it already
+                cast_lm_head_to_fp32(self.ref_model)
+
+    def after_prepare(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model = dist.prepare_frozen(self.accelerator, self.ref_model)
+        super().after_prepare()
+
+    def after_optimizer_step(self, metrics: dict) -> None:
+        """With sync_ref_model, every ref_model_sync_steps steps, the reference moved toward the policy (TRL's
+        SyncRefModelCallback), so later rounds' KL is to the moved reference."""
+        super().after_optimizer_step(metrics)
+        args = self.args
+        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:  # the step just done
+            dist.mix_parameters(self.accelerator, self.unwrapped_model, self.ref_model, args.ref_model_mixup_alpha)
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.args.epsilon
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.args.clip_high
+
+    def save_extra_state(self, folder: str) -> None:
+        super().save_extra_state(folder)
+        if self.args.sync_ref_model:  # the moved reference is not the model it was loaded from: keep it
+            save_reference_state(folder, self.accelerator, self.ref_model)
+
+    def load_extra_state(self, folder: str) -> None:
+        super().load_extra_state(folder)
+        if self.args.sync_ref_model:
+            load_reference_state(folder, self.accelerator, self.ref_model)
