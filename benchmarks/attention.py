@@ -1,6 +1,6 @@
 """SDPA attention alone, forward + backward, as the small model's training forward calls it (CPU): the bf16
 flash kernel, the bf16 math kernel, and the flash kernel on float32 copies of bf16 inputs (what
-``trainers/host.py`` runs under bf16 autocast), at several sequence lengths. Median of 8 after 3 warm-ups.
+``trainers/parallel/host.py`` runs under bf16 autocast), at several sequence lengths. Median of 8 after 3 warm-ups.
 
     python benchmarks/attention.py
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainers.host import keep_host_memory  # noqa: E402  (as the trainers run)
+from trainers.parallel.host import keep_host_memory  # noqa: E402  (as the trainers run)
 
 
 def median_ms(fn, repeats: int = 8) -> float:

@@ -135,7 +135,7 @@ def part_head(device: str, out: str) -> dict:
     The Qwen2.5-0.5B shape (V 151,936, H 896) over 2,048 positions on CUDA; small on CPU."""
     import torch
 
-    from trainers.output_head import (chunk_bytes_for, chunk_positions, chunked_head_scores,
+    from trainers.model.output_head import (chunk_bytes_for, chunk_positions, chunked_head_scores,
                                       low_precision_weight_grad)
 
     cuda = device == "cuda"

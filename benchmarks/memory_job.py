@@ -16,7 +16,7 @@ import torch
 
 from memory_probe import live_tensor_bytes, model_state_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers.distributed import zero_stage
+from trainers.parallel.distributed import zero_stage
 
 GB = 1024 ** 3
 

@@ -1,6 +1,6 @@
 """Two CPU hot paths that issue 59 touched, timed alone (one thread): slicing a 256-row GRPO round into 8-row
 micro-batches (trainers/sampling/batch.py, from host widths) and the chunked output head's forward and backward at
-V 32,768, H 256, 512 positions (trainers/output_head.py). Run it from two checkouts to compare:
+V 32,768, H 256, 512 positions (trainers/model/output_head.py). Run it from two checkouts to compare:
 
     PYTHONPATH=. python benchmarks/slicing_and_head.py
 """
@@ -10,7 +10,7 @@ import time
 import torch
 
 from trainers.sampling.batch import Rollout
-from trainers.output_head import chunked_head_scores
+from trainers.model.output_head import chunked_head_scores
 
 
 def ragged_round(rows: int = 256, prompt: int = 64, completion: int = 256) -> Rollout:

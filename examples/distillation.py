@@ -21,7 +21,7 @@ import os
 from trainers import DistillationConfig, DistillationTrainer
 from trainers.cli.argparsing import add_config_arguments, config_overrides
 from trainers.cli.tiny import embedded_default, embedded_rows
-from trainers.data import load_dataset_file
+from trainers.data.formats import load_dataset_file
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ import argparse
 import os
 
 from trainers import RewardConfig, RewardTrainer
-from trainers.data import load_dataset_file
+from trainers.data.formats import load_dataset_file
 from trainers.cli.argparsing import add_config_arguments, config_overrides
 from trainers.cli.tiny import embedded_default, embedded_rows
 

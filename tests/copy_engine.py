@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.generation.backend import register_backend
 from trainers.generation.sampling import Samples, ended
 

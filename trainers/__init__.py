@@ -1,6 +1,6 @@
 """trainers: lean RL and supervised fine-tuning for language models, with TRL's names and contracts.
 
-The names below are imported on first use (PEP 562), so that ``import trainers.distributed`` or the CLI's
+The names below are imported on first use (PEP 562), so that ``import trainers.parallel.distributed`` or the CLI's
 ``trainers vllm-serve`` (every launched worker, every server start) does not pay for transformers, peft and all
 nine trainers (~4 s of a 2-core host's start-up) before it needs them. ``from trainers import GRPOTrainer`` and
 ``trainers.GRPOTrainer`` work as with eager imports."""
@@ -8,14 +8,14 @@ nine trainers (~4 s of a 2-core host's start-up) before it needs them. ``from tr
 import importlib
 from typing import TYPE_CHECKING
 
-# Eager, and light (torch and Accelerate, no transformers): it registers the fork hook that releases OpenMP's
-# threads before accelerate's notebook_launcher forks, so `import trainers` in a notebook is what makes that safe
+# Eager, and light (torch, no transformers): it registers the fork hook that releases OpenMP's threads before
+# accelerate's notebook_launcher forks, so `import trainers` in a notebook is what makes that safe
 # (docs/distributed.md).
-from trainers import distributed as _distributed  # noqa: F401
+from trainers.parallel import notebook_fork as _notebook_fork  # noqa: F401
 
 # each exported name -> the module that defines it
 _EXPORTS = {
-    "TrainingConfig": "trainers.configs",
+    "TrainingConfig": "trainers.config.training",
     "ConfigError": "trainers.errors",
     "DistillationConfig": "trainers.distillation", "DistillationTrainer": "trainers.distillation",
     "DPOConfig": "trainers.dpo", "DPOTrainer": "trainers.dpo",
@@ -43,7 +43,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
-    from trainers.configs import TrainingConfig  # noqa: F401
+    from trainers.config.training import TrainingConfig  # noqa: F401
     from trainers.distillation import DistillationConfig, DistillationTrainer  # noqa: F401
     from trainers.dpo import DPOConfig, DPOTrainer  # noqa: F401
     from trainers.errors import ConfigError  # noqa: F401

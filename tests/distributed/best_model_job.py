@@ -10,7 +10,7 @@ import sys
 import torch
 
 from trainers import SFTConfig, SFTTrainer
-from trainers.distributed import gathered_parameters
+from trainers.parallel.distributed import gathered_parameters
 from trainers.errors import ConfigError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 

@@ -12,7 +12,7 @@ output_dir/RUN/report-<rank>.json. The SFT runs train 3 steps under DDP with tra
                 fails with a DistributedError, which the report holds. Runs after it were seen to work, but its
                 failed step leaves that DDP's reducer mid-step: it goes last, so nothing depends on that.
   unused-found  the same parameter, with ddp_find_unused_parameters=True: training runs.
-  extremes      no model: trainers.stats.reduce_extremes over the 2 processes; the report is what it returned.
+  extremes      no model: trainers.loop.stats.reduce_extremes over the 2 processes; the report is what it returned.
 """
 
 import json
@@ -23,10 +23,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trainers import SFTConfig, SFTTrainer
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 from trainers.errors import DistributedError
-from trainers.stats import Extreme, reduce_extremes
+from trainers.loop.stats import Extreme, reduce_extremes
 
 RUNS = {  # name -> the SFTConfig fields it sets
     "options": dict(ddp_find_unused_parameters=True, ddp_bucket_cap_mb=1, ddp_broadcast_buffers=False,

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from trainers import DistillationConfig, DistillationTrainer
-from trainers.distributed import gathered_parameters, zero_stage
+from trainers.parallel.distributed import gathered_parameters, zero_stage
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
 from tests.conftest import noisy_model  # noqa: E402

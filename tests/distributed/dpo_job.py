@@ -21,7 +21,7 @@ import sys
 import torch
 
 from trainers import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
-from trainers.distributed import gathered_parameters, unwrap, zero_stage
+from trainers.parallel.distributed import gathered_parameters, unwrap, zero_stage
 
 
 def digits_over_letters(n: int, seed: int) -> list[dict]:

@@ -19,13 +19,13 @@ import torch
 import trainers.sampling.scoring
 import trainers.grpo.trainer
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.distributed import gathered_parameters, zero_stage
+from trainers.parallel.distributed import gathered_parameters, zero_stage
 from trainers.grpo import objectives
 from trainers.sampling.rewards import RewardLogs
 from trainers.sampling.rollout import decode
 from trainers.sampling.scoring import LogProbScorer
 from trainers.generation.sampling import Samples
-from trainers.samplers import group_slots
+from trainers.data.samplers import group_slots
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests.conftest
 from tests.conftest import MicroBatches, Rounds  # noqa: E402

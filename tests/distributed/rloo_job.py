@@ -14,7 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 from trainers import RLOOConfig, RLOOTrainer
-from trainers.distributed import gathered_parameters, zero_stage
+from trainers.parallel.distributed import gathered_parameters, zero_stage
 from trainers.rloo.objective import sequence_kl
 
 

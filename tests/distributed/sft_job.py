@@ -28,7 +28,7 @@ import sys
 import torch
 
 from trainers import SFTConfig, SFTTrainer
-from trainers.distributed import gathered_parameters, zero_stage
+from trainers.parallel.distributed import gathered_parameters, zero_stage
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 RUNS = {  # name -> per_device, accumulation, optimizer ("sgd"), model (a folder) and SFTConfig fields it changes

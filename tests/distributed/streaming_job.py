@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-import trainers.streaming
+import trainers.data.streaming
 from trainers import SFTConfig, SFTTrainer
-from trainers.distributed import gathered_parameters
+from trainers.parallel.distributed import gathered_parameters
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 ROWS = as_sft_rows(reverse_digits_rows(20, seed=1))  # distinct rows; 2 global batches of 8 span a pass
@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(cli: argparse.Namespace) -> SFTTrainer:
     with contextlib.ExitStack() as patches:  # this run's hooks, undone before the next run
-        patches.enter_context(mock.patch.object(trainers.streaming, "CHUNK_ROWS", 7))  # batches span chunks
+        patches.enter_context(mock.patch.object(trainers.data.streaming, "CHUNK_ROWS", 7))  # batches span chunks
         stream = Dataset.from_list(ROWS).to_iterable_dataset(num_shards=2).shuffle(seed=3, buffer_size=6)
         args = SFTConfig(output_dir=cli.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=cli.total, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=3,

@@ -1,9 +1,9 @@
 """Two processes over gloo exit with status 0 right after their last collective.
 
-Without the exit hook in ``trainers.distributed`` a gloo worker thread can still be freeing the last
+Without the exit hook in ``trainers.parallel.distributed`` a gloo worker thread can still be freeing the last
 all-reduce's tensors (which needs the GIL) when the interpreter shuts down, and the process aborts with
 "terminate called without an active exception". Measured here: 2 aborts in 10 such pairs without the hook
-(7 in 10 with a bare ``init_process_group``), 0 in 10 with it; again since ``import trainers.distributed`` loads
+(7 in 10 with a bare ``init_process_group``), 0 in 10 with it; again since ``import trainers.parallel.distributed`` loads
 no transformers (2.3 s a process instead of 6.7): 3 of 20 pairs aborted without the hook, 0 of 12 with it.
 Sixteen pairs make a missing hook show with probability about 0.93."""
 
@@ -17,7 +17,7 @@ from tests.conftest import REPO, free_port
 
 JOB = """
 import torch, torch.distributed as dist
-from trainers.distributed import build_accelerator
+from trainers.parallel.distributed import build_accelerator
 build_accelerator(gradient_accumulation_steps=1)
 x = torch.ones(1000)
 for _ in range(3):

@@ -20,7 +20,7 @@ import torch
 from transformers import TrainerCallback
 
 from trainers import GRPOConfig, GRPOTrainer
-from trainers.distributed import gathered_parameters, zero_stage
+from trainers.parallel.distributed import gathered_parameters, zero_stage
 from trainers.generation.backend import PolicyBackend, register_backend
 from trainers.generation.sampling import Samples
 from trainers.cli.tiny import build_tokenizer

@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-import trainers.streaming
+import trainers.data.streaming
 from tests.conftest import digits, step_records
 from tests.copy_engine import CopyEngine
 from trainers import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
@@ -158,7 +158,7 @@ def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_
 def test_each_prompt_is_used_once_per_epoch(tiny_model_dir, tmp_path, monkeypatch, stream):
     """Bound 2, 16 prompts, 2 per round: each of the 16 prompts is trained on num_generations times per epoch
     (8 steps), none lost or repeated though rounds are read and sampled ahead; a stream's too."""
-    monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(trainers.data.streaming, "CHUNK_ROWS", 3)
     reward = Prompts()
     dataset = Dataset.from_list(PROMPTS).to_iterable_dataset() if stream else PROMPTS
     train(tiny_model_dir, config(tmp_path, async_generation=True, max_staleness=2, max_steps=16), dataset, reward)
@@ -171,7 +171,7 @@ def test_each_prompt_is_used_once_per_epoch(tiny_model_dir, tmp_path, monkeypatc
 def test_a_resumed_run_continues_the_data_where_the_trained_steps_ended(tiny_model_dir, tmp_path, monkeypatch):
     """A streamed dataset, bound 2, a checkpoint at step 3 while rounds for steps 4-5 were already read and sampled:
     the resumed run discards them and trains steps 4-6 on the prompts the uninterrupted run trained them on."""
-    monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(trainers.data.streaming, "CHUNK_ROWS", 3)
 
     def stream():
         return Dataset.from_list(PROMPTS).to_iterable_dataset()

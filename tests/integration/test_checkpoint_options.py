@@ -12,7 +12,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-import trainers.base
+import trainers.loop.base
 from tests.conftest import step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError
@@ -196,7 +196,7 @@ def test_data_seed_sets_the_data_order_apart_from_seed(tiny_model_dir, tmp_path)
 
 def test_torch_empty_cache_steps_clears_the_cache_every_n_steps(tiny_model_dir, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(trainers.base, "clear_device_cache", lambda: calls.append(1))
+    monkeypatch.setattr(trainers.loop.base, "clear_device_cache", lambda: calls.append(1))
     trainer = SFTTrainer(model=tiny_model_dir, args=config(tmp_path, max_steps=5, torch_empty_cache_steps=2),
                          train_dataset=ROWS)
     trainer.train()

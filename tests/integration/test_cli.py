@@ -154,7 +154,7 @@ def test_env_shows_versions_devices_and_a_template():
 
 
 def test_a_trl_only_option_in_a_yaml_is_accepted_at_trls_default_only(tmp_path):
-    from trainers._trl_options import TRL_ONLY_OPTIONS
+    from trainers.config.trl_options import TRL_ONLY_OPTIONS
 
     config = tmp_path / "run.yaml"
     config.write_text("auto_find_batch_size: false\n")

@@ -13,7 +13,7 @@ from tests.conftest import step_records
 from tests.floats import FLOAT32_REL, FLOAT32_REL_EXP, FLOAT64_REL, SAME_HOST_REL, assert_trained_alike
 from trainers import DPOConfig, DPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.losses import BatchCounts
+from trainers.model.losses import BatchCounts
 
 try:
     import trl

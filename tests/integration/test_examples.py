@@ -49,7 +49,7 @@ def test_distillation_example_on_its_embedded_default_and_with_a_local_file(tiny
 
 
 def test_grpo_example_names_a_missing_dataset(tiny_model_dir, tmp_path):
-    from trainers.data import DatasetFormatError
+    from trainers.data.formats import DatasetFormatError
 
     with pytest.raises(DatasetFormatError, match="--dataset '.*nope.jsonl' does not exist"):
         load_example("grpo").main(["--model", tiny_model_dir, "--dataset", str(tmp_path / "nope.jsonl")])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.tiers import examples
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, TrainersError
 
 VALUES = st.one_of(

@@ -201,7 +201,7 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
     one_per_row = saved_bf16_weights(False)
     assert not shared_prompt_calls
     # every matrix but the embedding (a lookup, not cast); the tied output head, which is the embedding's weight,
-    # is not kept cast either: the chunked head (trainers/output_head.py) keeps the float32 weight for backward
+    # is not kept cast either: the chunked head (trainers/model/output_head.py) keeps the float32 weight for backward
     assert one_per_row == len(matrices) - 1
     assert saved_bf16_weights(True) == one_per_row
     assert shared_prompt_calls == [True]  # it did share
@@ -366,7 +366,7 @@ def test_clip_ratio_min_and_max_are_the_micro_batch_ratios(tiny_model_dir, tmp_p
 def test_use_bias_correction_kl_changes_the_gradient_not_the_value(tiny_model_dir, tmp_path):
     """TRL's use_bias_correction_kl: the KL term times the importance ratio. On policy the ratio is 1, so the
     loss is the same, but the ratio's own gradient makes the KL gradient the unbiased reverse-KL one."""
-    from trainers.losses import BatchCounts
+    from trainers.model.losses import BatchCounts
 
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
                           args=config(tmp_path, beta=0.5, per_device_train_batch_size=8))

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from tests.conftest import REPO, step_records
 from tests.integration.test_resume import assert_identical, final_weights, run
 from trainers import SFTConfig, SFTTrainer
-from trainers.checkpoint import resolve_resume_path, rotate_checkpoints
+from trainers.loop.checkpoint import resolve_resume_path, rotate_checkpoints
 from trainers.errors import CheckpointError, NonFiniteError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 

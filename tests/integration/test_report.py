@@ -86,7 +86,7 @@ def test_html_shows_the_best_and_worst_completions(grpo_run, report):
 
 def test_health_warnings_in_the_page_are_the_monitors(grpo_run, report):
     from trainers.grpo.trainer import GRPOTrainer
-    from trainers.health import HealthMonitor
+    from trainers.loop.health import HealthMonitor
     from trainers.cli.report import read_jsonl
 
     page = read_text(report["html"])

@@ -13,7 +13,7 @@ from tests.floats import FLOAT32_REL, FLOAT64_REL, SAME_HOST_REL
 from trainers import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.sampling.rewards import load_reward_model
-from trainers.losses import BatchCounts
+from trainers.model.losses import BatchCounts
 
 try:
     import trl

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-import trainers.base
-import trainers.configs
+import trainers.loop.base
+import trainers.config.training
 from tests.conftest import step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError, DistributedError
@@ -163,11 +163,11 @@ def test_tf32_is_refused_without_a_gpu_for_it_and_set_where_there_is_one(tiny_mo
     with pytest.raises(ConfigError, match=r"`tf32=True`.*Ampere"):
         SFTConfig(tf32=True)
     calls = []
-    monkeypatch.setattr(trainers.base, "enable_tf32", calls.append)
+    monkeypatch.setattr(trainers.loop.base, "enable_tf32", calls.append)
     SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=sft_config(tmp_path, tf32=False))
     assert calls == []  # nothing to switch off on a CPU
-    monkeypatch.setattr(trainers.configs, "tf32_available", lambda: True)  # as on an Ampere GPU
-    monkeypatch.setattr(trainers.base, "tf32_available", lambda: True)
+    monkeypatch.setattr(trainers.config.training, "tf32_available", lambda: True)  # as on an Ampere GPU
+    monkeypatch.setattr(trainers.loop.base, "tf32_available", lambda: True)
     SFTTrainer(model=tiny_model_dir, train_dataset=ROWS, args=sft_config(tmp_path, tf32=True))
     assert calls == [True]
 

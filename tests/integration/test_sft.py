@@ -272,7 +272,7 @@ def test_formatting_func_trains_what_a_text_column_would(tiny_model_dir, tmp_pat
 
 
 def test_formatting_func_errors_name_it(tiny_model_dir, tmp_path):
-    from trainers.data import DatasetFormatError
+    from trainers.data.formats import DatasetFormatError
 
     raw = [{"question": "1+1", "answer": "2"}] * 8
     with pytest.raises(DatasetFormatError, match="formatting_func returned NoneType for row 0 of train_dataset"):

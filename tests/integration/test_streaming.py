@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset, IterableDatasetDict
 from transformers import TrainerCallback
 
-import trainers.streaming
+import trainers.data.streaming
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError, DatasetFormatError
@@ -21,7 +21,7 @@ PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "s
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Chunks of 7 raw rows, so that batches span chunks (and, with 20 rows, passes over the stream)."""
-    monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(trainers.data.streaming, "CHUNK_ROWS", 7)
 
 
 def sft_config(tmp_path, **overrides):

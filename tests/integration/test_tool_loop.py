@@ -27,8 +27,7 @@ from trainers.agents.tool_loop import TRUNCATED_MARKER, ToolCounts
 from trainers.cli.tiny import build_tokenizer, save_tiny_model
 from trainers.generation.backend import PolicyBackend, register_backend
 from trainers.generation.sampling import Samples
-from trainers.grpo.objectives import OBJECTIVES, PolicyInputs
-from trainers.losses import AGGREGATIONS, BatchCounts
+from trainers.grpo.objectives import AGGREGATIONS, OBJECTIVES, GRPOCounts, PolicyInputs
 
 END = "<|im_end|>"
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 7?"}]} for i in range(4)]
@@ -645,8 +644,8 @@ def test_the_tool_turn_gets_no_gradient(model_dir, tmp_path):
         old = rollout.old_logps if rollout.old_logps is not None else torch.zeros_like(rollout.loss_mask)
         logps = old.clone().requires_grad_()
         policy = OBJECTIVES[args.loss_type](PolicyInputs(logps, old, rollout.advantages, mask), args)
-        counts = BatchCounts(tokens=float(mask.sum()), sequences=float((mask.sum(-1) > 0).sum()), micro_batches=1,
-                             max_completion_length=args.max_completion_length)
+        counts = GRPOCounts(tokens=float(mask.sum()), sequences=float((mask.sum(-1) > 0).sum()), micro_batches=1,
+                            max_completion_length=args.max_completion_length)
         AGGREGATIONS[args.loss_type](policy.per_token, mask, counts).backward()
         return logps.grad
 

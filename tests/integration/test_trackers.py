@@ -9,7 +9,7 @@ import pytest
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
-from trainers.trackers import flat_config, numeric_metrics, resolve_report_to
+from trainers.loop.trackers import flat_config, numeric_metrics, resolve_report_to
 
 ROWS = as_sft_rows(reverse_digits_rows(64, seed=1))
 

@@ -111,7 +111,7 @@ def test_router_aux_loss_coef_is_chosen_as_in_trl(tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainers.errors import ConfigError
-    from trainers.modeling import router_aux_loss_coef
+    from trainers.model.modeling import router_aux_loss_coef
 
     moe = tiny_moe(tokenizer)
     assert router_aux_loss_coef(moe, None) == 0.001  # the model config's
@@ -246,7 +246,7 @@ def test_frac_reward_zero_std_is_over_the_std_in_use(tiny_model_dir, tmp_path, s
 def test_sequence_level_clip_ratio_counts_completions(tiny_model_dir, tmp_path):
     """At importance_sampling_level="sequence" TRL's clip_ratio is the share of clipped completions, every row
     counted, not of tokens."""
-    from trainers.losses import BatchCounts
+    from trainers.model.losses import BatchCounts
 
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                           train_dataset=[{"prompt": "ab"}] * 4,

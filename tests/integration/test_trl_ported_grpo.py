@@ -1113,7 +1113,7 @@ def test_training_with_mask_truncated_completions_all_masked(lib, wide_vocab_mod
 
 
 @fails_here("GRPOTrainer has no training_step (AttributeError when patched): the loop is this package's own "
-            "(trainers/base.py; GRPO's rounds in GRPOTrainer.prepare_step/build_round/micro_batch), as "
+            "(trainers/loop/base.py; GRPO's rounds in GRPOTrainer.prepare_step/build_round/micro_batch), as "
             "docs/migrating-from-trl.md says of overriding training_step / _prepare_inputs")
 def test_prepare_input_called_with_correct_data(lib, tiny_model_dir, reward_model_dir, tmp_path):
     dataset = zen("standard_prompt_only", split="train")

@@ -525,7 +525,7 @@ def test_train_with_peft_config_and_gradient_checkpointing_reentrant(lib, reward
 
 
 @fails_here("Pre-tokenized rows are refused: DatasetFormatError \"train_dataset row 0: column 'chosen' is missing "
-            "or empty\" (trainers/preferences.py check_columns); TRL takes chosen_ids/rejected_ids as they are, and "
+            "or empty\" (trainers/preference/data.py check_columns); TRL takes chosen_ids/rejected_ids as they are, and "
             "chosen_input_ids/rejected_input_ids renamed to them with a FutureWarning",
             chosen_column=("chosen_ids", "chosen_input_ids"))
 @pytest.mark.parametrize(
@@ -655,7 +655,7 @@ def test_train_with_set_chat_template_from_model(lib, gpt_neox_model_dir, tiny_m
 
 
 @fails_here("checkpoint-9 holds accelerator.save_state's files only (no tokenizer files, so no "
-            "chat_template.jinja; trainers/checkpoint.py). TRL's checkpoints are save_model folders with the "
+            "chat_template.jinja; trainers/loop/checkpoint.py). TRL's checkpoints are save_model folders with the "
             "tokenizer. Documented layout difference (docs/migrating-from-trl.md#checkpoints); training passes")
 def test_train_with_set_chat_template_from_path(lib, gpt_neox_model_dir, tmp_path):
     dataset = zen("conversational_preference", split="train")

@@ -905,7 +905,7 @@ def test_train_with_set_chat_template_from_model(lib, no_template_model_dir, tin
 
 
 @fails_here("checkpoint-9 holds accelerator.save_state's files only (model.safetensors, optimizer.bin, ...): no "
-            "tokenizer files, so no chat_template.jinja (trainers/checkpoint.py). TRL's checkpoints are save_model "
+            "tokenizer files, so no chat_template.jinja (trainers/loop/checkpoint.py). TRL's checkpoints are save_model "
             "folders with the tokenizer. Documented layout difference (docs/migrating-from-trl.md#checkpoints); "
             "training passes")
 def test_train_with_set_chat_template_from_path(lib, no_template_model_dir, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-import trainers.streaming
+import trainers.data.streaming
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
@@ -20,7 +20,7 @@ FAIL_AT = 4  # the server dies before step 4's round (rounds serve 2 steps: roun
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Chunks of 3 raw rows: the failed round's prompts span a chunk boundary."""
-    monkeypatch.setattr(trainers.streaming, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(trainers.data.streaming, "CHUNK_ROWS", 3)
 
 
 def run(tiny_model_dir, output_dir, fail_at=None, resume=None):

@@ -8,7 +8,7 @@ import torch
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.sampling.scoring import LogProbScorer
-from trainers.stats import Extreme
+from trainers.loop.stats import Extreme
 
 ROWS = [{"prompt": "abc"}, {"prompt": "hello"}]
 

@@ -1,4 +1,4 @@
-"""Float32 attention for bf16 training on CPU (trainers/host.py): it computes the loss and gradients of the
+"""Float32 attention for bf16 training on CPU (trainers/parallel/host.py): it computes the loss and gradients of the
 plain bf16 path within bf16 tolerance, really runs in float32, and leaves the user's model as it was."""
 
 import contextlib
@@ -8,10 +8,8 @@ import torch
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trainers import cpu_attention as attention
-from trainers import modeling
-
-
+from trainers.model import cpu_attention as attention
+from trainers.model import modeling
 def make_model(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -143,7 +141,7 @@ def test_padding_free_on_cuda_takes_a_varlen_attention_or_says_what_it_costs():
     length. On CUDA the trainer switches a model it loaded to flash-attn 2 when that is installed, keeps what the
     user chose and warns, and warns when there is no varlen kernel; on CPU (measured, float32 SDPA) nothing
     changes."""
-    from trainers.modeling import padding_free_attention
+    from trainers.model.modeling import padding_free_attention
 
     assert padding_free_attention("cuda", "sdpa", chosen_by_user=False, flash_available=True) == \
         ("flash_attention_2", None)

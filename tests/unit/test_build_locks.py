@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from trainers.host import STALE_LOCK_SECONDS, warn_on_stale_build_locks
+from trainers.parallel.host import STALE_LOCK_SECONDS, warn_on_stale_build_locks
 
 
 def make_lock(root, op: str, age_seconds: float) -> str:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 from accelerate.utils import DistributedType
 
-from trainers.distributed import forwards_are_collective
+from trainers.parallel.distributed import forwards_are_collective
 
 
 @pytest.fixture

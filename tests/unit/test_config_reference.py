@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from trainers.cli.config_reference import CONFIG_CLASSES, REGENERATE, render, undocumented_fields
-from trainers.options import opt
+from trainers.config.options import opt
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 
@@ -15,7 +15,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 def test_every_field_has_help(cls):
     missing = undocumented_fields(cls)
     assert not missing, (f"{cls.__name__} fields without a help text: {missing}; "
-                         f"declare them with opt(default, help) in trainers/configs.py.")
+                         f"declare them with opt(default, help) in trainers/config/training.py.")
     assert (cls.__doc__ or "").strip(), f"{cls.__name__} has no docstring (it heads its section of the reference)."
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for trainers/configs.py and trainers/options.py: validation, unknown/TRL-only options, TRL-mirroring
+"""Unit tests for trainers/config/training.py and trainers/config/options.py: validation, unknown/TRL-only options, TRL-mirroring
 defaults."""
 
 import dataclasses
@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import TrainingConfig
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
+from trainers.config.training import TrainingConfig
 from trainers.dpo.config import DPOConfig
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
-from trainers.options import check_constraints, describe_constraints, opt
+from trainers.config.options import check_constraints, describe_constraints, opt
 from trainers.sft.config import SFTConfig
 
 ALL_CONFIGS = [TrainingConfig, SFTConfig, GRPOConfig]

@@ -1,4 +1,4 @@
-"""Unit tests for trainers/data.py: formats, tokenization with loss masks, truncation, shifting, packing,
+"""Unit tests for trainers/data/formats.py: formats, tokenization with loss masks, truncation, shifting, packing,
 collation. The samplers' tests are in test_samplers.py."""
 
 import pytest
@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tiers import examples
-from trainers.data import DatasetFormatError, check_messages, is_conversational
-from trainers.packing import pack_bfd
+from trainers.data.formats import DatasetFormatError, check_messages, is_conversational
+from trainers.data.packing import pack_bfd
 from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import (
     IGNORE,
@@ -639,7 +639,7 @@ def test_tools_and_chat_template_kwargs_columns_reach_the_template():
 
 def test_a_list_of_rows_keeps_every_key_any_row_has():
     """datasets' from_list takes its columns from the first row; a key only later rows have must not vanish."""
-    from trainers.data import as_dataset
+    from trainers.data.formats import as_dataset
 
     dataset = as_dataset([{"prompt": "a"}, {"prompt": "b", "answer": "2"}], "train_dataset")
     assert dataset.column_names == ["prompt", "answer"]

@@ -1,5 +1,5 @@
 """fp16 without DeepSpeed: an overflowing step is skipped by Accelerate's GradScaler, which then lowers its scale,
-and the next step trains (``trainers.optimizers.step_unless_nonfinite``, the base trainer's optimizer step).
+and the next step trains (``trainers.optim.optimizers.step_unless_nonfinite``, the base trainer's optimizer step).
 
 A GPU is what runs fp16 for real; the scaler's bookkeeping is the same on CPU (``torch.amp.GradScaler("cpu")``),
 driven as Accelerate drives it: ``accelerator.clip_grad_norm_`` unscales, ``AcceleratedOptimizer.step`` steps and
@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from trainers.optimizers import step_unless_nonfinite
+from trainers.optim.optimizers import step_unless_nonfinite
 
 
 def test_an_overflow_is_skipped_and_the_next_step_trains():

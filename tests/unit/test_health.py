@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainers import health
+from trainers.loop import health
 from trainers.sampling import health as grpo_health
 from trainers.sampling.health import (
     entropy_collapse,
@@ -15,7 +15,7 @@ from trainers.sampling.health import (
     truncated_completions,
     zero_reward_variance,
 )
-from trainers.health import HealthMonitor, nonfinite_loss
+from trainers.loop.health import HealthMonitor, nonfinite_loss
 
 RULES = grpo_health.RULES + health.RULES  # a GRPO trainer's (GRPOTrainer.HEALTH_RULES)
 

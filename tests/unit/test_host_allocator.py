@@ -11,12 +11,12 @@ import pytest
 from tests.conftest import REPO
 
 # The probe imports transformers first, as every trainer's process has when build_accelerator calls
-# keep_host_memory. A process that had imported torch alone (trainers.host no longer loads transformers) faulted
+# keep_host_memory. A process that had imported torch alone (trainers.parallel.host no longer loads transformers) faulted
 # the block in again at 5 to 7 of the 10 allocations before its heap settled (3 of 3 runs; with transformers
 # loaded, 0 of 10): the heap's start-up, not the setting.
 PROBE = """
 import resource, sys, torch, transformers.masking_utils
-from trainers.host import keep_host_memory
+from trainers.parallel.host import keep_host_memory
 applied = keep_host_memory() if sys.argv[1] == "keep" else False
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.ones(16 << 20); del x  # 64 MiB, like a step's activations
@@ -59,7 +59,7 @@ def test_system_setting_leaves_the_allocator_alone():
 
 
 def test_an_unknown_setting_is_refused_with_the_variable_named(monkeypatch):
-    from trainers.host import keep_host_memory
+    from trainers.parallel.host import keep_host_memory
 
     monkeypatch.setenv("TRAINERS_HOST_ALLOCATOR", "sytem")
     with pytest.raises(ValueError, match="TRAINERS_HOST_ALLOCATOR"):

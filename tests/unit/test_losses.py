@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from trainers.grpo.objectives import (
+    AGGREGATIONS,
+    GRPOCounts,
     cispo_policy_loss,
     clipped_policy_loss,
     entropy_bonus,
@@ -16,7 +18,7 @@ from trainers.grpo.objectives import (
     sapo_policy_loss,
     vespo_policy_loss,
 )
-from trainers.losses import AGGREGATIONS, BatchCounts, entropy_from_logits, logps_and_entropy, selective_log_softmax
+from trainers.model.losses import aggregate_token_mean, entropy_from_logits, logps_and_entropy, selective_log_softmax
 from trainers.sampling.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from trainers.sampling.importance import sampler_importance_weights
 
@@ -24,7 +26,7 @@ from trainers.sampling.importance import sampler_importance_weights
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
 # As if this micro-batch were one of 2 micro-batches whose step holds 8 tokens and 4 sequences.
-COUNTS = BatchCounts(tokens=8, sequences=4, micro_batches=2, max_completion_length=5)
+COUNTS = GRPOCounts(tokens=8, sequences=4, micro_batches=2, max_completion_length=5)
 
 
 def test_dapo_divides_by_tokens_of_the_whole_step():
@@ -53,7 +55,7 @@ def test_luspo_averages_sequence_sums_over_the_step():
 
 
 def test_nll_is_the_token_mean():
-    assert AGGREGATIONS["nll"](PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 8)
+    assert aggregate_token_mean(PER_TOKEN, MASK, COUNTS).item() == pytest.approx(10 / 8)
 
 
 def test_split_invariance_of_global_aggregations():
@@ -61,9 +63,9 @@ def test_split_invariance_of_global_aggregations():
     per_token = torch.rand(6, 4)
     mask = (torch.rand(6, 4) > 0.3).float()
     mask[:, 0] = 1
-    whole = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=1, max_completion_length=4)
-    split = BatchCounts(tokens=float(mask.sum()), sequences=6, micro_batches=3, max_completion_length=4)
-    for name in ("dapo", "grpo", "dr_grpo", "luspo", "nll"):
+    whole = GRPOCounts(tokens=float(mask.sum()), sequences=6, micro_batches=1, max_completion_length=4)
+    split = GRPOCounts(tokens=float(mask.sum()), sequences=6, micro_batches=3, max_completion_length=4)
+    for name in ("dapo", "grpo", "dr_grpo", "luspo"):  # and SFT's nll, aggregate_token_mean (dapo's)
         together = AGGREGATIONS[name](per_token, mask, whole)
         parts = sum(AGGREGATIONS[name](per_token[i:i + 2], mask[i:i + 2], split) for i in (0, 2, 4))
         assert parts.item() == pytest.approx(together.item(), rel=1e-6), name

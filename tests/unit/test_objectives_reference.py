@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from trainers import GRPOConfig
-from trainers.grpo.objectives import OBJECTIVES, PolicyInputs, importance_log_weights, k3_kl
-from trainers.losses import AGGREGATIONS, BatchCounts
+from trainers.grpo.objectives import AGGREGATIONS, OBJECTIVES, GRPOCounts, PolicyInputs, importance_log_weights, k3_kl
 
 # ---------------------------------------------------------------------------------------------------------------
 # The fixed micro-batch (plain lists: the hand computation reads these, the code under test their tensors)
@@ -62,7 +61,7 @@ SAMPLER_WEIGHTS = [
 MAX_COMPLETION_LENGTH = 6  # > the batch's 4 columns, so Dr. GRPO's constant differs from the padded width
 B, T = 3, 4
 # one micro-batch on one process is the whole optimizer step
-COUNTS = BatchCounts(tokens=sum(map(sum, MASK)), sequences=B, micro_batches=1,
+COUNTS = GRPOCounts(tokens=sum(map(sum, MASK)), sequences=B, micro_batches=1,
                      max_completion_length=MAX_COMPLETION_LENGTH)
 
 EPSILON, EPSILON_HIGH = 0.2, 0.3  # clip range [0.8, 1.3]: asymmetric, so a swapped bound changes the loss

@@ -1,4 +1,4 @@
-"""The chunked output head (trainers/output_head.py): the same log-probs, entropy, argmax hits, vocabulary-mean
+"""The chunked output head (trainers/model/output_head.py): the same log-probs, entropy, argmax hits, vocabulary-mean
 logits and gradients as full logits, in float32, for every head it takes (tied, untied with bias, cast to
 float32, LoRA on the head, PEFT's trained copy of it, prompt tuning's virtual tokens, an MoE model's router
 loss), and never a [tokens, vocabulary] tensor larger than one chunk."""
@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from trainers.modeling import cast_lm_head_to_fp32, token_logprobs
-from trainers.output_head import (CHUNK_BYTES, SAVED_BYTES, add_weight_grad, chunk_bytes_for, chunk_positions,
+from trainers.model.modeling import cast_lm_head_to_fp32, token_logprobs
+from trainers.model.output_head import (CHUNK_BYTES, SAVED_BYTES, add_weight_grad, chunk_bytes_for, chunk_positions,
                                   chunked_head_scores, low_precision_weight_grad, plan_head)
 
 VOCAB = 97

@@ -16,7 +16,7 @@ from tests.unit.test_shared_prompts import (
 )
 from trainers.sampling.batch import MicroBatch
 from trainers.sampling.packed_forward import packed_logprobs
-from trainers.output_head import plan_head
+from trainers.model.output_head import plan_head
 
 
 def packed(model, batch, temperature=1.0, **options):

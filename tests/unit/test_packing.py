@@ -1,4 +1,4 @@
-"""trainers/packing.py: best-fit decreasing bins (SFT's packed rows, GRPO's token-budget micro-batches) and
+"""trainers/data/packing.py: best-fit decreasing bins (SFT's packed rows, GRPO's token-budget micro-batches) and
 cutting bins to a count (as many micro-batches on every process)."""
 
 from hypothesis import given, settings
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import pytest
 
 from tests.tiers import examples
-from trainers.packing import pack_bfd, split_to_count
+from trainers.data.packing import pack_bfd, split_to_count
 
 
 def test_pack_bfd_hand_example():

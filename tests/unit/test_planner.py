@@ -115,7 +115,7 @@ def test_gradient_checkpointing_shrinks_activations():
 
 
 def test_activations_grow_with_the_batch_and_the_chunked_head_does_not():
-    """The output head is computed a chunk of positions at a time (trainers/output_head.py): at Qwen2.5's
+    """The output head is computed a chunk of positions at a time (trainers/model/output_head.py): at Qwen2.5's
     vocabulary its buffers are the same for 2 or 4 rows, and far below full [rows, length, vocab] logits."""
     small = plan_for(model_size="1.5B", method="sft", per_device_batch=2).estimate_for("single_gpu").breakdown
     large = plan_for(model_size="1.5B", method="sft", per_device_batch=4).estimate_for("single_gpu").breakdown

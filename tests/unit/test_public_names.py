@@ -1,5 +1,5 @@
 """The package's public names (trainers/__init__.py) are imported on first use: ``from trainers import X`` and
-``trainers.X`` give the class its module defines, and a process that imports only ``trainers.distributed`` (the
+``trainers.X`` give the class its module defines, and a process that imports only ``trainers.parallel.distributed`` (the
 clean-exit check, ``trainers vllm-serve``'s launcher) does not load transformers, peft or a trainer."""
 
 import importlib
@@ -31,9 +31,9 @@ def test_a_missing_name_is_an_attribute_error_that_names_it():
 
 
 def test_the_distributed_core_imports_without_transformers_or_a_trainer():
-    # `import trainers` imports trainers.distributed (the notebook_launcher fork hook), nothing heavier
+    # `import trainers` imports trainers.parallel.distributed (the notebook_launcher fork hook), nothing heavier
     code = ("import sys, trainers\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft', 'datasets')"
-            " or m in ('trainers.grpo', 'trainers.sft', 'trainers.configs')))")
+            " or m in ('trainers.grpo', 'trainers.sft', 'trainers.config.training')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

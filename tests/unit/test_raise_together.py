@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import DistributedError, VLLMServerError
 
 

@@ -7,7 +7,7 @@ import torch
 
 from trainers.sampling.reward_functions import accuracy_reward, format_reward, soft_overlong_penalty
 from trainers.sampling.rewards import Reward, RewardFunctionError, RewardLogs, call_rewards, resolve_reward
-from trainers.samplers import group_slots
+from trainers.data.samplers import group_slots
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["2", "The answer is 4.", "7"]

@@ -89,7 +89,7 @@ OLD_SHIFT, ADVANTAGES = [0.5, -0.3, 0.05, 0.4], [1.0, -2.0, 0.5, -0.7]
 def test_the_loss_equals_trls_on_one_batch(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from trainers.modeling import token_logprobs
+    from trainers.model.modeling import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Unit tests for trainers/samplers.py: global batches, their split over processes and accumulation steps,
+"""Unit tests for trainers/data/samplers.py: global batches, their split over processes and accumulation steps,
 and GRPO's layout of one generation round."""
 
 import itertools
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tiers import examples
-from trainers.samplers import GlobalBatchSampler, length_grouped_order, local_slice
+from trainers.data.samplers import GlobalBatchSampler, length_grouped_order, local_slice
 
 # ------------------------------------------------------------------------------------------------------------
 # GlobalBatchSampler and local_slice
@@ -192,7 +192,7 @@ def test_global_batch_rows_do_not_depend_on_the_split(num_rows):
     ],
 )
 def test_group_slots(prompts, num_generations, num_processes, expected):
-    from trainers.samplers import group_slots
+    from trainers.data.samplers import group_slots
 
     shares = [group_slots(prompts, num_generations, num_processes, p) for p in range(num_processes)]
     assert shares == expected
@@ -200,7 +200,7 @@ def test_group_slots(prompts, num_generations, num_processes, expected):
 
 
 def test_group_slots_uneven_split_raises():
-    from trainers.samplers import group_slots
+    from trainers.data.samplers import group_slots
 
     with pytest.raises(ValueError, match="3 completions cannot be split evenly over 2 processes"):
         group_slots([4], 3, 2, 0)

@@ -1,4 +1,4 @@
-"""Unit tests for trainers/schedules.py: warmup length, the lr_scheduler_kwargs check, and the schedule built from a
+"""Unit tests for trainers/optim/schedules.py: warmup length, the lr_scheduler_kwargs check, and the schedule built from a
 config (transformers' own, so the values here are also transformers' and TRL's)."""
 
 import logging
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from trainers.configs import LR_SCHEDULER_TYPES, TrainingConfig
+from trainers.config.training import LR_SCHEDULER_TYPES, TrainingConfig
 from trainers.errors import ConfigError
-from trainers.schedules import build_scheduler, warmup_steps
+from trainers.optim.schedules import build_scheduler, warmup_steps
 
 # ------------------------------------------------------------------------------------------------------------
 # warmup_steps

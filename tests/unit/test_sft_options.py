@@ -10,7 +10,7 @@ import torch
 from trainers import GRPOConfig, SFTConfig
 from trainers.sampling.batch import RowWidths
 from trainers.generation.sampling import left_pad, right_pad
-from trainers.losses import SFT_TOKEN_LOSSES, dft_token_loss
+from trainers.model.losses import SFT_TOKEN_LOSSES, dft_token_loss
 from trainers.sft.packing import pack_samples
 from trainers.sft.tokenize import IGNORE, Collator, shift_targets
 

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from trainers.sampling.batch import MicroBatch, prompt_groups
 from trainers.sampling.shared_prompt import shared_prompt_logprobs
-from trainers.modeling import token_logprobs
+from trainers.model.modeling import token_logprobs
 
 
 def make_model(kind: str = "qwen2"):

@@ -1,4 +1,4 @@
-"""trainers/stats.py in one process: pairs are summed over micro-batches before dividing, extremes are averaged
+"""trainers/loop/stats.py in one process: pairs are summed over micro-batches before dividing, extremes are averaged
 over micro-batches leaving NaN out. Over 2 processes: tests/distributed/test_ddp_options.py."""
 
 import math
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainers.stats import Extreme, StepStats, reduce_pairs
+from trainers.loop.stats import Extreme, StepStats, reduce_pairs
 
 ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
 

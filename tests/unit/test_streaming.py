@@ -1,11 +1,11 @@
-"""StreamedBatches (trainers/streaming.py): a stream read in order, prepared in chunks, cut into global batches
+"""StreamedBatches (trainers/data/streaming.py): a stream read in order, prepared in chunks, cut into global batches
 across chunk and epoch boundaries, resumable from its saved position, the same with prefetch threads."""
 
 import pytest
 from datasets import Dataset, IterableDataset
 
 from trainers.errors import DatasetFormatError
-from trainers.streaming import StreamedBatches
+from trainers.data.streaming import StreamedBatches
 
 
 def stream(n: int, shards: int = 1):

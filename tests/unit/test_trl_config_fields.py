@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from trainers import DistillationConfig, GRPOConfig, RLOOConfig
-from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError
 from trainers.grpo.asynchronous import AsyncGRPOConfig
 
@@ -61,7 +61,7 @@ def own_fields(config_class) -> set[str]:
     """The fields beyond transformers' TrainingArguments (ours: beyond TRL's own base, TrainingConfig)."""
     from transformers import TrainingArguments
 
-    from trainers.configs import TrainingConfig
+    from trainers.config.training import TrainingConfig
 
     base = TrainingArguments if config_class.__module__.startswith("trl") else TrainingConfig
     return {f.name for f in dataclasses.fields(config_class)} - {f.name for f in dataclasses.fields(base)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-import trainers.base
+import trainers.loop.base
 import trainers.generation.vllm_common
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError
@@ -61,7 +61,7 @@ def test_lora_is_sent_merged_without_touching_the_policy():
 
 def test_use_vllm_without_vllm_is_a_clear_error_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(trainers.generation.vllm_common, "vllm_missing", lambda: "vLLM is not importable (ImportError: x)")
-    monkeypatch.setattr(trainers.base, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(trainers.loop.base, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match=r"`use_vllm=True` with vllm_mode=.colocate. needs vLLM here: vLLM is not importable"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, use_vllm=True),

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from accelerate.utils import DistributedType
 
-from trainers.distributed import configure_deepspeed, zero_settings
+from trainers.parallel.distributed import configure_deepspeed, zero_settings
 
 
 def test_stage3_settings_for_a_300m_model():

@@ -1,6 +1,6 @@
 """Tools as the chat template sees them: their JSON schemas (``tool_schemas``), a toolbox by name (``toolbox``),
 the template's check before training (``check_tool_template``), and the tokens of a tool turn appended to the
-model's own (``tool_turn_ids``). Every rendering goes through the one renderer, ``trainers.data.chat_ids``."""
+model's own (``tool_turn_ids``). Every rendering goes through the one renderer, ``trainers.data.formats.chat_ids``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainers.agents.runner import ToolResult
-from trainers.data import chat_ids
+from trainers.data.formats import chat_ids
 from trainers.errors import ConfigError
 
 _TEMPLATE_FIX = ("Give the tokenizer a chat template that renders tools, e.g. Qwen2.5's "

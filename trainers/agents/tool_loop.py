@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.agents.environments import Environments
 from trainers.agents.parsing import Turn, parse_turn
 from trainers.agents.rendering import check_tool_template, tool_schemas, tool_turn_ids, toolbox
 from trainers.agents.runner import ToolResult, ToolRunner
-from trainers.data import chat_ids, is_conversational
+from trainers.data.formats import chat_ids, is_conversational
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.generation.backend import Backend
 from trainers.generation.sampling import Samples, SamplingParams, ended

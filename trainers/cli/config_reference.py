@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-from trainers._trl_options import TRL_ONLY_OPTIONS
-from trainers.configs import TrainingConfig
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
+from trainers.config.training import TrainingConfig
 from trainers.distillation.config import DistillationConfig
 from trainers.dpo.config import DPOConfig
 from trainers.grpo.asynchronous import AsyncGRPOConfig
 from trainers.grpo.config import GRPOConfig
 from trainers.kto.config import KTOConfig
-from trainers.options import describe_constraints
+from trainers.config.options import describe_constraints
 from trainers.reward.config import RewardConfig
 from trainers.rloo.config import RLOOConfig
 from trainers.sampling.config import PolicyGradientConfig, SamplingConfig
@@ -86,7 +86,7 @@ def _table(fields: list[dataclasses.Field], overridden: dict[str, dataclasses.Fi
 
 
 def undocumented_fields(cls) -> list[str]:
-    """Names of ``cls``'s fields without a help text (``opt(default, help)`` in trainers/configs.py)."""
+    """Names of ``cls``'s fields without a help text (``opt(default, help)`` in trainers/config/training.py)."""
     return [f.name for f in dataclasses.fields(cls) if not str(f.metadata.get("help", "")).strip()]
 
 
@@ -101,8 +101,8 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the config dataclasses' docstrings and help texts (trainers/configs.py,",
-        "trainers/_trl_options.py); do not edit it by hand. Regenerate it with",
+        "Generated from the config dataclasses' docstrings and help texts (trainers/config/training.py,",
+        "trainers/config/trl_options.py); do not edit it by hand. Regenerate it with",
         "",
         "```bash",
         REGENERATE,

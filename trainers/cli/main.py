@@ -25,7 +25,7 @@ import sys
 
 import yaml
 
-from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError, TrainersError
 from trainers.cli.argparsing import add_config_arguments, config_overrides
 from trainers.cli.templates import resolve_template, templates_dir  # noqa: F401  (cli.resolve_template)
@@ -141,7 +141,7 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
 
 def run_training(method: str, options: dict) -> None:
     """Build the trainer from the gathered options, train, and save the final model to output_dir/final."""
-    from trainers.data import load_dataset_file
+    from trainers.data.formats import load_dataset_file
     from trainers.cli.tiny import embedded_default, embedded_rows
 
     keys = run_keys(method)

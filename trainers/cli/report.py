@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from trainers.errors import TrainersError
 from trainers.sampling import health as grpo_health
-from trainers.health import RULES as HEALTH_RULES
-from trainers.health import HealthMonitor, series
+from trainers.loop.health import RULES as HEALTH_RULES
+from trainers.loop.health import HealthMonitor, series
 from trainers.logs import METRICS_FILE, RUN_INFO_FILE  # RUN_INFO_FILE: written at the start of train()
 
 COMPLETIONS_FILE = "completions.jsonl"  # written by GRPOTrainer with log_completions=True

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.options import check_field, opt, reject_unknown_options
 from trainers.sampling.config import SamplingConfig
 
 

@@ -23,7 +23,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainers.output_head import SAVED_BYTES, chunk_positions, kept_positions
+from trainers.model.output_head import SAVED_BYTES, chunk_positions, kept_positions
 
 
 def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float
@@ -57,7 +57,7 @@ def divergence_of(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, valid
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
             ) -> torch.Tensor:
     """[c, H] -> [c, V] float32 logits over the temperature: the product in the weight's dtype, then float32 (as
-    the model's own head followed by an upcast, and as trainers/output_head.py scores the policy)."""
+    the model's own head followed by an upcast, and as trainers/model/output_head.py scores the policy)."""
     logits = hidden.to(weight.dtype) @ weight.t()
     if bias is not None:
         logits = logits + bias

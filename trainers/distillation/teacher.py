@@ -8,7 +8,7 @@
                    (trainers/distillation/divergence.py, chunked)
 
 The student's forward runs through its wrapper (DDP, DeepSpeed), so gradients sync and ZeRO-3 gathers its head
-for the call, as in GRPO's chunked head (trainers/output_head.py). A local teacher is a frozen prepared model
+for the call, as in GRPO's chunked head (trainers/model/output_head.py). A local teacher is a frozen prepared model
 (``dist.prepare_frozen``: partitioned like the student under ZeRO-3); its head's weight is gathered once per
 micro-batch (a [V, H] copy while the micro-batch trains). Where either head is not a plain linear one (logits
 scaled or soft-capped after it, a LoRA head), both models' full logits are used instead.
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers import distributed as dist
-from trainers.cpu_attention import float32_attention_on_cpu
+from trainers.parallel import distributed as dist
+from trainers.model.cpu_attention import float32_attention_on_cpu
 from trainers.distillation.divergence import (
     chunked_divergence,
     chunked_support_divergence,
@@ -29,7 +29,7 @@ from trainers.distillation.divergence import (
     token_divergence,
 )
 from trainers.errors import ConfigError
-from trainers.output_head import HeadPlan, plan_head, swapped_forward
+from trainers.model.output_head import HeadPlan, plan_head, swapped_forward
 from trainers.sampling.batch import MicroBatch
 
 

@@ -12,8 +12,8 @@ import random
 
 import torch
 
-from trainers import distributed as dist
-from trainers.data import chat_ids, is_conversational
+from trainers.parallel import distributed as dist
+from trainers.data.formats import chat_ids, is_conversational
 from trainers.distillation.config import DistillationConfig
 from trainers.distillation.teacher import (
     LocalTeacher,
@@ -25,14 +25,14 @@ from trainers.distillation.teacher import (
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.generation.sampling import Samples
 from trainers.generation.vllm_client import VLLMClient
-from trainers.losses import BatchCounts
-from trainers.modeling import load_causal_lm
-from trainers.output_head import plan_head
+from trainers.model.losses import BatchCounts
+from trainers.model.modeling import load_causal_lm
+from trainers.model.output_head import plan_head
 from trainers.sampling.batch import MicroBatch, Rollout
 from trainers.sampling.metrics import round_metrics
 from trainers.sampling.rollout import loss_mask_of
 from trainers.sampling.trainer import SamplingTrainer
-from trainers.stats import Stats
+from trainers.loop.stats import Stats
 
 
 class DistillationTrainer(SamplingTrainer):

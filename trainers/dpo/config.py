@@ -6,9 +6,9 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.config.training import TrainingConfig, resolve_pad_to_multiple_of
 from trainers.dpo.losses import DPO_LOSSES, F_DIVERGENCE_LOSSES
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.options import check_field, opt, reject_unknown_options
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")

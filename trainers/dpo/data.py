@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers.data import row_chat_kwargs
-from trainers.preferences import check_columns, extract_prompt, padded_completions, tokenize_completions
+from trainers.data.formats import row_chat_kwargs
+from trainers.preference.data import check_columns, extract_prompt, padded_completions, tokenize_completions
 
 def tokenize_pair(row: dict, tokenizer, where: str) -> dict:
     """A preference row -> ``{"prompt_ids", "chosen_ids", "rejected_ids"}``, as TRL 1.16 (``tokenize_completions``;

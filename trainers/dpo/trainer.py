@@ -1,6 +1,6 @@
 """DPOTrainer: direct preference optimization (arXiv:2305.18290) and TRL 1.16's variants, on the shared base.
 
-One optimizer step, as the base loop runs it (trainers/base.py): ``micro_batch`` collates this process's pairs
+One optimizer step, as the base loop runs it (trainers/loop/base.py): ``micro_batch`` collates this process's pairs
 (chosen and rejected sequences in one [2B, T] batch, trainers/dpo/data.py), ``compute_loss`` runs the policy
 once over both (the chunked output head: no full-vocabulary logits), takes the reference's log-probs
 (precomputed, a frozen copy, or with PEFT the policy with its adapters off), and sums the loss types of
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from trainers.base import BaseTrainer
+from trainers.loop.base import BaseTrainer
 from trainers.dpo.config import DPOConfig
 from trainers.dpo.data import PairBatch, collate_pairs, pair_length, tokenize_pair
 from trainers.dpo.losses import LossOptions, PairScores, combined_loss
 from trainers.errors import ConfigError
 from trainers.logs import logger
-from trainers.losses import BatchCounts
-from trainers.modeling import token_logprobs
-from trainers.preferences import PreferenceData, check_fit, evaluation_totals, kept_rows, reference_scores
-from trainers.reference import FrozenReference
-from trainers.stats import Stats
+from trainers.model.losses import BatchCounts
+from trainers.model.modeling import token_logprobs
+from trainers.preference.data import PreferenceData, check_fit, evaluation_totals, kept_rows, reference_scores
+from trainers.model.reference import FrozenReference
+from trainers.loop.stats import Stats
 
 
 def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
@@ -103,7 +103,7 @@ class DPOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def after_load(self, model) -> None:
         super().after_load(model)  # PreferenceData's: pad id, the rows' fit, dropout
-        self.load_reference(model, self._ref_source, self._model_source)
+        self.load_reference(model, self._ref_source, self._model_source, self.args.precompute_ref_log_probs)
 
     def after_prepare(self) -> None:
         self.prepare_reference()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from trainers.data import as_dataset, chat_ids, check_messages
+from trainers.data.formats import as_dataset, chat_ids, check_messages
 from trainers.errors import DatasetFormatError
 
 

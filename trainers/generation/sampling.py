@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.generation.rows import round_up
 
 

@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import RolloutError, TrainersError, VLLMServerError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples, SamplingParams, ended
-from trainers.modeling import context_length, vocabulary_size
+from trainers.model.modeling import context_length, vocabulary_size
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 

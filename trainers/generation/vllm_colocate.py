@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.vllm_common import (
@@ -38,9 +38,9 @@ from trainers.generation.vllm_common import (
     keep_default_process_group,
     sampled_logprobs,
 )
-from trainers.host import allow_amx_tiles
+from trainers.parallel.host import allow_amx_tiles
 from trainers.logs import logger
-from trainers.modeling import context_length
+from trainers.model.modeling import context_length
 
 
 def engine_settings(device_type: str, policy_dtype: torch.dtype, mixed_precision: str, max_model_len: int | None,
@@ -173,7 +173,7 @@ class VLLMColocate(VLLMBackend):
         from vllm import LLM
 
         if acc.device.type == "cpu":
-            allow_amx_tiles()  # vLLM's bf16 CPU attention uses AMX without asking the kernel (trainers/host.py)
+            allow_amx_tiles()  # vLLM's bf16 CPU attention uses AMX without asking the kernel (trainers/parallel/host.py)
         # each sync's reload warns that the rotary embedding's cache was not loaded: it is computed, not a weight
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._owns_process_group = not torch.distributed.is_initialized()  # single process: vLLM makes its own

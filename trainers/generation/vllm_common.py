@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos, ended

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend

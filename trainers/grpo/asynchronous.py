@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from trainers.errors import ConfigError
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.trainer import GRPOTrainer
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.options import check_field, opt, reject_unknown_options
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.options import check_field, opt, reject_unknown_options
 from trainers.sampling.config import PolicyGradientConfig
 from trainers.sampling.importance import ImportanceCorrection
 

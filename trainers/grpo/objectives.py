@@ -3,7 +3,7 @@
 Pure tensor functions. Every ``loss_type`` is one entry of ``OBJECTIVES``, all with one signature:
 ``objective(inputs: PolicyInputs, args) -> PolicyLoss``, where ``args`` is the GRPOConfig (read for the
 variant's own constants: clip ranges, temperatures, VESPO's shape). How the per-token loss is then averaged
-is ``trainers.losses.AGGREGATIONS[loss_type]``. Shapes: B completions, T tokens.
+is ``AGGREGATIONS[loss_type]`` (below), with the step's counts (``GRPOCounts``). Shapes: B completions, T tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ from typing import Any, Callable
 import torch
 
 from trainers.errors import ConfigError
-from trainers.losses import BatchCounts
-from trainers.stats import Extreme, Stats
+from trainers.model.losses import (
+    BatchCounts,
+    aggregate_micro_batch_token_mean,
+    aggregate_sequence_mean,
+    aggregate_sequence_sum,
+    aggregate_token_mean,
+)
+from trainers.loop.stats import Extreme, Stats
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, counts: "BatchCounts") -> torch.Tensor:
@@ -200,6 +206,31 @@ OBJECTIVES: dict[str, Callable[[PolicyInputs, Any], PolicyLoss]] = {
     "sapo": sapo_objective,
     "vespo": vespo_objective,
 }
+
+@dataclass(frozen=True)
+class GRPOCounts(BatchCounts):
+    """The step's counts, and the longest possible completion (Dr. GRPO's constant denominator)."""
+
+    max_completion_length: int = 1
+
+
+def aggregate_constant_length(per_token: torch.Tensor, mask: torch.Tensor, counts: GRPOCounts) -> torch.Tensor:
+    """Σ loss·mask / (sequences x max_completion_length): Dr. GRPO (arXiv:2503.20783), no length bias."""
+    return (per_token * mask).sum() / max(counts.sequences * counts.max_completion_length, 1.0)
+
+
+# How each loss_type averages its per-token loss [B, T] into this micro-batch's share of the step's loss
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, GRPOCounts], torch.Tensor]] = {
+    "grpo": aggregate_sequence_mean,
+    "bnpo": aggregate_micro_batch_token_mean,
+    "dr_grpo": aggregate_constant_length,
+    "dapo": aggregate_token_mean,
+    "cispo": aggregate_token_mean,  # as TRL: over the step's tokens
+    "sapo": aggregate_sequence_mean,  # as TRL: the grpo mean of sequence means
+    "luspo": aggregate_sequence_sum,
+    "vespo": aggregate_token_mean,  # as TRL: over the step's tokens
+}
+
 
 # Objectives whose loss is not a multiple of the sampler weights (vllm_importance_sampling_correction): they fold
 # the weights into their own terms, so a row whose weights are all 0 may still have a gradient.

@@ -21,12 +21,14 @@ import dataclasses
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.grpo.config import GRPOConfig
 from trainers.grpo.entropy_control import EntropyControl, load_entropy_control, save_entropy_control
 from trainers.grpo.objectives import (
+    AGGREGATIONS,
     FOLDS_SAMPLER_WEIGHTS,
     OBJECTIVES,
+    GRPOCounts,
     PolicyInputs,
     check_loss_options,
     entropy_bonus,
@@ -37,12 +39,12 @@ from trainers.grpo.objectives import (
     policy_loss_stats,
 )
 from trainers.logs import logger
-from trainers.losses import AGGREGATIONS, BatchCounts
+from trainers.model.losses import BatchCounts
 from trainers.sampling.batch import MicroBatch
 from trainers.sampling.policy_gradient import PolicyGradientTrainer
 from trainers.sampling.rollout import RoundNeeds
 from trainers.sampling.scoring import LogProbScorer
-from trainers.stats import Stats
+from trainers.loop.stats import Stats
 
 
 class GRPOTrainer(PolicyGradientTrainer):
@@ -90,7 +92,7 @@ class GRPOTrainer(PolicyGradientTrainer):
     def compute_loss(self, model, batch: MicroBatch, counts: BatchCounts) -> tuple[torch.Tensor, Stats]:
         args, bonus = self.args, self.entropy_control
         # dr_grpo normalizes by the longest possible completion (the base loop's counts do not know GRPO)
-        counts = dataclasses.replace(counts, max_completion_length=args.max_completion_length)
+        counts = GRPOCounts(**dataclasses.asdict(counts), max_completion_length=args.max_completion_length)
         # One autocast (bf16 mixed precision) around the micro-batch's forwards (the shared prompt's two, the rows
         # without a gradient): inside it autocast casts each weight to bf16 once for all of them. Each forward's
         # own would cast anew, and backward would keep a copy per forward (+2 bytes per parameter at the peak).

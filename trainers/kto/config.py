@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.training import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.config.options import check_field, opt, reject_unknown_options
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers import distributed as dist
-from trainers.base import BaseTrainer
-from trainers.data import row_chat_kwargs
+from trainers.parallel import distributed as dist
+from trainers.loop.base import BaseTrainer
+from trainers.data.formats import row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.kto.config import KTOConfig
 from trainers.logs import logger
-from trainers.losses import BatchCounts
-from trainers.modeling import token_logprobs
-from trainers.preferences import (
+from trainers.model.losses import BatchCounts
+from trainers.model.modeling import token_logprobs
+from trainers.preference.data import (
     PaddedCompletions,
     PreferenceData,
     check_columns,
@@ -35,8 +35,8 @@ from trainers.preferences import (
     reference_scores,
     tokenize_completions,
 )
-from trainers.reference import FrozenReference
-from trainers.stats import Stats
+from trainers.model.reference import FrozenReference
+from trainers.loop.stats import Stats
 
 UNPAIR_BLOCK = 1000  # TRL unpairs a paired dataset in batched map calls of datasets' default 1,000 rows
 
@@ -187,7 +187,7 @@ class KTOTrainer(PreferenceData, FrozenReference, BaseTrainer):
 
     def after_load(self, model) -> None:
         super().after_load(model)  # PreferenceData's: pad id, the rows' fit, dropout
-        self.load_reference(model, self._ref_source, self._model_source)
+        self.load_reference(model, self._ref_source, self._model_source, self.args.precompute_ref_log_probs)
 
     def after_prepare(self) -> None:
         self.prepare_reference()

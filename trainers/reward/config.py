@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
-from trainers.options import opt, reject_unknown_options
+from trainers.config.training import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.config.options import opt, reject_unknown_options
 
 
 @reject_unknown_options

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainers.base import BaseTrainer
-from trainers.data import chat_ids, row_chat_kwargs
+from trainers.loop.base import BaseTrainer
+from trainers.data.formats import chat_ids, row_chat_kwargs
 from trainers.errors import ConfigError, DatasetFormatError, ModelLoadError
-from trainers.losses import BatchCounts
-from trainers.packing import pack_bfd
-from trainers.preferences import PreferenceData, check_columns, check_fit, evaluation_totals, kept_rows
+from trainers.model.losses import BatchCounts
+from trainers.data.packing import pack_bfd
+from trainers.preference.data import PreferenceData, check_columns, check_fit, evaluation_totals, kept_rows
 from trainers.reward.config import RewardConfig
-from trainers.stats import Extreme, Stats
+from trainers.loop.stats import Extreme, Stats
 
 
 def tokenize_preference(row: dict, tokenizer, eos: str, where: str) -> dict:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.sampling.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,

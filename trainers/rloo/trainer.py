@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from trainers.losses import BatchCounts
+from trainers.model.losses import BatchCounts
 from trainers.rloo.config import RLOOConfig
 from trainers.rloo.objective import clipped_sequence_loss
 from trainers.sampling.batch import MicroBatch
 from trainers.sampling.policy_gradient import PolicyGradientTrainer
-from trainers.stats import Extreme, Stats
+from trainers.loop.stats import Extreme, Stats
 
 
 class RLOOTrainer(PolicyGradientTrainer):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import GenerationError, VLLMServerError
 from trainers.logs import logger
 from trainers.sampling.rollout import Sampled, sample_rows

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.rows import prompt_groups, round_up
 from trainers.logs import logger
-from trainers.modeling import positions_from_mask
-from trainers.packing import pack_bfd, split_to_count
+from trainers.model.modeling import positions_from_mask
+from trainers.data.packing import pack_bfd, split_to_count
 
 
 @dataclass(frozen=True)

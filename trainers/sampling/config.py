@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.training import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.config.options import check_field, opt, reject_unknown_options
 
 GENERATION_ENGINES = ("auto", "lean", "hf")
 # options that only asynchronous generation reads (weight_sync_timeout and request_timeout serve server mode too)

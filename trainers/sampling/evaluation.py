@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from trainers.agents.tool_loop import ToolCounts, tool_metrics
-from trainers.losses import BatchCounts
+from trainers.model.losses import BatchCounts
 from trainers.sampling.advantages import combine_rewards
 from trainers.sampling.rollout import Scored, logged_names, loss_mask_of
-from trainers.stats import Extreme, Stats
+from trainers.loop.stats import Extreme, Stats
 
 
 def evaluation_stats(trainer: Any) -> Stats:
@@ -94,7 +94,7 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     rollout = dataclasses.replace(rollout, advantages=advantages.advantages.to(device))
     batch = rollout.micro_batch(0, n)
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),
-                         micro_batches=1, max_completion_length=args.max_completion_length)
+                         micro_batches=1)
     loss, stats = trainer.compute_loss(trainer.model_wrapped, batch, counts)
     weight = float(counted)
     out: Stats = {"loss": (loss.detach().float() * weight, torch.tensor(weight, device=device))}

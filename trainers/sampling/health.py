@@ -1,4 +1,4 @@
-"""GRPO's health rules (trainers/health.py has the monitor and the rule every trainer shares): pure functions of
+"""GRPO's health rules (trainers/loop/health.py has the monitor and the rule every trainer shares): pure functions of
 a run's metrics history that return one plain-language warning, or None.
 
 Metrics read (names as GRPOTrainer logs them): ``frac_reward_zero_std``, ``reward``, ``entropy``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from trainers.health import Rule, at_step, mean_of, series
+from trainers.loop.health import Rule, at_step, mean_of, series
 
 # How many of the latest records a "sustained" condition must hold over: one logged record is an average
 # over logging_steps steps but can still be a fluke, three in a row is a trend worth interrupting someone for.

@@ -5,7 +5,7 @@ completion): with ragged lengths much of it is padding, which a padded forward c
 each row's real tokens are cut out and laid end to end in one row, with positions restarting at 0 for each
 sequence, as SFT's packing does; transformers reads the restarting positions as sequence boundaries, so no token
 attends across them. Only completion positions go through the output head (the chunked head,
-trainers/output_head.py), and their scores are put back in the [B, C] layout of the padded forward, equal to it
+trainers/model/output_head.py), and their scores are put back in the [B, C] layout of the padded forward, equal to it
 (tests/unit/test_packed_forward.py).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from trainers.cpu_attention import float32_attention_on_cpu
-from trainers.modeling import positions_from_mask, split_scores
-from trainers.output_head import HeadPlan, scoring_head, true_positions
+from trainers.model.cpu_attention import float32_attention_on_cpu
+from trainers.model.modeling import positions_from_mask, split_scores
+from trainers.model.output_head import HeadPlan, scoring_head, true_positions
 
 
 def packed_logprobs(model: torch.nn.Module, plan: HeadPlan, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

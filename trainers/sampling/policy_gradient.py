@@ -1,19 +1,19 @@
 """PolicyGradientTrainer: what GRPO and RLOO add to the sampling base (sampling/trainer.py), as
 PolicyGradientConfig adds it to SamplingConfig: reward weights, a frozen reference model for the KL (``beta`` > 0;
-with PEFT the policy with its adapters off) that sync_ref_model moves toward the policy, the policy's forwards
+the shared ``FrozenReference``, model/reference.py, as DPO's and KTO's; with PEFT the policy with its adapters
+off) that sync_ref_model moves toward the policy, the policy's forwards
 (padding_free, token_budget, skip_zero_gradient_rows), and the health rules on rewards, KL and exploration.
 Each of GRPO and RLOO adds its advantage estimator and its loss; neither is the other's subclass."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
-from trainers import distributed as dist
-from trainers import health
+from trainers.loop import health
 from trainers.errors import ConfigError
-from trainers.modeling import cast_lm_head_to_fp32, load_causal_lm
-from trainers.output_head import plan_head
+from trainers.model.modeling import cast_lm_head_to_fp32
+from trainers.model.reference import FrozenReference
+from trainers.model.output_head import plan_head
 from trainers.sampling import health as policy_health
 from trainers.sampling.config import PolicyGradientConfig
 from trainers.sampling.resume import load_reference_state, save_reference_state
@@ -22,7 +22,7 @@ from trainers.sampling.scoring import LogProbScorer
 from trainers.sampling.trainer import SamplingTrainer
 
 
-class PolicyGradientTrainer(SamplingTrainer):
+class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
     """The sampling base with rewards, a reference model and the policy's forward options (module docstring)."""
 
     config_class = PolicyGradientConfig
@@ -31,9 +31,6 @@ class PolicyGradientTrainer(SamplingTrainer):
     def __init__(self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                  reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
                  rollout_func, environment_factory):
-        if peft_config is not None and getattr(args, "sync_ref_model", False):
-            raise ConfigError(f"{type(args).__name__}: `sync_ref_model=True` does not work with a PEFT model (as in "
-                              f"TRL): its reference is the base model with the adapters off, not a copy to move.")
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
                          quantization_config, peft_config, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, tools=tools, rollout_func=rollout_func,
@@ -67,28 +64,23 @@ class PolicyGradientTrainer(SamplingTrainer):
         if args.padding_free and plan_head(model) is None:
             raise ConfigError(
                 f"{type(args).__name__}.padding_free=True needs an output head the chunked head computes "
-                f"(trainers/output_head.py); {type(getattr(model, 'module', model)).__name__}'s is not one (its "
+                f"(trainers/model/output_head.py); {type(getattr(model, 'module', model)).__name__}'s is not one (its "
                 f"logits are scaled or soft-capped after the head, a hook watches the head, or a PEFT adapter on it "
                 f"is not plain LoRA). Set padding_free=False.")
-        if args.beta > 0 and not self.is_peft:  # with PEFT the reference: the base model, adapters off
-            source = self._model_source
-            self.ref_model = (load_causal_lm(source, args.model_init_kwargs, args.trust_remote_code)
-                              if isinstance(source, str) else copy.deepcopy(model))
-            if args.cast_lm_head_to_fp32 and isinstance(source, str):  # a deep copy has it already
-                cast_lm_head_to_fp32(self.ref_model)
+        if args.beta > 0:  # a frozen copy of the model as loaded; with PEFT none (the base model, adapters off)
+            self.load_reference(model, None, self._model_source)
+            if self.ref_model is not None and args.cast_lm_head_to_fp32 and isinstance(self._model_source, str):
+                cast_lm_head_to_fp32(self.ref_model)  # a deep copy has it already
 
     def after_prepare(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model = dist.prepare_frozen(self.accelerator, self.ref_model)
+        self.prepare_reference()  # before the scorer, which holds it
         super().after_prepare()
 
     def after_optimizer_step(self, metrics: dict) -> None:
         """With sync_ref_model, every ref_model_sync_steps steps, the reference moved toward the policy (TRL's
         SyncRefModelCallback), so later rounds' KL is to the moved reference."""
         super().after_optimizer_step(metrics)
-        args = self.args
-        if args.sync_ref_model and (self.state.global_step + 1) % args.ref_model_sync_steps == 0:  # the step just done
-            dist.mix_parameters(self.accelerator, self.unwrapped_model, self.ref_model, args.ref_model_mixup_alpha)
+        self.sync_reference()
 
     @property
     def epsilon_low(self) -> float:

@@ -10,9 +10,9 @@ from trainers.agents.tool_loop import EMPTY_PROMPT
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.generation.prompts import PromptRow, tokenize_prompt_rows, tokenize_prompts
 from trainers.logs import logger
-from trainers.modeling import context_length
+from trainers.model.modeling import context_length
 from trainers.sampling.reward_functions import accuracy_reward, check_accuracy_references
-from trainers.streaming import (
+from trainers.data.streaming import (
     IndexedBatches,
     PerThread,
     is_stream,
@@ -72,7 +72,7 @@ class SamplingPrompts:
     def read_train_prompts(self, train_dataset) -> None:
         """The training prompts: a dataset tokenized and checked now (``train_rows``, ``train_prompt_ids``), or a
         stream read in order during training, a chunk tokenized at a time; ``prompt_batches`` gives each round's
-        prompts (trainers/streaming.py)."""
+        prompts (trainers/data/streaming.py)."""
         args = self.args
         if isinstance(train_dataset, Placeholder):  # a round's worth of empty prompts, cycled (TRL's)
             train_dataset = [{"prompt": list(EMPTY_PROMPT)} for _ in range(self.prompts_per_round)]

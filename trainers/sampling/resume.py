@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.sampling.batch import Rollout
-from trainers.streaming import load_data_position, save_data_position
+from trainers.data.streaming import load_data_position, save_data_position
 
 
 def save_round_state(folder: str, accelerator, prompt_batches, rounds: dict[int, Rollout]) -> None:

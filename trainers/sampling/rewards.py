@@ -27,7 +27,7 @@ import torch
 from trainers.agents.runner import EventLoopThread
 from trainers.errors import ConfigError, ModelLoadError, RewardFunctionError
 from trainers.logs import logger
-from trainers.modeling import check_model_path
+from trainers.model.modeling import check_model_path
 from trainers.sampling.reward_functions import (
     BUILTIN_REWARDS,
     accuracy_reward,

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.agents.tool_loop import Episode, ToolCounts, ToolLoop, tool_metrics
-from trainers.data import is_conversational
+from trainers.data.formats import is_conversational
 from trainers.generation.backend import Backend, PolicyBackend
 from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
 from trainers.generation.user_rollout import logprob_gap, padded_logprobs
@@ -42,7 +42,7 @@ from trainers.sampling.importance import ImportanceCorrection
 from trainers.sampling.metrics import round_metrics, sample_records
 from trainers.sampling.rewards import Reward, RewardLogs, call_rewards
 from trainers.sampling.scoring import LogProbScorer
-from trainers.stats import Extreme, reduce_extremes, reduce_pairs
+from trainers.loop.stats import Extreme, reduce_extremes, reduce_pairs
 
 
 @dataclass(frozen=True)

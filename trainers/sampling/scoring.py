@@ -8,10 +8,10 @@ import functools
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.generation import engine
-from trainers.modeling import token_logprobs
-from trainers.output_head import plan_head
+from trainers.model.modeling import token_logprobs
+from trainers.model.output_head import plan_head
 from trainers.sampling.batch import MicroBatch, Rollout, RoundPart, RowRole, budget_groups
 from trainers.sampling.packed_forward import packed_logprobs
 from trainers.sampling.shared_prompt import shared_prompt_logprobs

@@ -22,9 +22,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from trainers.cpu_attention import float32_attention_on_cpu
-from trainers.modeling import positions_from_mask, split_scores, token_scores
-from trainers.output_head import plan_head, scoring_head
+from trainers.model.cpu_attention import float32_attention_on_cpu
+from trainers.model.modeling import positions_from_mask, split_scores, token_scores
+from trainers.model.output_head import plan_head, scoring_head
 
 
 class _PromptLayer(DynamicLayer):

@@ -23,16 +23,16 @@ import math
 
 import torch
 
-from trainers import distributed as dist
-from trainers import health
+from trainers.parallel import distributed as dist
+from trainers.loop import health
 from trainers.agents.tool_loop import ToolLoop, ToolOptions
-from trainers.base import BaseTrainer
+from trainers.loop.base import BaseTrainer
 from trainers.errors import ConfigError, GenerationError, VLLMServerError
 from trainers.generation.backend import BACKENDS, Backend, PolicyBackend
 from trainers.generation.sampling import SamplingParams
 from trainers.generation.vllm_common import check_vllm_here
-from trainers.modeling import cast_lm_head_to_fp32, generation_eos_ids, prompt_learning_config
-from trainers.samplers import group_slots
+from trainers.model.modeling import cast_lm_head_to_fp32, generation_eos_ids, prompt_learning_config
+from trainers.data.samplers import group_slots
 from trainers.sampling import evaluation
 from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, RoundAdvantages
 from trainers.sampling.async_rounds import AsyncRounds
@@ -46,8 +46,8 @@ from trainers.sampling.rewards import Reward, RewardModel, resolve_reward, rewar
 from trainers.sampling.rollout import RolloutStage, RoundNeeds
 from trainers.sampling.scoring import LogProbScorer
 from trainers.sampling.trl_attributes import TRLAttributes
-from trainers.stats import Stats
-from trainers.streaming import is_stream, refuse_dispatch_batches
+from trainers.loop.stats import Stats
+from trainers.data.streaming import is_stream, refuse_dispatch_batches
 
 
 class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTrainer):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
 from trainers.sampling.rewards import RewardModel
 
 # TRL's GRPOTrainer copies these GRPOConfig fields onto itself and user code reads them there (trainer.temperature,

@@ -1,5 +1,5 @@
 """SFT's micro-batch (also its evaluation batch): the Collator's rows on the device, with what the loop counts
-(``trainers.base.MicroBatch``)."""
+(``trainers.loop.base.MicroBatch``)."""
 
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from trainers.configs import TrainingConfig, resolve_pad_to_multiple_of
-from trainers.options import check_field, opt, reject_unknown_options
+from trainers.config.training import TrainingConfig, resolve_pad_to_multiple_of
+from trainers.config.options import check_field, opt, reject_unknown_options
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # TRL's; trainers/sft/packing.py pack_samples
-LOSS_TYPES = ("nll", "dft", "chunked_nll")  # trainers/losses.py SFT_TOKEN_LOSSES
+LOSS_TYPES = ("nll", "dft", "chunked_nll")  # trainers/model/losses.py SFT_TOKEN_LOSSES
 METRIC_INPUTS = ("inputs", "loss")  # what include_for_metrics may add to compute_metrics' arguments
 
 

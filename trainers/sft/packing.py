@@ -1,5 +1,5 @@
 """SFT packing: shifted samples -> rows of up to max_length tokens. 'bfd' and 'bfd_split' fill rows best-fit
-decreasing (``pack_bfd``, trainers/packing.py), 'wrapped' concatenates and cuts; each sample keeps its own
+decreasing (``pack_bfd``, trainers/data/packing.py), 'wrapped' concatenates and cuts; each sample keeps its own
 positions (``position_ids`` restart per sample), so the Collator keeps them apart. A sample is
 ``{"input_ids", "target_ids"}`` (and ``first_labels``, ``training_sample``'s), as trainers/sft/tokenize.py makes
 it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainers.packing import pack_bfd
+from trainers.data.packing import pack_bfd
 from trainers.sft.tokenize import IGNORE
 
 

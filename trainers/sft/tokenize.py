@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from trainers.data import check_messages, is_conversational, render_chat, row_chat_kwargs
+from trainers.data.formats import check_messages, is_conversational, render_chat, row_chat_kwargs
 from trainers.errors import DatasetFormatError
 from trainers.logs import logger
 

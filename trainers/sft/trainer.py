@@ -6,12 +6,12 @@ import torch
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from trainers.base import BaseTrainer
-from trainers.data import DatasetFormatError, as_dataset
+from trainers.loop.base import BaseTrainer
+from trainers.data.formats import DatasetFormatError, as_dataset
 from trainers.errors import ConfigError
 from trainers.logs import logger
-from trainers.losses import AGGREGATIONS, SFT_TOKEN_LOSSES, BatchCounts
-from trainers.modeling import (
+from trainers.model.losses import SFT_TOKEN_LOSSES, BatchCounts, aggregate_token_mean
+from trainers.model.modeling import (
     context_length,
     generation_eos_ids,
     prompt_learning_config,
@@ -19,7 +19,7 @@ from trainers.modeling import (
     virtual_token_count,
     vocabulary_size,
 )
-from trainers.samplers import local_slice
+from trainers.data.samplers import local_slice
 from trainers.sft.batch import SFTBatch
 from trainers.sft.config import SFTConfig
 from trainers.sft.predictions import Predictions, check_metric_functions
@@ -36,8 +36,8 @@ from trainers.sft.tokenize import (
     transformers_labels,
     truncate,
 )
-from trainers.stats import Stats
-from trainers.streaming import (
+from trainers.loop.stats import Stats
+from trainers.data.streaming import (
     IndexedBatches,
     PerThread,
     first_row_columns,
@@ -315,7 +315,7 @@ class SFTTrainer(BaseTrainer):
         """A PEFT prompt-learning adapter (peft_config, or a PeftModel given as model) trains on padded rows only:
         PEFT drops position ids under it (prompt tuning, P-tuning) or keeps a cache (prefix tuning), so packed or
         padding-free rows would attend across samples. Its virtual tokens' outputs are left out of the loss
-        (trainers.modeling.token_logprobs)."""
+        (trainers.model.modeling.token_logprobs)."""
         config = prompt_learning_config(model)
         args = self.args
         if config is None or not (args.packing or args.padding_free or self.eval_packing):
@@ -405,7 +405,7 @@ class SFTTrainer(BaseTrainer):
         else:
             out = self._forward(model, batch, with_router_loss=bool(self.router_aux_loss_coef))
             # the per-token loss of loss_type (NLL or DFT), averaged over the step's trained tokens either way
-            loss = AGGREGATIONS["nll"](SFT_TOKEN_LOSSES[self.args.loss_type](out["logps"]), mask, counts)
+            loss = aggregate_token_mean(SFT_TOKEN_LOSSES[self.args.loss_type](out["logps"]), mask, counts)
         correct = (out["correct"] & mask.bool()).sum()
         stats: Stats = {"mean_token_accuracy": (correct, mask.sum())}
         if self.compute_loss_func is not None:

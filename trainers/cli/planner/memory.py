@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trainers.cli.planner.shapes import GB, SAMPLING, ModelShape, PlanInputs, teacher_shape
 from trainers.cli.templates import shipped_templates
-from trainers.output_head import chunk_positions, kept_positions
+from trainers.model.output_head import chunk_positions, kept_positions
 
 # ----------------------------------------------------------------------------------------------------------------
 # Templates and strategies
@@ -160,7 +160,7 @@ def activation_bytes(shape: ModelShape, tokens: int, mode: str, checkpointing: b
 
 def logits_bytes(shape: ModelShape, positions: int, logit_bytes: int) -> dict[str, int]:
     """The output head of ``positions`` (batch x scored positions) tokens, computed by the chunked head
-    (trainers/output_head.py), which never holds [positions, vocab] logits: one chunk's logits in the logits'
+    (trainers/model/output_head.py), which never holds [positions, vocab] logits: one chunk's logits in the logits'
     dtype and a float32 scratch of the same size in forward, two float32 chunks in backward ("logits"); the
     log-probabilities of the first chunks, up to SAVED_BYTES, kept from forward to backward ("logits_kept");
     and the float32 sum of the head's weight gradient, [vocab, hidden] ("head_gradient_sum")."""
@@ -177,7 +177,7 @@ def kv_cache_bytes(shape: ModelShape, rows: int, length: int, element_bytes: int
 
 
 def zero_bucket_elements(shape: ModelShape) -> int:
-    """hidden^2 within [1e6, 5e8]: the bucket size trainers/distributed.py's zero_settings derives."""
+    """hidden^2 within [1e6, 5e8]: the bucket size trainers/parallel/distributed.py's zero_settings derives."""
     return int(min(max(shape.hidden_size ** 2, 1e6), 5e8))
 
 
@@ -289,7 +289,7 @@ def model_state_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy,
 
 def reference_model_bytes(shape: ModelShape, inputs: PlanInputs, strategy: Strategy, n: int) -> int:
     """The frozen reference of GRPO (beta > 0), DPO and KTO, or distillation's teacher: a bf16 copy
-    (trainers/distributed.py prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under
+    (trainers/parallel/distributed.py prepare_frozen), partitioned under ZeRO-3 (and offloaded with the parameters under
     zero3_offload). With LoRA the reference is the base with adapters disabled: no copy (a teacher is its own
     model whatever the student trains)."""
     if inputs.method == "distill":

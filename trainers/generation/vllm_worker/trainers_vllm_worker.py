@@ -160,7 +160,7 @@ if ENGINE_NAME not in WeightTransferEngineFactory._registry:  # the module may b
     WeightTransferEngineFactory.register_engine(ENGINE_NAME, GlooWeightTransferEngine)
 
 # The kernel lets a process run AMX tile instructions only after it asked; vLLM's bf16 CPU attention uses them
-# without asking and dies with SIGILL on a CPU that has AMX (trainers.host.allow_amx_tiles, restated here: this
+# without asking and dies with SIGILL on a CPU that has AMX (trainers.parallel.host.allow_amx_tiles, restated here: this
 # module never imports the trainers package). A no-op without AMX.
 if torch.cpu._is_amx_tile_supported():
     torch.cpu._init_amx()

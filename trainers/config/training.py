@@ -1,6 +1,6 @@
 """Training configurations: dataclasses with TRL's field names, validated at construction.
 
-Every field is declared with ``opt(default, help, <constraints>)`` (trainers/options.py): the help text
+Every field is declared with ``opt(default, help, <constraints>)`` (trainers/config/options.py): the help text
 (``metadata["help"]``) feeds the CLI's ``--help`` and ``docs/config-reference.md``; the constraints (allowed values,
 bounds) are checked for every field at construction and shown in the reference. Only rules relating several fields
 are written by hand in ``__post_init__``. Errors name the field and what would be valid. This module holds
@@ -18,8 +18,8 @@ from typing import Any
 
 from trainers.errors import ConfigError
 from trainers.logs import LOG_LEVELS
-from trainers.options import check_constraints, check_field, check_types, opt, reject_unknown_options
-from trainers.schedules import check_scheduler_kwargs
+from trainers.config.options import check_constraints, check_field, check_types, opt, reject_unknown_options
+from trainers.optim.schedules import check_scheduler_kwargs
 
 # transformers' schedules, except the two stepped by an evaluation metric (reduce_lr_on_plateau, greedy)
 LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

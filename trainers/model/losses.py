@@ -1,9 +1,10 @@
-"""Pure tensor functions: log-probs from logits, advantages, the GRPO family of losses, KL, and aggregation.
+"""Pure tensor functions: log-probs from logits, entropy, SFT's token losses, and how a loss is averaged.
 
 Nothing here knows about models, processes or configs. Shapes: B sequences, T positions, V vocabulary.
 ``mask`` is 1.0 where a token counts and 0.0 elsewhere.
 
-How losses are averaged (``AGGREGATIONS``) is what makes a result independent of how a global batch is split
+How losses are averaged (the ``aggregate_*`` functions; GRPO's loss types name theirs in
+trainers/grpo/objectives.py, ``AGGREGATIONS``) is what makes a result independent of how a global batch is split
 into micro-batches and processes: each micro-batch's loss is a sum divided by a *global* count (tokens or
 sequences in the whole optimizer step), so summing micro-batch gradients gives the gradient of the global
 loss. The trainer multiplies by processes x accumulation steps to undo the averaging done by DDP/DeepSpeed
@@ -76,7 +77,6 @@ class BatchCounts:
     tokens: float  # masked-in tokens
     sequences: float  # sequences (completions)
     micro_batches: int  # processes x accumulation steps
-    max_completion_length: int = 1
 
 
 def aggregate_token_mean(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
@@ -95,33 +95,16 @@ def aggregate_micro_batch_token_mean(per_token: torch.Tensor, mask: torch.Tensor
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / counts.micro_batches
 
 
-def aggregate_constant_length(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
-    """Σ loss·mask / (sequences x max_completion_length): Dr. GRPO (arXiv:2503.20783), no length bias."""
-    return (per_token * mask).sum() / max(counts.sequences * counts.max_completion_length, 1.0)
-
-
 def aggregate_sequence_sum(per_token: torch.Tensor, mask: torch.Tensor, counts: BatchCounts) -> torch.Tensor:
     """Mean over sequences of each sequence's token *sum*: LUSPO, GSPO scaled by each completion's length so
     long completions are not under-weighted (TRL's loss_type="luspo")."""
     return (per_token * mask).sum() / max(counts.sequences, 1.0)
 
 
-AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchCounts], torch.Tensor]] = {
-    "grpo": aggregate_sequence_mean,
-    "bnpo": aggregate_micro_batch_token_mean,
-    "dr_grpo": aggregate_constant_length,
-    "dapo": aggregate_token_mean,
-    "cispo": aggregate_token_mean,  # as TRL: over the step's tokens
-    "sapo": aggregate_sequence_mean,  # as TRL: the grpo mean of sequence means
-    "luspo": aggregate_sequence_sum,
-    "vespo": aggregate_token_mean,  # as TRL: over the step's tokens
-    "nll": aggregate_token_mean,
-}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # SFT's per-token losses (SFTConfig.loss_type): each position's log p(target) [B, T] -> its loss [B, T], then
-# averaged over the step's trained tokens (AGGREGATIONS["nll"]) whichever it is
+# averaged over the step's trained tokens (aggregate_token_mean) whichever it is
 # ----------------------------------------------------------------------------------------------------------------
 
 

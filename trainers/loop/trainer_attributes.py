@@ -2,7 +2,7 @@
 callbacks use on a trainer beside train(), evaluate() and save_model(): the callback list, which process this is,
 the backend, the batch size, the model, the learning rates, and push_to_hub, refused with an explanation.
 
-A mixin of BaseTrainer, kept apart so that trainers/base.py holds the set-up, the loop and its hooks. Each member
+A mixin of BaseTrainer, kept apart so that trainers/loop/base.py holds the set-up, the loop and its hooks. Each member
 reads the trainer's state (``callback_handler``, ``accelerator``, ``args``, ``model``, ``optimizer``,
 ``router_aux_loss_coef``) or hands a call on to it; the trainer's own modules use a few of them too
 (``unwrapped_model``, ``effective_batch_size``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from accelerate.utils import DistributedType
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 changes a result): glibc's allocator settings for CPU training, a pause at exit that lets gloo's worker threads
 finish, AMX permission for vLLM's CPU kernels, and a warning about DeepSpeed build locks an interrupted compile
 left behind. Each function's docstring has its measurement. (Float32 attention for bf16 training on CPU is in
-cpu_attention.py: this module stays light, so that ``trainers.distributed`` imports without transformers.)"""
+cpu_attention.py: this module stays light, so that ``trainers.parallel.distributed`` imports without transformers.)"""
 
 from __future__ import annotations
 

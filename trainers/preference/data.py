@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers.data import as_dataset, chat_ids, check_messages, is_conversational
-from trainers.distributed import gather_objects
+from trainers.data.formats import as_dataset, chat_ids, check_messages, is_conversational
+from trainers.parallel.distributed import gather_objects
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.logs import logger
-from trainers.modeling import context_length, vocabulary_size
-from trainers.reference import disable_dropout
-from trainers.samplers import local_slice
-from trainers.stats import Extreme, Stats
-from trainers.streaming import (
+from trainers.model.modeling import context_length, vocabulary_size
+from trainers.model.reference import disable_dropout
+from trainers.data.samplers import local_slice
+from trainers.loop.stats import Extreme, Stats
+from trainers.data.streaming import (
     IndexedBatches,
     PerThread,
     is_stream,

@@ -20,7 +20,7 @@ from trainers.errors import ConfigError
 from trainers.logs import logger
 
 if TYPE_CHECKING:
-    from trainers.configs import TrainingConfig
+    from trainers.config.training import TrainingConfig
 
 
 def local_slice(global_batch: list[int], accumulation_index: int, process_index: int, per_device: int,

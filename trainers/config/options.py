@@ -5,7 +5,7 @@ A field is declared with ``opt(default, help, <constraints>)``: the help text (`
 construction (``check_constraints``, after ``check_types``) and shown in the reference (``describe_constraints``).
 ``reject_unknown_options`` gives an unknown option a clear error, and accepts a TRL option this project does not
 implement only at TRL's default. ``check_field`` states a rule that relates several fields. The configs themselves
-(TrainingConfig in trainers/configs.py, SFTConfig, GRPOConfig) hold only their fields and those rules.
+(TrainingConfig in trainers/config/training.py, SFTConfig, GRPOConfig) hold only their fields and those rules.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from dataclasses import field
 from typing import Any
 
-from trainers._trl_options import TRL_ONLY_OPTIONS
+from trainers.config.trl_options import TRL_ONLY_OPTIONS
 from trainers.errors import ConfigError
 
 

@@ -15,9 +15,9 @@ import time
 
 from transformers import trainer_pt_utils
 
-from trainers.checkpoint import update_best
+from trainers.loop.checkpoint import update_best
 from trainers.logs import RunLog, logger
-from trainers.trackers import flat_config, numeric_metrics
+from trainers.loop.trackers import flat_config, numeric_metrics
 
 
 # The base loop's own metrics of a step record; the others are the trainer's (TRL's ``_metrics``: rewards,

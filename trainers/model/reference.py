@@ -1,5 +1,5 @@
-"""The reference model of the preference trainers (DPO, KTO), resolved as TRL 1.16 resolves it: a mixin of
-their trainer, as the base's own mixins are.
+"""The frozen reference model of DPO, KTO, GRPO and RLOO, resolved as TRL 1.16 resolves it: a mixin of their
+trainer, as the base's own mixins are.
 
 ``ref_model`` given: that model, frozen. None with PEFT: the policy with its adapters off (no second copy).
 None without PEFT: a frozen copy of the model as loaded (from its path, or a deep copy of the instance), or, with
@@ -15,9 +15,9 @@ import copy
 
 import torch
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
-from trainers.modeling import load_causal_lm
+from trainers.model.modeling import load_causal_lm
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -29,14 +29,15 @@ def disable_dropout(model: torch.nn.Module) -> None:
 class FrozenReference:
     """Mixin: ``load_reference`` (from after_load), ``prepare_reference`` (from after_prepare), ``reference()``
     (the model to score with, no gradients) and ``sync_reference`` (from after_optimizer_step). Reads the
-    config's model_init_kwargs, trust_remote_code, disable_dropout, precompute_ref_log_probs, sync_ref_model,
-    ref_model_mixup_alpha and ref_model_sync_steps."""
+    config's model_init_kwargs, trust_remote_code, disable_dropout, sync_ref_model, ref_model_mixup_alpha and
+    ref_model_sync_steps."""
 
     ref_model: torch.nn.Module | None = None
 
-    def load_reference(self, model, ref_source, model_source) -> None:
+    def load_reference(self, model, ref_source, model_source, precompute: bool = False) -> None:
         """Resolve the reference for the loaded (and PEFT-wrapped) ``model``; ``ref_source``: the trainer's
-        ``ref_model`` argument, ``model_source``: its ``model`` argument."""
+        ``ref_model`` argument (None: none given), ``model_source``: its ``model`` argument; ``precompute``:
+        precompute_ref_log_probs (no model kept during training)."""
         args = self.args
         if args.sync_ref_model and self.is_peft:
             raise ConfigError(f"{type(args).__name__}: `sync_ref_model=True` does not work with a PEFT model (as in "
@@ -45,7 +46,7 @@ class FrozenReference:
         if ref_source is not None:
             kwargs = args.model_init_kwargs if isinstance(ref_source, str) else None
             self.ref_model = load_causal_lm(ref_source, kwargs, args.trust_remote_code)
-        elif not self.is_peft and not args.precompute_ref_log_probs:
+        elif not self.is_peft and not precompute:
             self.ref_model = (load_causal_lm(model_source, args.model_init_kwargs, args.trust_remote_code)
                               if isinstance(model_source, str) else copy.deepcopy(model))
         if self.ref_model is not None and args.disable_dropout:

@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl
 from transformers.trainer_callback import ExportableState
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.logs import logger
 

@@ -1,7 +1,7 @@
 """Training batches from a stream (a ``datasets.IterableDataset``), and the same interface over rows in memory.
 
 A trainer reads its training data through one interface, ``batch(step) -> the rows of global batch `step```, laid
-out ``[accumulation step][process][row]`` (``trainers.samplers.local_slice`` cuts each process's rows out of it):
+out ``[accumulation step][process][row]`` (``trainers.data.samplers.local_slice`` cuts each process's rows out of it):
 
 - ``IndexedBatches``: rows prepared in memory before training, ordered by a ``GlobalBatchSampler`` (a pure
   function of the seed and the step);
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainers import distributed as dist
+from trainers.parallel import distributed as dist
 from trainers.errors import CheckpointError, ConfigError, DatasetFormatError
 from trainers.logs import logger
 
@@ -170,7 +170,7 @@ class Chunk:
 
 
 class IndexedBatches:
-    """Rows prepared in memory, in the order of a ``GlobalBatchSampler`` (trainers.samplers)."""
+    """Rows prepared in memory, in the order of a ``GlobalBatchSampler`` (trainers.data.samplers)."""
 
     def __init__(self, rows: list, sampler):
         self.rows, self.sampler = rows, sampler

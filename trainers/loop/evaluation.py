@@ -15,7 +15,7 @@ import torch
 from transformers.trainer_utils import speed_metrics
 
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.stats import Extreme, reduce_extremes, reduce_pairs
+from trainers.loop.stats import Extreme, reduce_extremes, reduce_pairs
 
 
 class Evaluation:

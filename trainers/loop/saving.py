@@ -4,7 +4,7 @@ and callbacks, and the subclass's ``save_extra_state`` / ``load_extra_state``.
 Resuming from a checkpoint (``_resume``), writing one (``save_checkpoint``, with rotation that keeps the best), the
 best model at the end of training (``_settle_best_model``), ``save_model`` in Hugging Face format, and the two ways a
 run stops that checkpoint first: a signal (``_stop_on_signal``) and too many non-finite steps in a row
-(``_check_nonfinite``). The checkpoint files themselves are trainers.checkpoint's.
+(``_check_nonfinite``). The checkpoint files themselves are trainers.loop.checkpoint's.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from trainers import distributed as dist
-from trainers.checkpoint import (
+from trainers.parallel import distributed as dist
+from trainers.loop.checkpoint import (
     load_checkpoint,
     load_model_only_checkpoint,
     resolve_resume_path,
@@ -24,7 +24,7 @@ from trainers.checkpoint import (
     verify_checkpoint,
 )
 from trainers.errors import CheckpointError, NonFiniteError
-from trainers.interrupts import StopOnSignal
+from trainers.loop.interrupts import StopOnSignal
 from trainers.logs import logger
 
 

@@ -5,11 +5,11 @@ Read ``train`` top to bottom: for each optimizer step, ``prepare_step``, then it
 (``batch_counts``), then forward, loss, backward on each and the optimizer step (``_optimizer_step``),
 ``after_optimizer_step``, the step's bookkeeping, then log, evaluate, save, and the checks that stop a run. A
 subclass supplies how a micro-batch is made (``micro_batch``, returning a ``MicroBatch``) and how its loss is
-computed (``compute_loss``). Everything distributed goes through ``trainers.distributed``; the
-rest of the trainer is in mixins: ``evaluate()`` and the eval datasets (``trainers.evaluation``), what a run
-records and when it logs, evaluates and saves (``trainers.run_logging``), checkpoints, resuming, the best
-model and ``save_model`` (``trainers.saving``), and transformers' Trainer attributes and methods for scripts and
-callbacks (``trainers.trainer_attributes``). The training order comes from ``trainers.samplers``.
+computed (``compute_loss``). Everything distributed goes through ``trainers.parallel.distributed``; the
+rest of the trainer is in mixins: ``evaluate()`` and the eval datasets (``trainers.loop.evaluation``), what a run
+records and when it logs, evaluates and saves (``trainers.loop.run_logging``), checkpoints, resuming, the best
+model and ``save_model`` (``trainers.loop.saving``), and transformers' Trainer attributes and methods for scripts and
+callbacks (``trainers.loop.trainer_attributes``). The training order comes from ``trainers.data.samplers``.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import enable_full_determinism
 from transformers.utils.import_utils import enable_tf32
 
-from trainers import distributed as dist
-from trainers import health
-from trainers.callbacks import CallbackHandler
-from trainers.checkpoint import TrainerState
-from trainers.configs import TrainingConfig, config_from_training_arguments, tf32_available
+from trainers.parallel import distributed as dist
+from trainers.loop import health
+from trainers.loop.callbacks import CallbackHandler
+from trainers.loop.checkpoint import TrainerState
+from trainers.config.training import TrainingConfig, config_from_training_arguments, tf32_available
 from trainers.errors import ConfigError, DatasetFormatError
-from trainers.evaluation import Evaluation, named_eval_datasets
-from trainers.health import HealthMonitor
-from trainers.interrupts import StopOnSignal
+from trainers.loop.evaluation import Evaluation, named_eval_datasets
+from trainers.loop.health import HealthMonitor
+from trainers.loop.interrupts import StopOnSignal
 from trainers.logs import RunLog, logger, set_log_level
-from trainers.losses import BatchCounts
-from trainers.modeling import (
+from trainers.model.losses import BatchCounts
+from trainers.model.modeling import (
     check_model_path,
     clone_chat_template,
     enable_activation_checkpointing,
@@ -50,14 +50,14 @@ from trainers.modeling import (
     router_aux_loss_coef,
     train_added_tokens,
 )
-from trainers.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers, step_unless_nonfinite
-from trainers.run_logging import RunLogging
-from trainers.samplers import GlobalBatchSampler, per_process_batch_size, training_sampler
-from trainers.saving import Saving
-from trainers.schedules import build_scheduler
-from trainers.stats import Stats, StepStats
-from trainers.trackers import resolve_report_to
-from trainers.trainer_attributes import TrainerAttributes
+from trainers.optim.optimizers import build_optimizer, check_optimizer_parameters, check_optimizers, step_unless_nonfinite
+from trainers.loop.run_logging import RunLogging
+from trainers.data.samplers import GlobalBatchSampler, per_process_batch_size, training_sampler
+from trainers.loop.saving import Saving
+from trainers.optim.schedules import build_scheduler
+from trainers.loop.stats import Stats, StepStats
+from trainers.loop.trackers import resolve_report_to
+from trainers.loop.trainer_attributes import TrainerAttributes
 
 
 class TrainOutput(NamedTuple):
@@ -91,7 +91,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
     _tag_names: tuple[str, ...] = ("trainers",)  # added to the model's model_tags (TRL's attribute, its ["trl", "sft"])
     # DistributedDataParallel arguments where the config's ddp_* option is None (the config's win)
     ddp_defaults: dict = {}
-    HEALTH_RULES: tuple = health.RULES  # the warnings its run can raise (trainers/health.py); a trainer adds its own
+    HEALTH_RULES: tuple = health.RULES  # the warnings its run can raise (trainers/loop/health.py); a trainer adds its own
 
     def __init__(self, model: Any, args: TrainingConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None, quantization_config=None, callbacks=None,
@@ -317,7 +317,7 @@ class BaseTrainer(Evaluation, RunLogging, Saving, TrainerAttributes):
 
     def batch_sampler(self, lengths: list[int], batch: int, unit: str) -> GlobalBatchSampler:
         """The training order of rows of these ``lengths`` in global batches of ``batch`` rows, by the config's
-        data-order options (trainers.samplers.training_sampler); ``unit`` names such a batch in messages."""
+        data-order options (trainers.data.samplers.training_sampler); ``unit`` names such a batch in messages."""
         return training_sampler(self.args, lengths, batch, unit, log=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ the loop

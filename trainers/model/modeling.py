@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from trainers.cpu_attention import float32_attention_on_cpu
+from trainers.model.cpu_attention import float32_attention_on_cpu
 from trainers.errors import ConfigError, ModelLoadError
-from trainers.losses import logps_and_entropy, selective_log_softmax
-from trainers.output_head import plan_head, scoring_head
+from trainers.model.losses import logps_and_entropy, selective_log_softmax
+from trainers.model.output_head import plan_head, scoring_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -265,7 +265,7 @@ def cast_lm_head_to_fp32(model) -> None:
     embeddings = model.get_input_embeddings()
     original_dtype = head.weight.dtype
     head.float()  # in place: a tied embedding matrix (the same Parameter) becomes float32 too
-    head.float32_head = True  # the chunked head (trainers/output_head.py) computes it in float32 too
+    head.float32_head = True  # the chunked head (trainers/model/output_head.py) computes it in float32 too
 
     # a bound method (not a closure over ``head``), so a deep copy of the model (GRPO's reference) uses its own head
     head.forward = types.MethodType(_linear_in_fp32, head)
@@ -324,7 +324,7 @@ def token_logprobs(
     input_ids: [B, T]. target_ids: [B, K] where K = logits_to_keep (the last K positions) or T; entries < 0
     are don't-care (their values are meaningless, 0 where the head is chunked; mask them). Returns tensors of
     shape [B, K], and with ``with_router_loss`` the MoE model's router load-balancing loss as "aux_loss" (a
-    scalar, unweighted). The output head runs chunked (trainers/output_head.py: no [B, K, V] logits) unless the
+    scalar, unweighted). The output head runs chunked (trainers/model/output_head.py: no [B, K, V] logits) unless the
     logits are asked for or the head is one it does not take. ``kept``: how many of target_ids are >= 0, where the
     caller knows it (a host integer: the head then finds them without reading target_ids).
     """

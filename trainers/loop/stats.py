@@ -14,9 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainers import distributed as dist
-
-
+from trainers.parallel import distributed as dist
 class Extreme(NamedTuple):
     """A micro-batch statistic reduced by its min or max over processes. A NaN value (nothing to measure) is left
     out."""

@@ -1,0 +1,1 @@
+"""Configuration: TrainingConfig, opt() fields with declared constraints, and TRL's options accepted at their default."""

@@ -1,0 +1,2 @@
+"""The loop and its services: BaseTrainer, logging, evaluation, saving and checkpoints, callbacks, health, trackers,
+statistics."""
