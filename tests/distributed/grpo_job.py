@@ -178,7 +178,8 @@ def train_and_report(trainer, args, ragged: bool) -> dict:
                           for ids, m in zip(batch.completion_ids, batch.completion_attention)]
         prompts, completions = decode(trainer.processing_class, rows_of_round, completion_ids)
         local_rewards = trainer.stage.score_completions(
-            rows_of_round, prompts, completions, Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs())
+            rows_of_round, prompts, completions, Samples(prompt_ids=[], completion_ids=completion_ids), RewardLogs(),
+            trainer.state)
         round_report = {"slots": slots, "completions": batch.completion_ids.tolist(),
                         "rewards": local_rewards[:, 0].tolist(), "advantages": batch.advantages.tolist()}
     with gathered_parameters(acc, trainer.model):

@@ -13,7 +13,7 @@ from trainers.cli.tiny import build_tokenizer
 from trainers.errors import ConfigError
 from trainers.generation.backend import BACKENDS, BackendInputs, build_backend, register_backend
 from trainers.generation.sampling import GenerationContext, Samples, SamplingParams
-from trainers.sampling.advantages import round_advantages
+from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS
 from trainers.grpo.config import GRPOConfig
 from trainers.sampling.rewards import Reward
 from trainers.sampling.rollout import RolloutStage, RoundNeeds
@@ -145,11 +145,9 @@ def test_the_rollout_stage_over_a_scripted_backend(tokenizer, accelerator):
     stage = RolloutStage(backend, None, rewards, torch.tensor([1.0]), scorer=None, args=args,
                          accelerator=accelerator, tokenizer=tokenizer, eos_ids={tokenizer.eos_token_id},
                          sampling=SamplingParams(max_new_tokens=8), needs=RoundNeeds(),
-                         trainer_state=lambda: None,
-                         advantages=lambda rewards, rollout: round_advantages(rewards, torch.tensor([1.0]), 4,
-                                                                              "group", "sum_then_normalize"))
+                         estimator=ADVANTAGE_ESTIMATORS["grpo"])
     rows = [{"prompt": "hi"}] * 4
-    built = stage.build(rows, [[104, 105]] * 4)
+    built = stage.build(rows, [[104, 105]] * 4, trainer_state=None)
     rollout = built.rollout
     assert built.samples.completion_ids[0] == tokenizer("hello" + END, add_special_tokens=False)["input_ids"]
     assert rollout.completion_ids.shape == (4, 6) and bool(rollout.loss_mask.all())

@@ -1,10 +1,9 @@
 """DistillationTrainer: TRL 1.16's on-policy distillation, a sibling of GRPO on the sampling base. Everything that
 samples (the lean engine, HF generate, vLLM colocated or as a server, a rollout_func, tools and environments) is the
 sampling base's (trainers/sampling/trainer.py), with no reward functions (an environment's reward is logged) and no
-advantages; what distillation changes is the loss (``compute_loss``: the
-per-token divergence from the teacher, trainers/distillation/teacher.py) and where a round's completions come
-from with ``lmbda`` < 1 (``build_round``: some rounds take the dataset's completions instead of sampling). The
-trainer's arguments are TRL's DistillationTrainer's, in its order, then rollout_func and environment_factory."""
+advantages; what distillation adds is the loss (``compute_loss``: the per-token divergence from the teacher,
+trainers/distillation/teacher.py) and, with ``lmbda`` < 1, rounds of the dataset's completions
+(``off_policy_samples``: the stage builds them as it builds sampled ones). The trainer's arguments are TRL's DistillationTrainer's, in its order, then rollout_func and environment_factory."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ from trainers.generation.vllm_client import VLLMClient
 from trainers.model.losses import BatchCounts
 from trainers.model.modeling import load_causal_lm
 from trainers.model.output_head import plan_head
-from trainers.sampling.batch import MicroBatch, Rollout
-from trainers.sampling.metrics import round_metrics
-from trainers.sampling.rollout import loss_mask_of
+from trainers.sampling.batch import MicroBatch
+from trainers.sampling.rollout import Sampled, decode
 from trainers.sampling.trainer import SamplingTrainer
 from trainers.loop.stats import Stats
 
@@ -107,27 +105,14 @@ class DistillationTrainer(SamplingTrainer):
         self.chunked = chunkable(self.student_head) and (isinstance(self.teacher, ServedTeacher)
                                                          or chunkable(self.teacher.plan))
 
-    def build_round(self, round_index: int) -> Rollout:
-        """The sampling base's round (the student samples), or with ``lmbda`` < 1, for the rounds drawn
-        off-policy, the dataset's own completions of the round's prompts."""
-        if self.on_policy(round_index):
-            return super().build_round(round_index)
-        rows, prompt_ids = self._my_rows(self.prompt_batches.batch(round_index))
+    def off_policy_samples(self, rows: list[dict], prompt_ids: list[list[int]]) -> Sampled:
+        """With ``lmbda`` < 1, the rounds drawn off-policy: the dataset's own completions of the round's prompts,
+        which the rollout stage then treats as any other round's (padded, masked, logged)."""
         if self.prompt_sampler is None:  # a stream: its rows are checked as they are read
             self._check_completions(rows, "train_dataset")
         completions = [self._completion_ids(row, ids) for row, ids in zip(rows, prompt_ids)]
-        samples = Samples(prompt_ids, completions)
-        padded, acc = self.stage.pad(samples), self.accelerator
-        loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, self.args)
-        rollout = padded.rollout(loss_mask, torch.zeros(len(rows))).to(acc.device)
-        lengths = acc.gather(padded.model_tokens.sum(1).to(acc.device)).float().cpu()
-        truncated = acc.gather(padded.truncated.float().to(acc.device)).cpu()
-        none = torch.zeros(len(lengths), 0)
-        self._round_metrics.append(round_metrics(torch.zeros(len(lengths)), none, [], torch.ones(1), lengths,
-                                                 truncated))
-        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=rollout, samples=samples,
-                                   metrics=self._round_metrics[-1])
-        return rollout
+        prompts, texts = decode(self.processing_class, rows, completions)
+        return Sampled(Samples(prompt_ids, completions), prompts, texts)
 
     def on_policy(self, round_index: int) -> bool:
         """Whether round ``round_index`` samples from the student: drawn with probability lmbda from the seed and

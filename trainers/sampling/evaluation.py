@@ -19,7 +19,7 @@ import torch
 from trainers.agents.tool_loop import ToolCounts, tool_metrics
 from trainers.model.losses import BatchCounts
 from trainers.sampling.advantages import combine_rewards
-from trainers.sampling.rollout import Scored, logged_names, loss_mask_of
+from trainers.sampling.rollout import Scored, logged_names
 from trainers.loop.stats import Extreme, Stats
 
 
@@ -41,14 +41,17 @@ def evaluation_stats(trainer: Any) -> Stats:
         chunk = mine[start:start + size]  # empty: this process only keeps the others company in collectives
         indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]  # a prompt's completions stay together
         scored = trainer.stage.sample_and_score([trainer.eval_rows[i] for i in indices],
-                                                [trainer.eval_prompt_ids[i] for i in indices], score=bool(chunk))
+                                                [trainer.eval_prompt_ids[i] for i in indices], trainer.state,
+                                                score=bool(chunk))
+        if scored.episode is not None:
+            trainer.callback_handler.fire("episode_end", episode=scored.episode)
         for name, pair in loss_stats(trainer, scored, per_prompt, counted=bool(chunk)).items():
             total, count = pooled.get(name, (0.0, 0.0))
             pooled[name] = (total + pair[0], count + pair[1])
         for name, values in scored.logs.metrics.items():
             logged.setdefault(name, []).extend(values)
-        if chunk and scored.tool_counts is not None:  # a companion batch's dummy rollouts count nothing
-            tool_counts += scored.tool_counts
+        if chunk and scored.episode is not None:  # a companion batch's dummy rollouts count nothing
+            tool_counts += scored.episode.counts
         trainer.callback_handler.fire("prediction_step")
         if scored.rewards_per_func is None:
             continue
@@ -76,21 +79,19 @@ def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> 
     for the collectives only, weighs nothing. The advantages are those of this batch's groups (each process
     holds whole groups); ``scale_rewards='batch'`` and ``normalize_then_sum`` normalize over this process's batch."""
     args, device = trainer.args, trainer.accelerator.device
-    n = len(scored.samples.completion_ids)
-    padded = trainer.stage.pad(scored.samples)
-    loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, 0, args)
-    rollout = padded.rollout(loss_mask, torch.zeros(n)).to(device)
-    if trainer.needs.ref_logps:
-        rollout = dataclasses.replace(rollout, ref_logps=trainer.scorer.reference_logprobs(rollout))
+    stage, n = trainer.stage, len(scored.samples.completion_ids)
+    _, rollout = stage.padded_rollout(scored.samples)
+    loss_mask = rollout.loss_mask
+    rollout = stage.with_logprobs(rollout, old=False, ref=stage.needs.ref_logps)  # the loss's old ones stay unset
     # this batch's own groups; a companion batch, unscored, gets rewards of 0 (it weighs nothing, and reports the
     # same names as the others, which the caller sums over processes)
     rewards_per_func = scored.rewards_per_func
     if rewards_per_func is None:
-        rewards_per_func = torch.zeros(n, len(trainer.rewards))
-    estimated = rollout  # with the old log-probs where the estimator reads them (RLOO's KL); the loss's stay unset
-    if trainer.estimator.needs_old_logps(args):
-        estimated = dataclasses.replace(rollout, old_logps=trainer.scorer.old_logprobs(rollout))
-    advantages = trainer.round_advantages(rewards_per_func, estimated, per_prompt, over_processes=False)
+        rewards_per_func = torch.zeros(n, len(stage.rewards))
+    estimated = rollout  # with the old log-probs where the estimator reads them (RLOO's KL)
+    if stage.estimator.needs_old_logps(args):
+        estimated = stage.with_logprobs(rollout, old=True, ref=False)
+    advantages = stage.advantages(rewards_per_func, estimated, per_prompt, over_processes=False)
     rollout = dataclasses.replace(rollout, advantages=advantages.advantages.to(device))
     batch = rollout.micro_batch(0, n)
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),

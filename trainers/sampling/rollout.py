@@ -3,18 +3,23 @@ from the round's dataset rows to a ``Rollout``.
 
     rows -> sample (the generation backend: the policy,       RolloutStage.sample_and_score
             vLLM, a rollout_func or a registered one; with tools,
-            the tool loop over it: trainers/agents/tool_loop.py)
+            the tool loop over it: trainers/agents/tool_loop.py;
+            or completions given: async, a dataset's)
          -> decode -> score (the reward functions)               RolloutStage.sample_and_score
          -> gather the rewards of every process
-         -> loss masks (model tokens, truncation)
-         -> old and reference log-probs (as ``RoundNeeds`` says: LogProbScorer, trainers/sampling/scoring.py)
-         -> advantages (``advantages``: the trainer's estimator, trainers/sampling/advantages.py)
+         -> pad -> loss masks -> Rollout                         RolloutStage.padded_rollout
+         -> old and reference log-probs (as ``RoundNeeds``       RolloutStage.with_logprobs
+            says: LogProbScorer, trainers/sampling/scoring.py)
+         -> advantages (the trainer's estimator,                 RolloutStage.advantages
+            ADVANTAGE_ESTIMATORS, trainers/sampling/advantages.py)
          -> dynamic sampling's dropped groups out of the loss masks
          -> the sampler's log-probs against the trainer's (importance weights)
          -> metrics and the completions table
          -> Rollout (trainers/sampling/batch.py), which the micro-batches are cut from
 
-``RolloutStage`` is built once, from what it uses (never the trainer). Every process runs it together: sampling
+``RolloutStage`` is built once, from what it uses (never the trainer), and calls nothing back in the trainer: the
+trainer passes what changes per round (the TrainerState for the reward functions) and fires its own events with
+what the round returns (``Round.episode``). Every process runs it together: sampling
 may gather weights (ZeRO-3), rewards are gathered, and a failure in user code on one process stops all
 (``dist.raise_together``). The backend's weights are synced before the stage runs (SamplingTrainer.prepare_step).
 Evaluation samples and scores through the same ``sample_and_score``.
@@ -24,19 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainers.parallel import distributed as dist
-from trainers.agents.tool_loop import Episode, ToolCounts, ToolLoop, tool_metrics
+from trainers.agents.tool_loop import Episode, ToolLoop, tool_metrics
 from trainers.data.formats import is_conversational
 from trainers.generation.backend import Backend, PolicyBackend
 from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
 from trainers.generation.user_rollout import logprob_gap, padded_logprobs
-from trainers.sampling.advantages import RoundAdvantages
+from trainers.sampling.advantages import AdvantageEstimator, AdvantageInputs, RoundAdvantages
 from trainers.sampling.batch import Rollout, prompt_groups
 from trainers.sampling.importance import ImportanceCorrection
 from trainers.sampling.metrics import round_metrics, sample_records
@@ -78,7 +82,7 @@ class Scored:
     completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
     rewards_per_func: torch.Tensor | None  # [n, F] float32, NaN where a function returned None; None: not scored
     logs: RewardLogs  # what the reward functions passed to log_metric / log_extra
-    tool_counts: ToolCounts | None = None  # with tools: what this process's tool calls did
+    episode: Episode | None = None  # with tools: the tool loop's episode (its counts: what the tool calls did)
     version: int | None = None  # asynchronous GRPO: the optimizer step whose weights sampled them
 
 
@@ -103,62 +107,55 @@ class Round:
     metrics: dict[str, float]  # TRL's round metrics, over every process
     completions: list[dict] | None  # log_completions: every process's records (main process writes them)
     samples: Samples  # what the backend (and the tool loop) returned, before padding
+    episode: Episode | None = None  # with tools: the tool loop's episode (the trainer's on_episode_end)
 
 
 class RolloutStage:
-    """The rollout stage, built once the policy is prepared, from what it uses: the generation ``backend``, the
-    ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions and their
-    weights, the log-prob ``scorer`` (old and reference log-probs, the rows skip_zero_gradient_rows skips; None
-    for rounds that need none of them), the config, the processes' ``accelerator``,
-    the tokenizer (decoding), the EOS ids, the default sampling parameters, what the round computes (``needs``),
-    ``trainer_state`` (a function: the
-    TrainerState the reward functions get), ``advantages`` (every process's rewards [G, F] and this process's
-    Rollout, its old and reference log-probs in, -> RoundAdvantages over the G rows; called by every process
-    together) and ``on_episode`` (told of each tool-loop Episode). Every process calls its methods together."""
+    """The rollout stage, built once the policy is prepared, from what it uses (never the trainer): the generation
+    ``backend``, the ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions
+    and their weights, the log-prob ``scorer`` (old and reference log-probs, the rows skip_zero_gradient_rows
+    skips), the config, the processes' ``accelerator``, the tokenizer (decoding), the EOS ids, the default
+    sampling parameters, what the round computes (``needs``) and the trainer's advantage ``estimator`` (an entry
+    of ADVANTAGE_ESTIMATORS). Every process calls its methods together."""
 
     def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
                  reward_weights: torch.Tensor, scorer: LogProbScorer | None, args: Any, accelerator, tokenizer,
-                 eos_ids: set[int], sampling: SamplingParams, needs: RoundNeeds,
-                 trainer_state: Callable[[], Any], advantages: Callable[[torch.Tensor, Rollout], RoundAdvantages],
-                 on_episode: Callable[[Episode], None] | None = None):
+                 eos_ids: set[int], sampling: SamplingParams, needs: RoundNeeds, estimator: AdvantageEstimator):
         self.backend, self.tool_loop, self.rewards, self.reward_weights = backend, tool_loop, rewards, reward_weights
-        self.advantages = advantages
         self.scorer, self.args, self.accelerator, self.tokenizer = scorer, args, accelerator, tokenizer
-        self.eos_ids, self.sampling, self.needs = eos_ids, sampling, needs
-        self.trainer_state, self.on_episode = trainer_state, on_episode  # on_episode: told of each tool-loop Episode
+        self.eos_ids, self.sampling, self.needs, self.estimator = eos_ids, sampling, needs, estimator
         # a backend other than the policy itself: its log-probs are compared with the policy's (importance weights)
         self.other_sampler = not isinstance(backend, PolicyBackend)
 
-    def sample_and_score(self, rows: list[dict], prompt_ids: list[list[int]], params: SamplingParams | None = None,
-                         score: bool = True, sampled: Sampled | None = None) -> Scored:
+    def sample_and_score(self, rows: list[dict], prompt_ids: list[list[int]], trainer_state: Any,
+                         params: SamplingParams | None = None, score: bool = True,
+                         sampled: Sampled | None = None) -> Scored:
         """Sample one completion per row through the backend (with tools, the tool loop over it), decode it,
-        and (with ``score``) call the reward functions. ``score=False`` on a process that only keeps the others
-        company in the collectives (evaluation's last batch). ``sampled``: the rows sampled already (GRPO's
-        asynchronous producer), scored here. The backend holds this step's weights already
-        (``Backend.sync_weights``, called by the trainer before a round)."""
+        and (with ``score``) call the reward functions, which get ``trainer_state`` (TRL's contract).
+        ``score=False`` on a process that only keeps the others company in the collectives (evaluation's last
+        batch). ``sampled``: the rows sampled already (the asynchronous producer, a dataset's completions),
+        scored here. The backend holds this step's weights already (``Backend.sync_weights``, called by the
+        trainer before a round)."""
         acc = self.accelerator
         if sampled is None:
             sampled = sample_rows(self.backend, self.tool_loop, self.tokenizer, rows, prompt_ids,
                                   params or self.sampling, self.eos_ids, acc)
         episode, samples = sampled.episode, sampled.samples
-        if episode is not None and self.on_episode is not None:
-            self.on_episode(episode)
         logs, rewards, error = RewardLogs(), None, None
         if score:
             try:  # user code: a failure on one process must stop all of them
                 environments = episode.environments if episode is not None else None
                 rewards = self.score_completions(rows, sampled.prompts, sampled.completions, samples, logs,
-                                                 environments)
+                                                 trainer_state, environments)
             except Exception as caught:
                 error = caught
         if episode is not None and self.tool_loop is not None:
             self.tool_loop.give_back(episode)  # scored: its environments may serve another round
         dist.raise_together(acc, error)
-        return Scored(samples, sampled.prompts, sampled.completions, rewards, logs,
-                      episode.counts if episode is not None else None, sampled.version)
+        return Scored(samples, sampled.prompts, sampled.completions, rewards, logs, episode, sampled.version)
 
     def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,
-                          logs: RewardLogs, environments: list | None = None) -> torch.Tensor:
+                          logs: RewardLogs, trainer_state: Any, environments: list | None = None) -> torch.Tensor:
         """[n, F] rewards of this process's completions (NaN where a function returned None). The dataset's other
         columns are passed by name; a rollout function's extra fields replace columns of the same name (as TRL);
         with an environment_factory, ``environments`` (each rollout's instance) too."""
@@ -170,29 +167,49 @@ class RolloutStage:
         columns = {key: values for key, values in columns.items()
                    if key not in ("prompt", "completion", "completion_ids")}
         return call_rewards(self.rewards, prompts, completions, samples.completion_ids, columns,
-                            {"trainer_state": self.trainer_state()}, logs)
+                            {"trainer_state": trainer_state}, logs)
 
-    def pad(self, samples: Samples) -> PaddedSamples:
-        return pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids)
+    def padded_rollout(self, samples: Samples, start: int = 0) -> tuple[PaddedSamples, Rollout]:
+        """The one way samples become a ``Rollout``: padded (``pad_samples``), the loss mask of the model's tokens
+        (``loss_mask_of``: truncated completions out; dynamic sampling's groups come later, from the advantages),
+        advantages 0 until they are computed, on the device. ``start``: this process's first row in the round.
+        Training rounds, evaluation batches and distillation's dataset rounds all build theirs here."""
+        padded = pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids)
+        loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, start, self.args)
+        n = len(samples.completion_ids)
+        return padded, padded.rollout(loss_mask, torch.zeros(n)).to(self.accelerator.device)
+
+    def with_logprobs(self, rollout: Rollout, old: bool, ref: bool) -> Rollout:
+        """``rollout`` with the policy's log-probs now (``old``: before the round's optimizer steps) and the
+        reference's (``ref``), where asked (the others as they were)."""
+        return dataclasses.replace(rollout, old_logps=self.scorer.old_logprobs(rollout) if old else rollout.old_logps,
+                                   ref_logps=self.scorer.reference_logprobs(rollout) if ref else rollout.ref_logps)
+
+    def advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
+                   over_processes: bool = True) -> RoundAdvantages:
+        """The estimator's advantages: of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every
+        process's rows; every process calls this together) or of this process's evaluation batch (its own rows,
+        whole groups; no collectives). ``rollout``: this process's rows, with the log-probs the estimator reads."""
+        inputs = AdvantageInputs(rewards_per_func, self.reward_weights, num_generations, rollout, self.accelerator,
+                                 over_processes)
+        return self.estimator.estimate(inputs, self.args)
 
     @torch.no_grad()
-    def build(self, rows: list[dict], prompt_ids: list[list[int]], sampled: Sampled | None = None) -> Round:
-        """The rollout stage for this process's ``rows`` of one round (module docstring); ``sampled``: its
-        completions sampled already (GRPO's asynchronous producer, trainers/sampling/async_rounds.py)."""
+    def build(self, rows: list[dict], prompt_ids: list[list[int]], trainer_state: Any,
+              sampled: Sampled | None = None) -> Round:
+        """The rollout stage for this process's ``rows`` of one round (module docstring); ``trainer_state``: what
+        the reward functions get; ``sampled``: its completions sampled already (the asynchronous producer,
+        trainers/sampling/async_rounds.py; a dataset's completions, distillation's off-policy rounds)."""
         args, acc = self.args, self.accelerator
-        scored = self.sample_and_score(rows, prompt_ids, sampled=sampled)
+        scored = self.sample_and_score(rows, prompt_ids, trainer_state, sampled=sampled)
         samples = scored.samples
         rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
         n, start = len(rows), acc.process_index * len(rows)
 
-        padded = self.pad(samples)
+        padded, rollout = self.padded_rollout(samples, start)  # its advantages: below
         truncated, model_tokens = padded.truncated, padded.model_tokens
-        loss_mask, _ = loss_mask_of(model_tokens, truncated, None, start, args)  # before dynamic sampling
-        rollout = padded.rollout(loss_mask, torch.zeros(n)).to(acc.device)  # its advantages: below
-        old = self.scorer.old_logprobs(rollout) if self.needs.old_logps else None
-        ref = self.scorer.reference_logprobs(rollout) if self.needs.ref_logps else None
-        rollout = dataclasses.replace(rollout, old_logps=old, ref_logps=ref)
-        adv = self.advantages(rewards_per_func, rollout)
+        rollout = self.with_logprobs(rollout, self.needs.old_logps, self.needs.ref_logps)
+        adv = self.advantages(rewards_per_func, rollout, args.num_generations)
         loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std if self.needs.dynamic_sampling
                                                  else None, start, args)
         local_advantages = adv.advantages[start:start + n]  # [n]
@@ -215,8 +232,8 @@ class RolloutStage:
         if self.needs.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = dropped_groups
         metrics.update(sampler_metrics)
-        if scored.tool_counts is not None:
-            metrics.update(tool_metrics(acc, scored.tool_counts))
+        if scored.episode is not None:
+            metrics.update(tool_metrics(acc, scored.episode.counts))
         metrics.update(logged_metric_means(acc, scored.logs))
         completions = None
         if args.log_completions:
@@ -226,7 +243,7 @@ class RolloutStage:
             local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
                                    adv.rewards[start:start + n], local_advantages, {**version, **scored.logs.extra})
             completions = dist.gather_objects(acc, local)
-        return Round(rollout, metrics, completions, scored.samples)
+        return Round(rollout, metrics, completions, scored.samples, scored.episode)
 
     def with_sampler_logps(self, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
                            ) -> tuple[Rollout, dict]:

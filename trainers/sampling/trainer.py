@@ -34,7 +34,7 @@ from trainers.generation.vllm_common import check_vllm_here
 from trainers.model.modeling import cast_lm_head_to_fp32, generation_eos_ids, prompt_learning_config
 from trainers.data.samplers import group_slots
 from trainers.sampling import evaluation
-from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, RoundAdvantages
+from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS
 from trainers.sampling.async_rounds import AsyncRounds
 from trainers.sampling.batch import MicroBatch, Rollout, RoundPart, budget_micro_batches, round_shape
 from trainers.sampling.config import SamplingConfig
@@ -43,7 +43,7 @@ from trainers.sampling.metrics import write_completions
 from trainers.sampling.prompts import SamplingPrompts
 from trainers.sampling.resume import load_round_state, save_round_state
 from trainers.sampling.rewards import Reward, RewardModel, resolve_reward, reward_sources
-from trainers.sampling.rollout import RolloutStage, RoundNeeds
+from trainers.sampling.rollout import RolloutStage, RoundNeeds, Sampled
 from trainers.sampling.scoring import LogProbScorer
 from trainers.sampling.trl_attributes import TRLAttributes
 from trainers.loop.stats import Stats
@@ -139,8 +139,12 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
 
     def on_policy(self, round_index: int) -> bool:
         """Whether round ``round_index`` samples from the policy (distillation's lmbda draws some rounds from the
-        dataset instead)."""
+        dataset instead: ``off_policy_samples``)."""
         return True
+
+    def off_policy_samples(self, rows: list[dict], prompt_ids: list[list[int]]) -> Sampled:
+        """The completions of a round ``on_policy`` says is not sampled, for ``rows``."""
+        raise NotImplementedError(f"{type(self).__name__} samples every round (on_policy).")
 
     # ------------------------------------------------------------------ data and rounds
 
@@ -247,9 +251,13 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
         completions wait for the step's log. With async_generation its completions come from the producer."""
         rows, ids = self._my_rows(self.prompt_batches.batch(round_index))  # the same prompts on every process
         sampled, lag = None, {}
-        if self.async_rounds is not None:
+        if not self.on_policy(round_index):  # completions from elsewhere (distillation's dataset rounds)
+            sampled = self.off_policy_samples(rows, ids)
+        elif self.async_rounds is not None:
             sampled, lag = self.async_rounds.take(round_index, self._first_step(round_index))
-        built = self.stage.build(rows, ids, sampled=sampled)
+        built = self.stage.build(rows, ids, self.state, sampled=sampled)
+        if built.episode is not None:
+            self.callback_handler.fire("episode_end", episode=built.episode)
         self._round_metrics.append(built.metrics | lag)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
@@ -325,20 +333,7 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
             self.backend = self._generate_asynchronously(self.backend)
         self.stage = RolloutStage(self.backend, self.tool_loop, self.rewards, self.reward_weights, self.scorer,
                                   self.args, self.accelerator, self.processing_class, self.eos_ids, self.sampling,
-                                  self.needs, lambda: self.state,
-                                  lambda rewards, rollout: self.round_advantages(rewards, rollout,
-                                                                                 self.args.num_generations),
-                                  lambda episode: self.callback_handler.fire("episode_end", episode=episode))
-
-    def round_advantages(self, rewards_per_func: torch.Tensor, rollout: Rollout, num_generations: int,
-                         over_processes: bool = True) -> RoundAdvantages:
-        """The advantages of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every process's rows,
-        every process calls this together) or of this process's evaluation batch (``rewards_per_func`` its own
-        rows, whole groups; no collectives). ``rollout``: this process's rows, with their old and reference
-        log-probs where the estimator or the loss needs them. From the trainer's ``advantage_estimator``."""
-        inputs = AdvantageInputs(rewards_per_func, self.reward_weights, num_generations, rollout, self.accelerator,
-                                 over_processes)
-        return self.estimator.estimate(inputs, self.args)
+                                  self.needs, self.estimator)
 
     def after_optimizer_step(self, metrics: dict) -> None:
         """The step's round metrics: the mean over the rounds built for it, as TRL averages what it appended; and
