@@ -54,7 +54,7 @@ def patched(owner, name: str, value, function):
 
 
 def pack_one_by_one(run, batch: int) -> None:
-    """``engine._Decoder.pack_weights`` before projections sharing an input were stacked: one product each."""
+    """``engine.Decoder.pack_weights`` before projections sharing an input were stacked: one product each."""
     if not engine._can_pack(run.decoder.embed_tokens.weight.device, run.dtype):
         return
     run._pack([run.lm.lm_head], batch)
@@ -72,14 +72,14 @@ def with_compiled_elementwise(function):
     (every benchmark model)."""
     silu_mul = torch.compile(lambda gate, up: F.silu(gate) * up, dynamic=True)
 
-    def compiled_mlp(self, mlp, x):  # engine._Decoder.mlp with mlp.act_fn taken as SiLU
+    def compiled_mlp(self, mlp, x):  # engine.Decoder.mlp with mlp.act_fn taken as SiLU
         gate, up = self.linears([mlp.gate_proj, mlp.up_proj], x)
         return self.linear(mlp.down_proj, silu_mul(gate, up))
 
     function = patched(engine, "rms_norm", torch.compile(engine.rms_norm, dynamic=True), function)
-    function = patched(engine._Decoder, "_rope", staticmethod(torch.compile(engine._Decoder._rope, dynamic=True)),
+    function = patched(engine.Decoder, "_rope", staticmethod(torch.compile(engine.Decoder._rope, dynamic=True)),
                        function)
-    return patched(engine._Decoder, "mlp", compiled_mlp, function)
+    return patched(engine.Decoder, "mlp", compiled_mlp, function)
 
 
 def main():
@@ -116,7 +116,7 @@ def main():
         variants = {"hf": lambda: run("hf"), "lean": lambda: run("lean")}
         if device == "cpu":
             variants |= {"unpacked": patched(engine, "_can_pack", lambda *a: False, lambda: run("lean")),
-                         "one_by_one": patched(engine._Decoder, "pack_weights", pack_one_by_one, lambda: run("lean"))}
+                         "one_by_one": patched(engine.Decoder, "pack_weights", pack_one_by_one, lambda: run("lean"))}
         if cli.compile:
             variants["compiled"] = with_compiled_elementwise(lambda: run("lean"))
         seconds = timed(variants, cli.repeats)

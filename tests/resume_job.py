@@ -17,12 +17,10 @@ one; the kill tests run one run per process, as they must.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -35,28 +33,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tests.conftest import digits, noisy_model  # noqa: E402
 
 
-def build(method, model, out, total, save_steps, extra):
+def build(method, model, out, total, save_steps, extra, wrap=lambda cls: cls):
+    """The trainer of ``method``, of ``wrap(its class)`` (a subclass that changes one public method)."""
     common = {**dict(output_dir=out, max_steps=total, learning_rate=1e-2 if method == "grpo" else 3e-3,
                      lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=save_steps,
                      disable_tqdm=True, seed=0, bf16=False), **extra}  # extra wins (logging_steps, ...)
     if method == "sft":
-        return SFTTrainer(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
+        return wrap(SFTTrainer)(model=model, train_dataset=as_sft_rows(reverse_digits_rows(48, seed=5)),
                           args=SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     if method in ("dpo", "reward", "kto"):  # KTO unpairs them
         pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
                  for a in range(6) for b in range(4)]
         trainer, config = {"dpo": (DPOTrainer, DPOConfig), "reward": (RewardTrainer, RewardConfig),
                            "kto": (KTOTrainer, KTOConfig)}[method]
-        return trainer(model=model, train_dataset=pairs,
+        return wrap(trainer)(model=model, train_dataset=pairs,
                        args=config(per_device_train_batch_size=4, gradient_accumulation_steps=2, **common))
     rows = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat"]]
     if method == "distill":
-        return DistillationTrainer(model=model, teacher_model=noisy_model(model),
+        return wrap(DistillationTrainer)(model=model, teacher_model=noisy_model(model),
                                    train_dataset=[{**row, "completion": "123"} for row in rows],
                                    args=DistillationConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                                            max_completion_length=6, lmbda=0.5, **common))
     trainer, config = (RLOOTrainer, RLOOConfig) if method == "rloo" else (GRPOTrainer, GRPOConfig)
-    return trainer(model=model, reward_funcs=digits, train_dataset=rows,
+    return wrap(trainer)(model=model, reward_funcs=digits, train_dataset=rows,
                    args=config(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                                steps_per_generation=2, **common))
 
@@ -77,27 +76,30 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def slowed_or_poisoned(cls, cli):
+    """``cls`` whose compute_loss sleeps cli.step_sleep seconds and returns NaN at the steps in cli.nan_at."""
+
+    class Poisoned(cls):
+        def compute_loss(self, model, batch, counts):
+            time.sleep(cli.step_sleep)
+            loss, stats = super().compute_loss(model, batch, counts)
+            if self.state.global_step + 1 in cli.nan_at:
+                loss = loss * float("nan")
+            return loss, stats
+
+    return Poisoned
+
+
 def run(cli: argparse.Namespace) -> None:
+    wrap = (lambda cls: slowed_or_poisoned(cls, cli)) if cli.step_sleep or cli.nan_at else (lambda cls: cls)
     trainer = build(cli.method, cli.model, cli.out, cli.total, cli.save_steps,
-                    {"max_consecutive_nonfinite_steps": cli.max_nonfinite, **cli.extra})
-    with contextlib.ExitStack() as patches:  # this run's hooks, undone before the next run
-        if cli.step_sleep or cli.nan_at:
-            compute_loss = trainer.compute_loss
-
-            def slowed_or_poisoned(model, batch, counts):
-                time.sleep(cli.step_sleep)
-                loss, stats = compute_loss(model, batch, counts)
-                if trainer.state.global_step + 1 in cli.nan_at:
-                    loss = loss * float("nan")
-                return loss, stats
-
-            patches.enter_context(mock.patch.object(trainer, "compute_loss", slowed_or_poisoned))
-        if cli.stop_after is not None:
-            trainer.max_steps = cli.stop_after  # the schedule still spans `total` steps
-        trainer.train(resume_from_checkpoint=True if cli.resume else None)
-        if cli.stop_after is not None:
-            trainer.save_checkpoint()
-        trainer.save_model(os.path.join(cli.out, "final"))
+                    {"max_consecutive_nonfinite_steps": cli.max_nonfinite, **cli.extra}, wrap)
+    if cli.stop_after is not None:
+        trainer.max_steps = cli.stop_after  # the schedule still spans `total` steps
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    if cli.stop_after is not None:
+        trainer.save_checkpoint()
+    trainer.save_model(os.path.join(cli.out, "final"))
 
 
 def main():

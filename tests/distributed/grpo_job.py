@@ -7,20 +7,15 @@ Layout: per-device 2 completions, num_generations 4, 2 processes, 1 step per gen
 prompt whose group of 4 is split 2 + 2 across the processes.
 """
 
-import contextlib
 import json
 import os
 import random
 import sys
-from unittest import mock
 
 import torch
 
-import trainers.sampling.scoring
-import trainers.grpo.trainer
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.parallel.distributed import gathered_parameters, zero_stage
-from trainers.grpo import objectives
 from trainers.sampling.rewards import RewardLogs
 from trainers.sampling.rollout import decode
 from trainers.sampling.scoring import LogProbScorer
@@ -82,41 +77,39 @@ def run(model_dir: str, output_dir: str, one_forward_per_row=False, checkpointin
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=2, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, max_steps=3, logging_steps=1, save_strategy="no",
                       disable_tqdm=True, seed=0, bf16=False, beta=0.05, gradient_checkpointing=checkpointing)
-    patches = contextlib.ExitStack()  # this run's recording hooks, undone before the next run
-    if one_forward_per_row:
-        patches.enter_context(mock.patch.object(LogProbScorer, "shares_prompt_forward", False))
-    shared_forwards = []  # whether each call of shared_prompt_logprobs did share (None: it declined)
-    share = trainers.sampling.scoring.shared_prompt_logprobs
-
-    def recording_share(*call_args, **kwargs):
-        out = share(*call_args, **kwargs)
-        shared_forwards.append(out is not None)
-        return out
-
-    patches.enter_context(mock.patch.object(trainers.sampling.scoring, "shared_prompt_logprobs", recording_share))
+    shared_forwards = []  # whether each shared prompt forward did share (None: it declined)
     masks = []  # top_entropy_quantile: each micro-batch's loss-token entropies and which were kept
-    if top_entropy_quantile is not None:
-        args.top_entropy_quantile = top_entropy_quantile
+    forwards = []  # skip (True or False: skip_zero_gradient_rows): (rows, with gradient) of each forward
 
-        def recording(entropy, mask, threshold):
-            kept = objectives.high_entropy_mask(entropy, mask, threshold)
+    class Scorer(LogProbScorer):  # the trainer's scorer, recording what it forwards (scorer_class)
+        def shared_forward(self, *call_args, **kwargs):
+            out = super().shared_forward(*call_args, **kwargs)
+            shared_forwards.append(out is not None)
+            return out
+
+        def policy_logprobs(self, model, rows, **options):
+            if skip is not None:
+                forwards.append([rows.completion_ids.shape[0], torch.is_grad_enabled()])
+            return super().policy_logprobs(model, rows, **options)
+
+    if one_forward_per_row:
+        Scorer.shares_prompt_forward = False
+
+    class Trainer(GRPOTrainer):
+        scorer_class = Scorer
+
+        def high_entropy_tokens(self, entropy, mask):
+            kept = super().high_entropy_tokens(entropy, mask)
             masks.append({"entropy": entropy[mask.bool()].tolist(), "kept": kept[mask.bool()].tolist()})
             return kept
 
-        patches.enter_context(mock.patch.object(trainers.grpo.trainer, "high_entropy_mask", recording))
+    if top_entropy_quantile is not None:
+        args.top_entropy_quantile = top_entropy_quantile
     if sync_ref:
         args.sync_ref_model, args.ref_model_sync_steps, args.ref_model_mixup_alpha = True, args.max_steps, 0.5
     reward = digits
-    forwards = []  # skip (True or False: skip_zero_gradient_rows): (rows, with gradient) of each forward
     if skip is not None:
         args.beta, args.skip_zero_gradient_rows, reward = 0.0, skip, idle_on_rank_0
-        policy_forward = LogProbScorer.policy_logprobs
-
-        def recording_forward(self, model, rows, **options):
-            forwards.append([rows.completion_ids.shape[0], torch.is_grad_enabled()])
-            return policy_forward(self, model, rows, **options)
-
-        patches.enter_context(mock.patch.object(LogProbScorer, "policy_logprobs", recording_forward))
     rollout_prompts = []  # rollout_func: what each call of the rollout function was given
 
     def rollout(prompts, trainer):
@@ -135,10 +128,9 @@ def run(model_dir: str, output_dir: str, one_forward_per_row=False, checkpointin
         args.padding_free, args.gradient_accumulation_steps = True, 2
         args.token_budget = None if token_budget == "none" else int(token_budget)
         sampler = ragged_by_rank
-    with patches:
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
-                              rollout_func=sampler, callbacks=[micro_batches])
-        report = train_and_report(trainer, args, token_budget is not None)
+    trainer = Trainer(model=model_dir, reward_funcs=[reward, logs_per_rank], args=args, train_dataset=rows,
+                      rollout_func=sampler, callbacks=[micro_batches])
+    report = train_and_report(trainer, args, token_budget is not None)
     report.update(masks=masks, rollout_prompts=rollout_prompts, forwards=forwards, shared_forwards=shared_forwards,
                   micro_batches=micro_batches.per_step)
     with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as f:

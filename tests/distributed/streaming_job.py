@@ -56,16 +56,16 @@ def run(cli: argparse.Namespace) -> SFTTrainer:
         args = SFTConfig(output_dir=cli.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=cli.total, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=3,
                          disable_tqdm=True, seed=0, bf16=False, dataloader_num_workers=cli.workers)
-        trainer = SFTTrainer(model=cli.model, args=args, train_dataset=stream, callbacks=[StopAt(cli.stop_after)])
-        seen, original = [], trainer.micro_batch
+        seen = []
 
-        def micro_batch(step, accumulation_index):
-            batch = original(step, accumulation_index)
-            rows = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)]
-            seen.append({"step": step, "accumulation": accumulation_index, "rows": rows})
-            return batch
+        class Recording(SFTTrainer):  # each micro-batch's rows as the loop takes them
+            def micro_batch(self, step, accumulation_index):
+                batch = super().micro_batch(step, accumulation_index)
+                rows = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)]
+                seen.append({"step": step, "accumulation": accumulation_index, "rows": rows})
+                return batch
 
-        patches.enter_context(mock.patch.object(trainer, "micro_batch", micro_batch))
+        trainer = Recording(model=cli.model, args=args, train_dataset=stream, callbacks=[StopAt(cli.stop_after)])
         trainer.train(resume_from_checkpoint=True if cli.resume else None)
     with gathered_parameters(trainer.accelerator, trainer.model):
         checksum = [float(p.detach().double().sum()) for p in trainer.model.parameters()]

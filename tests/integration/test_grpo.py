@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError
+from trainers.sampling.scoring import LogProbScorer
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
 
@@ -146,22 +147,24 @@ def test_old_logps_match_the_current_ones_before_any_update(tiny_model_dir, tmp_
     torch.testing.assert_close(current[mask], batch.old_logps[mask], rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def shared_prompt_calls(monkeypatch) -> list[bool]:
-    """Whether each shared_prompt_logprobs call of GRPOTrainer did share (False: it fell back to one forward
-    per row)."""
-    import trainers.sampling.scoring
+def sharing_recorder(shares: bool = True):
+    """A GRPOTrainer class whose scorer records whether each shared prompt forward did share (False: it fell back
+    to one forward per row), and that list; with ``shares=False`` the scorer never tries (one forward per row)."""
+    calls: list[bool] = []
 
-    calls = []
-    share = trainers.sampling.scoring.shared_prompt_logprobs
+    class Scorer(LogProbScorer):
+        def shared_forward(self, *args, **kwargs):
+            out = super().shared_forward(*args, **kwargs)
+            calls.append(out is not None)
+            return out
 
-    def recording(*args, **kwargs):
-        out = share(*args, **kwargs)
-        calls.append(out is not None)
-        return out
+    if not shares:
+        Scorer.shares_prompt_forward = False
 
-    monkeypatch.setattr(trainers.sampling.scoring, "shared_prompt_logprobs", recording)
-    return calls
+    class Recording(GRPOTrainer):
+        scorer_class = Scorer
+
+    return Recording, calls
 
 
 @pytest.fixture
@@ -172,20 +175,23 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir, tmp_path, monkeypatch,
-                                                                  shared_prompt_calls, fresh_accelerator_state):
+def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir, tmp_path,
+                                                                  fresh_accelerator_state):
     """bf16 mixed precision: backward keeps the bf16 weights autocast made. The shared prompt forward runs two
     forwards (prompts, then completions); they must share one cast of each weight, as one forward per row has."""
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path, bf16=True),
-                          train_dataset=PROMPTS)
-    trainer.prepare_step(0)
-    batch = trainer.micro_batch(0, 0)
-    counts = trainer.batch_counts([batch])
-    matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
-    weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed too
+    matrices = None
 
-    def saved_bf16_weights(shared: bool) -> int:
-        monkeypatch.setattr(trainer.scorer, "shares_prompt_forward", shared)
+    def saved_bf16_weights(shared: bool) -> tuple[int, list[bool]]:
+        nonlocal matrices
+        trainer_class, calls = sharing_recorder(shares=shared)
+        trainer = trainer_class(model=tiny_model_dir, reward_funcs=digits,
+                                args=config(tmp_path / str(shared), bf16=True), train_dataset=PROMPTS)
+        trainer.prepare_step(0)
+        batch = trainer.micro_batch(0, 0)
+        counts = trainer.batch_counts([batch])
+        matrices = [p for p in trainer.unwrapped_model.parameters() if p.dim() == 2]
+        weights = {tuple(p.shape) for p in matrices} | {tuple(p.shape[::-1]) for p in matrices}  # saved transposed
+        calls.clear()
         saved = []  # kept alive until counted, so no two casts share an address
 
         def pack(tensor):
@@ -196,30 +202,30 @@ def test_shared_prompt_forward_keeps_one_bf16_copy_of_each_weight(tiny_model_dir
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss, _ = trainer.compute_loss(trainer.model, batch, counts)
         assert loss.requires_grad
-        return len({t.untyped_storage().data_ptr() for t in saved})
+        return len({t.untyped_storage().data_ptr() for t in saved}), list(calls)
 
-    one_per_row = saved_bf16_weights(False)
-    assert not shared_prompt_calls
+    one_per_row, calls = saved_bf16_weights(False)
+    assert not calls
     # every matrix but the embedding (a lookup, not cast); the tied output head, which is the embedding's weight,
     # is not kept cast either: the chunked head (trainers/model/output_head.py) keeps the float32 weight for backward
     assert one_per_row == len(matrices) - 1
-    assert saved_bf16_weights(True) == one_per_row
-    assert shared_prompt_calls == [True]  # it did share
+    shared, calls = saved_bf16_weights(True)
+    assert shared == one_per_row
+    assert calls == [True]  # it did share
 
 
 @pytest.mark.parametrize("checkpoint_kwargs, shared", [
     (None, True),  # non-reentrant (the default): completions of a prompt share its cached forward
     ({"use_reentrant": True}, False),  # reentrant: the cache would get no gradient, so one forward per row
 ])
-def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path, shared_prompt_calls,
-                                                        checkpoint_kwargs, shared):
-    calls = shared_prompt_calls
+def test_gradient_checkpointing_trains_the_same_weights(tiny_model_dir, tmp_path, checkpoint_kwargs, shared):
+    trainer_class, calls = sharing_recorder()
     finals = []
     for name, extra in (("plain", {}), ("checkpointed", {"gradient_checkpointing": True,
                                                           "gradient_checkpointing_kwargs": checkpoint_kwargs})):
         calls.clear()
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / name, **extra),
-                              train_dataset=PROMPTS)
+        trainer = trainer_class(model=tiny_model_dir, reward_funcs=digits, args=config(tmp_path / name, **extra),
+                                train_dataset=PROMPTS)
         trainer.train()
         assert calls and set(calls) == {True if not extra else shared}
         finals.append({n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()})

@@ -456,20 +456,18 @@ def _varied_reward(completions, **kwargs):  # differs within a group, so advanta
 
 
 @pytest.mark.parametrize("quantile", [0.0, 0.25])
-def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_path, monkeypatch, quantile):
-    import trainers.grpo
-
+def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_path, quantile):
     kept = []  # (kept tokens, loss tokens) per micro-batch
 
-    def recording(entropy, mask, threshold):
-        result = trainers.grpo.objectives.high_entropy_mask(entropy, mask, threshold)
-        kept.append((int(result.sum()), int(mask.sum())))
-        return result
+    class Recording(GRPOTrainer):
+        def high_entropy_tokens(self, entropy, mask):
+            result = super().high_entropy_tokens(entropy, mask)
+            kept.append((int(result.sum()), int(mask.sum())))
+            return result
 
-    monkeypatch.setattr(trainers.grpo.trainer, "high_entropy_mask", recording)
     norms = {}
     for q in (1.0, quantile):
-        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
+        trainer = Recording(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
                               args=grpo_args(tmp_path / str(q), top_entropy_quantile=q, seed=3,
                                              max_completion_length=12))
         trainer.train()
@@ -481,18 +479,16 @@ def test_top_entropy_quantile_keeps_that_share_of_tokens(tiny_model_dir, tmp_pat
     assert norms[quantile] < norms[1.0]  # fewer tokens carry the gradient
 
 
-def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir, tmp_path, monkeypatch):
-    import trainers.grpo
-
+def test_off_policy_mask_drops_negative_completions_that_drifted(tiny_model_dir, tmp_path):
     calls = []
 
-    def recording(logps, old, advantages, mask, threshold):
-        result = trainers.grpo.objectives.off_policy_sequence_mask(logps, old, advantages, mask, threshold)
-        calls.append((result.squeeze(1).clone(), advantages.clone()))
-        return result
+    class Recording(GRPOTrainer):
+        def off_policy_kept(self, logps, behaviour, advantages, mask):
+            result = super().off_policy_kept(logps, behaviour, advantages, mask)
+            calls.append((result.squeeze(1).clone(), advantages.clone()))
+            return result
 
-    monkeypatch.setattr(trainers.grpo.trainer, "off_policy_sequence_mask", recording)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
+    trainer = Recording(model=tiny_model_dir, reward_funcs=_varied_reward, train_dataset=[{"prompt": "ab"}] * 8,
                           args=grpo_args(tmp_path, off_policy_mask_threshold=0.1, num_iterations=2, max_steps=2,
                                          learning_rate=1e-3, seed=3))
     trainer.train()

@@ -90,7 +90,7 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     from trainers.generation import engine
 
     def state():
-        return {"rms_norm": engine.rms_norm, **{name: inspect.getattr_static(engine._Decoder, name)
+        return {"rms_norm": engine.rms_norm, **{name: inspect.getattr_static(engine.Decoder, name)
                                                 for name in ("_rope", "mlp")}}
 
     before, seen = state(), {}
@@ -98,8 +98,8 @@ def test_generation_variants_patch_the_engine_and_restore_it_as_it_was():
     assert all(seen[name] is not before[name] for name in before)
     after = state()
     assert after == before and isinstance(after["_rope"], staticmethod)  # not the bare function getattr returns
-    patched(engine._Decoder, "_rope", staticmethod(lambda x, cos, sin: x), lambda: None)()
-    assert inspect.getattr_static(engine._Decoder, "_rope") is before["_rope"]
+    patched(engine.Decoder, "_rope", staticmethod(lambda x, cos, sin: x), lambda: None)()
+    assert inspect.getattr_static(engine.Decoder, "_rope") is before["_rope"]
 
 
 def test_grpo_floor_counts_the_products_no_step_can_skip():

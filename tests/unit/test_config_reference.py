@@ -72,7 +72,7 @@ def test_constraints_are_shown_from_the_declarations():
 
 
 def test_a_changed_constraint_alone_lists_the_field_under_the_subclass():
-    from trainers.cli.config_reference import _fields
+    from trainers.cli.config_reference import documented_fields
 
     base = CONFIG_CLASSES[0]
     same_help = next(f for f in dataclasses.fields(base) if f.name == "logging_steps").metadata["help"]
@@ -81,4 +81,4 @@ def test_a_changed_constraint_alone_lists_the_field_under_the_subclass():
     class Narrower(base):
         logging_steps: int = opt(10, same_help, ge=5)  # same default and help, another bound
 
-    assert [f.name for f in _fields(Narrower)] == ["logging_steps"]
+    assert [f.name for f in documented_fields(Narrower)] == ["logging_steps"]

@@ -133,13 +133,13 @@ def packable_model(vocab: int):
     return model
 
 
-PACKS = engine._can_pack(torch.device("cpu"), torch.float32)
+PACKS = engine.can_pack(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(not PACKS, reason="needs oneDNN packed GEMM")
 def test_the_packed_layout_stacks_qkv_and_gate_up():
     model = packable_model(96)
-    run = engine._Decoder(model)
+    run = engine.Decoder(model)
     run.pack_weights(6)
     for layer in run.layers:  # q/k/v and gate/up stacked, under the first module of each stack
         attn, mlp = layer.self_attn, layer.mlp
@@ -177,7 +177,7 @@ def test_projections_packed_together_give_each_modules_own_output(tokenizer):
     a stack mixing biased and unbiased layers gets zeros for the missing bias; a module without a plain weight
     leaves its whole stack to the modules' own forwards."""
     model = packable_model(len(tokenizer))
-    run = engine._Decoder(model)
+    run = engine.Decoder(model)
     run.pack_weights(6)
     attn, mlp = run.layers[0].self_attn, run.layers[0].mlp
     x = torch.randn(2, 3, 512)  # [A, T, H]
@@ -191,8 +191,8 @@ def test_projections_packed_together_give_each_modules_own_output(tokenizer):
     torch.manual_seed(1)
     biased, unbiased = torch.nn.Linear(512, 256), torch.nn.Linear(512, 256, bias=False)
     wrapped = torch.nn.Sequential(torch.nn.Linear(512, 256))  # no weight of its own: not packable
-    run._pack([unbiased, biased], 6)
-    run._pack([biased, wrapped], 6)
+    run.pack_group([unbiased, biased], 6)
+    run.pack_group([biased, wrapped], 6)
     assert id(unbiased) in run.packed and id(biased) not in run.packed
     for modules in ([unbiased, biased], [biased, wrapped]):
         for module, out in zip(modules, run.linears(modules, x)):
@@ -227,7 +227,7 @@ def test_a_lora_layer_packs_its_merged_weight():
     """A LoRA layer's packed product is one of W + B @ A x scaling: the module's own output."""
     model = lora_model(96)
     mlp = model.get_base_model().model.layers[0].mlp
-    run = engine._Decoder(model)
+    run = engine.Decoder(model)
     run.pack_weights(6)
     assert run.packed[id(mlp.gate_proj)][2] == [1024, 1024] and id(mlp.down_proj) in run.packed
     merged = mlp.gate_proj.base_layer.weight + mlp.gate_proj.get_delta_weight("default")
@@ -251,12 +251,12 @@ def test_lora_layers_are_packed_with_their_adapters_merged(tokenizer):
     assert ours == hf_generate(model, PROMPTS, params, pad, eos)
     assert torch.equal(mlp.gate_proj.base_layer.weight, before), "merging happens in the packed copy only"
     with model.disable_adapter():
-        assert engine._effective_weight(mlp.gate_proj) is None
+        assert engine.effective_weight(mlp.gate_proj) is None
         plain = engine.generate(model, PROMPTS, params, pad, eos)
         assert plain == hf_generate(model, PROMPTS, params, pad, eos)
     assert plain != ours, "the adapters change the greedy tokens (else this test shows nothing)"
     dora = lora_model(len(tokenizer), use_dora=True)
-    assert engine._effective_weight(dora.get_base_model().model.layers[0].mlp.gate_proj) is None
+    assert engine.effective_weight(dora.get_base_model().model.layers[0].mlp.gate_proj) is None
     assert engine.generate(dora, PROMPTS, params, pad, eos) == hf_generate(dora, PROMPTS, params, pad, eos)
 
 

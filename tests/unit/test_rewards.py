@@ -149,7 +149,7 @@ def test_latex_answers_without_math_verify_are_an_error(monkeypatch):
     from trainers.sampling import reward_functions
 
     monkeypatch.setattr(reward_functions, "math_verify_missing", lambda: True)
-    monkeypatch.setattr(reward_functions, "_latex_checker", None)
+    reward_functions.latex_checker.cache_clear()  # a checker built before would not look again
     assert accuracy_reward(["4"], answer=["4"]) == [1.0]  # numbers and text need no math_verify
     with pytest.raises(RewardFunctionError, match="math_verify, which is not installed: pip install math-verify"):
         accuracy_reward([r"\boxed{\frac{1}{3}}"], answer=[r"\frac{1}{3}"])

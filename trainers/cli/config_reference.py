@@ -57,7 +57,7 @@ def _base_of(cls):
     return next((base for base in cls.__mro__[1:] if base in CONFIG_CLASSES), _BASE)
 
 
-def _fields(cls) -> list[dataclasses.Field]:
+def documented_fields(cls) -> list[dataclasses.Field]:
     """The fields ``cls`` documents: all of them for the base class; for a subclass, those it adds or
     overrides."""
     fields = dataclasses.fields(cls)
@@ -118,7 +118,7 @@ def render() -> str:
     ]
     for cls in CONFIG_CLASSES:
         lines += [f"## {cls.__name__}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
-        fields = _fields(cls)
+        fields = documented_fields(cls)
         if cls is _BASE:
             lines += [f"`from trainers import {cls.__name__}`. Every field below is shared by "
                       + ", ".join(_code(c.__name__) for c in CONFIG_CLASSES if c is not _BASE) + ".", ""]

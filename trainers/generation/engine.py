@@ -67,7 +67,7 @@ def supports(model, extra: dict | None = None) -> bool:
 _PACK_MIN_WEIGHT = {torch.float32: 64 * 1024, torch.bfloat16: 0}
 
 
-def _can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed linear runs here. Its bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on
     a CPU without them (e.g. an AVX2-only host) it raises "mkldnn_reorder_linear_weight: bf16 path needs the
     cpu support ...", so bf16 weights stay unpacked there."""
@@ -135,7 +135,7 @@ def _base_linear(module) -> torch.nn.Module:
     return module.base_layer if hasattr(module, "lora_A") else module
 
 
-def _effective_weight(module) -> torch.Tensor | None:
+def effective_weight(module) -> torch.Tensor | None:
     """The weight ``module`` multiplies its input by, detached: a plain ``nn.Linear``'s own, or for a PEFT LoRA
     layer its base weight plus every active adapter's B @ A x scaling (the merged weight, computed afresh at each
     call so it follows training). None for anything else, which keeps its own forward: LoRA variants (DoRA and
@@ -157,12 +157,12 @@ def _effective_weight(module) -> torch.Tensor | None:
 
 
 def projection_groups(layer) -> list[list[torch.nn.Module]]:
-    """A decoder layer's projections, grouped by the input they read (``_Decoder.forward`` calls them so)."""
+    """A decoder layer's projections, grouped by the input they read (``Decoder.forward`` calls them so)."""
     attn, mlp = layer.self_attn, layer.mlp
     return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
 
 
-class _Decoder:
+class Decoder:
     """The model's layers, run step by step against a static KV cache."""
 
     def __init__(self, model):
@@ -188,22 +188,22 @@ class _Decoder:
         """Re-lay large plain ``nn.Linear`` weights for oneDNN once per call (CPU; in the compute dtype): a decode
         step multiplies a few rows by each weight, where oneDNN's packed GEMM is 2-3x faster than the default
         BLAS call (and under bf16 autocast, than re-casting the weight at every call). A LoRA layer is packed
-        with its adapters merged into the copy (``_effective_weight``): one product per decode step instead of
+        with its adapters merged into the copy (``effective_weight``): one product per decode step instead of
         three, and the model's own weights are not touched. Projections that read the same input are packed as
         one matrix (q/k/v, gate/up), as inference engines do: fewer, larger products stream the weights faster
         (small model: 24 -> 22 ms of products per decode step)."""
-        if not _can_pack(self.decoder.embed_tokens.weight.device, self.dtype):
+        if not can_pack(self.decoder.embed_tokens.weight.device, self.dtype):
             return
         # the modules self.linear is called with (not a LoRA layer's inner base_layer, which it never calls)
-        self._pack([self.lm.lm_head], batch)
+        self.pack_group([self.lm.lm_head], batch)
         for layer in self.layers:
             for group in projection_groups(layer):
-                self._pack(group, batch)
+                self.pack_group(group, batch)
 
-    def _pack(self, modules: list, batch: int) -> None:
+    def pack_group(self, modules: list, batch: int) -> None:
         """Pack the modules' weights stacked as one [sum of outputs, in] matrix, keyed by the first module; or
         leave them all to their own forward when one has no plain weight or the stack is too small to gain."""
-        weights = [_effective_weight(module) for module in modules]
+        weights = [effective_weight(module) for module in modules]
         if any(w is None for w in weights) or sum(w.numel() for w in weights) < _PACK_MIN_WEIGHT[self.dtype]:
             return
         biases = [_base_linear(module).bias for module in modules]
@@ -291,7 +291,7 @@ def generate(model, prompt_ids: list[list[int]], params, pad_id: int, eos_ids: s
     """Sample one completion per prompt. Identical consecutive prompts (a GRPO group) share one prefill.
     Returns completion ids, each cut after its first EOS (or ``max_new_tokens`` long)."""
     device = next(model.parameters()).device
-    run = _Decoder(model)
+    run = Decoder(model)
     n, max_new = len(prompt_ids), params.max_new_tokens
     run.pack_weights(n)
 

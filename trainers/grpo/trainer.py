@@ -108,11 +108,10 @@ class GRPOTrainer(PolicyGradientTrainer):
             # as TRL, measured from the sampler's log-probs when a rollout function gave them (both sources of
             # off-policyness: optimizer steps and the sampler's own numerics)
             behaviour = batch.sampler_logps if batch.sampler_logps is not None else old
-            per_token = per_token * off_policy_sequence_mask(logps, behaviour, advantages, mask,
-                                                             args.off_policy_mask_threshold)
+            per_token = per_token * self.off_policy_kept(logps, behaviour, advantages, mask)
         kept = mask  # [B, C]: the tokens the policy loss (and an entropy bonus) acts on
         if args.top_entropy_quantile < 1.0:  # the high-entropy tokens only
-            kept = mask * high_entropy_mask(out["entropy"], mask, self._entropy_threshold(out["entropy"], mask))
+            kept = mask * self.high_entropy_tokens(out["entropy"], mask)
             per_token = per_token * kept
         stats: Stats = {"entropy": ((out["entropy"] * mask).sum(), mask.sum())}
         if args.beta > 0:
@@ -132,13 +131,19 @@ class GRPOTrainer(PolicyGradientTrainer):
         stats |= policy_loss_stats(policy, mask, per_completion=args.importance_sampling_level == "sequence")
         return loss, stats
 
-    def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The (1 - top_entropy_quantile) quantile of the entropy of every process's loss tokens in this
-        micro-batch (inf when there are none: nothing is kept), as TRL computes it."""
+    def off_policy_kept(self, logps: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+        """off_policy_mask_threshold: [B, 1], 0 for a completion with a negative advantage whose mean
+        log pi_behaviour - log pi over ``mask`` exceeds the threshold (DeepSeek-V3.2's sequence mask), else 1."""
+        return off_policy_sequence_mask(logps, behaviour, advantages, mask, self.args.off_policy_mask_threshold)
+
+    def high_entropy_tokens(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """top_entropy_quantile: [B, C], 1 on the loss tokens at or above the (1 - top_entropy_quantile) quantile
+        of the entropy of every process's loss tokens in this micro-batch (none when there are none), as TRL."""
         values = dist.gather_varlen(self.accelerator, entropy.detach()[mask.bool()].float())
-        if values.numel() == 0:
-            return torch.tensor(float("inf"), device=entropy.device)
-        return torch.quantile(values, 1.0 - self.args.top_entropy_quantile)
+        threshold = (torch.tensor(float("inf"), device=entropy.device) if values.numel() == 0
+                     else torch.quantile(values, 1.0 - self.args.top_entropy_quantile))
+        return high_entropy_mask(entropy, mask, threshold)
 
     def after_optimizer_step(self, metrics: dict) -> None:
         """The base's (round metrics, the reference's sync); then the entropy bonus's coefficient adapted to the

@@ -10,6 +10,7 @@ its answer extraction and the LaTeX comparison (math_verify, imported on first u
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import re
@@ -110,7 +111,10 @@ class _LatexChecker:
         return float(self.verify(gold, answer, timeout_seconds=5 if main else None))
 
 
-_latex_checker: _LatexChecker | None = None
+@functools.cache
+def latex_checker() -> _LatexChecker:
+    """The one LaTeX checker (math_verify is imported on first use)."""
+    return _LatexChecker()
 
 
 def accuracy_reward(completions: list, answer: list | None = None, solution: list | None = None,
@@ -128,7 +132,6 @@ def accuracy_reward(completions: list, answer: list | None = None, solution: lis
 
     Rows without a reference get None.
     """
-    global _latex_checker
     references = answer if answer is not None else solution
     if references is None:
         raise RewardFunctionError("The built-in 'accuracy' reward needs an 'answer' (or 'solution') column.")
@@ -143,8 +146,7 @@ def accuracy_reward(completions: list, answer: list | None = None, solution: lis
             numbers = _NUMBER.findall(text)
             rewards.append(1.0 if numbers and math.isclose(float(numbers[-1]), target) else 0.0)
         elif is_latex(reference):
-            _latex_checker = _latex_checker or _LatexChecker()
-            rewards.append(_latex_checker(text, reference))
+            rewards.append(latex_checker()(text, reference))
         else:
             rewards.append(1.0 if str(reference).strip() in _answer_spans(text) else 0.0)
     return rewards

@@ -74,10 +74,7 @@ class LogProbScorer:
                                    batch.completion_attention, self.temperature, with_entropy, entropy_grad,
                                    with_router_loss, counts=None if widths is None else widths.counts())
         if self.shares_prompt_forward:
-            out = shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                         batch.completion_attention, batch.prompt_group, self.temperature,
-                                         with_entropy, entropy_grad,
-                                         groups=None if widths is None else widths.groups)
+            out = self.shared_forward(model, batch, with_entropy, entropy_grad)
             if out is not None:  # None: no two rows of this micro-batch share a prompt
                 return out
         input_ids, attention_mask, position_ids = batch.model_inputs()
@@ -86,6 +83,14 @@ class LogProbScorer:
                               temperature=self.temperature, logits_to_keep=batch.completion_ids.shape[1],
                               with_entropy=with_entropy, with_router_loss=with_router_loss, entropy_grad=entropy_grad,
                               kept=batch.completion_ids.numel())
+
+    def shared_forward(self, model, batch: MicroBatch, with_entropy: bool, entropy_grad: bool) -> dict | None:
+        """``policy_logprobs`` with each distinct prompt of the micro-batch run once (sampling/shared_prompt.py);
+        None where no two rows share a prompt (or the checkpoints would lose the prompt's cache)."""
+        widths = getattr(batch, "widths", None)
+        return shared_prompt_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                      batch.completion_attention, batch.prompt_group, self.temperature, with_entropy,
+                                      entropy_grad, groups=None if widths is None else widths.groups)
 
     def round_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs of every completion of a round, in micro-batches of ``batch_size`` rows (with
