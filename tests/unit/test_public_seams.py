@@ -7,7 +7,10 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # private names of other libraries that this package happens to define too
-OTHERS = {"_timeout"}  # torch's ProcessGroup options (tests/distributed/ddp_options_job.py)
+OTHERS = {
+    "_timeout",  # torch's ProcessGroup options (tests/distributed/ddp_options_job.py)
+    "_can_checkpoint_with_cache",  # transformers' GradientCheckpointingLayer switch (sampling/shared_prompt.py)
+}
 
 
 def private_names_of_the_package() -> set[str]:

@@ -154,8 +154,8 @@ def test_under_gradient_checkpointing_the_prompt_cache_survives_the_replay(check
     got = run(shared, model, batch)
     assert_same(expected, got, rtol=1e-4, atol=1e-5, mask=batch.completion_attention)
     # The layers got transformers' rule back: a cache is dropped under checkpointing outside this forward.
-    assert all("can_checkpoint_with_cache" not in vars(layer) for layer in model.model.layers)
-    assert not model.model.layers[0].can_checkpoint_with_cache
+    assert all("_can_checkpoint_with_cache" not in vars(layer) for layer in model.model.layers)
+    assert not model.model.layers[0]._can_checkpoint_with_cache
 
 
 def test_lora_under_gradient_checkpointing():

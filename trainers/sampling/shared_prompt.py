@@ -70,7 +70,7 @@ def _completion_cache(prompt_cache: DynamicCache, rows: torch.Tensor) -> Dynamic
 def _replayed_layers(model: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The decoder layers that gradient checkpointing will replay in backward ([] without checkpointing), or
     None where the prompt's cache cannot survive their checkpoints: transformers must let a checkpointed layer
-    keep a cache (``can_checkpoint_with_cache``, recent 5.x; older ones drop it), and the checkpoints must be
+    keep a cache (``_can_checkpoint_with_cache``, recent 5.x; older ones drop it), and the checkpoints must be
     non-reentrant (transformers' default): a reentrant one runs the forward without autograd, so the
     completions' gradients would never reach the prompt's keys and values."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -79,7 +79,7 @@ def _replayed_layers(model: torch.nn.Module) -> list[torch.nn.Module] | None:
               and m.training]
     for layer in layers:
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-        if (not hasattr(layer, "can_checkpoint_with_cache") or not isinstance(checkpoint, functools.partial)
+        if (not hasattr(layer, "_can_checkpoint_with_cache") or not isinstance(checkpoint, functools.partial)
                 or checkpoint.keywords.get("use_reentrant") is not False):
             return None
     return layers
@@ -90,17 +90,17 @@ def _cache_kept(layers: list[torch.nn.Module]):
     """Tell checkpointed decoder layers to keep the cache, for this forward only (the replay in backward runs
     with the arguments the forward got, cache included). Safe with our cache layers, which give a replay what
     the forward got; transformers' own would store the replay's keys and values a second time."""
-    saved = [vars(layer).get("can_checkpoint_with_cache") for layer in layers]
+    saved = [vars(layer).get("_can_checkpoint_with_cache") for layer in layers]
     for layer in layers:
-        layer.can_checkpoint_with_cache = True
+        layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
         for layer, value in zip(layers, saved):
             if value is None:
-                del layer.can_checkpoint_with_cache
+                del layer._can_checkpoint_with_cache
             else:
-                layer.can_checkpoint_with_cache = value
+                layer._can_checkpoint_with_cache = value
 
 
 def shared_prompt_logprobs(
