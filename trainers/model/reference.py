@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import torch
 
 from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.model.modeling import load_causal_lm
+
+REFERENCE_FILE = "reference.pt"  # the moved reference in a checkpoint folder
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -28,7 +31,8 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 class FrozenReference:
     """Mixin: ``load_reference`` (from after_load), ``prepare_reference`` (from after_prepare), ``reference()``
-    (the model to score with, no gradients) and ``sync_reference`` (from after_optimizer_step). Reads the
+    (the model to score with, no gradients), ``sync_reference`` (from after_optimizer_step), and
+    ``save_moved_reference`` / ``load_moved_reference`` (a checkpoint's moved reference). Reads the
     config's model_init_kwargs, trust_remote_code, disable_dropout, sync_ref_model, ref_model_mixup_alpha and
     ref_model_sync_steps."""
 
@@ -73,6 +77,23 @@ class FrozenReference:
                 f"trainer (scored before training), or a ref_model.")
         else:
             yield self.model_wrapped
+
+    def save_moved_reference(self, folder: str) -> None:
+        """sync_ref_model: the moved reference, which is not the model it was loaded from, into checkpoint
+        ``folder`` (gathered under ZeRO-3; every process calls it)."""
+        if not self.args.sync_ref_model:
+            return
+        reference = dist.unwrap(self.accelerator, self.ref_model)
+        with dist.gathered_parameters(self.accelerator, reference):
+            if self.accelerator.is_main_process:
+                torch.save({k: v.detach().cpu() for k, v in reference.state_dict().items()},
+                           os.path.join(folder, REFERENCE_FILE))
+
+    def load_moved_reference(self, folder: str) -> None:
+        """sync_ref_model: the moved reference ``save_moved_reference`` kept, when checkpoint ``folder`` has one."""
+        path = os.path.join(folder, REFERENCE_FILE)
+        if self.args.sync_ref_model and os.path.exists(path):
+            dist.load_full_state_dict(self.accelerator, self.ref_model, torch.load(path, weights_only=True))
 
     def sync_reference(self) -> None:
         """sync_ref_model: after every ref_model_sync_steps-th step, ref = alpha x policy + (1 - alpha) x ref."""

@@ -16,7 +16,6 @@ from trainers.model.reference import FrozenReference
 from trainers.model.output_head import plan_head
 from trainers.sampling import health as policy_health
 from trainers.sampling.config import PolicyGradientConfig
-from trainers.sampling.resume import load_reference_state, save_reference_state
 from trainers.sampling.rollout import RoundNeeds
 from trainers.sampling.scoring import LogProbScorer
 from trainers.sampling.trainer import SamplingTrainer
@@ -49,14 +48,12 @@ class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
         return self.args.token_budget
 
     def build_scorer(self, **loss) -> LogProbScorer:
-        """``loss``: what the algorithm's loss adds (GRPO: an entropy bonus, objectives that fold the sampler's
-        weights in)."""
+        """The policy's forward options, and ``loss``: what the algorithm's loss adds (GRPO: an entropy bonus,
+        objectives that fold the sampler's weights in)."""
         args = self.args
-        return self.scorer_class(self.accelerator, self.unwrapped_model, self.model_wrapped, self.ref_model,
-                             self.per_process_train_batch_size, temperature=args.temperature,
-                             router_aux_loss_coef=self.router_aux_loss_coef, padding_free=args.padding_free,
-                             token_budget=args.token_budget, skip_zero_gradient_rows=args.skip_zero_gradient_rows,
-                             kl_in_loss=args.beta > 0, **loss)
+        return super().build_scorer(padding_free=args.padding_free, token_budget=args.token_budget,
+                                    skip_zero_gradient_rows=args.skip_zero_gradient_rows, kl_in_loss=args.beta > 0,
+                                    **loss)
 
     def after_load(self, model) -> None:
         super().after_load(model)
@@ -92,10 +89,8 @@ class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
 
     def save_extra_state(self, folder: str) -> None:
         super().save_extra_state(folder)
-        if self.args.sync_ref_model:  # the moved reference is not the model it was loaded from: keep it
-            save_reference_state(folder, self.accelerator, self.ref_model)
+        self.save_moved_reference(folder)
 
     def load_extra_state(self, folder: str) -> None:
         super().load_extra_state(folder)
-        if self.args.sync_ref_model:
-            load_reference_state(folder, self.accelerator, self.ref_model)
+        self.load_moved_reference(folder)

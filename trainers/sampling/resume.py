@@ -1,7 +1,7 @@
 """What a sampling trainer's checkpoint keeps beyond the base trainer's (model, optimizer, scheduler, RNG,
 TrainerState), so a resumed run continues exactly: a stream's data position and the last round built (it may serve
-the next step too), and, for the trainers that have them, the reference model once sync_ref_model has moved it and
-GRPO's adaptive entropy coefficient (grpo/entropy_control.py). One file per process where the value is per process."""
+the next step too); the trainers with more keep it beside (the reference once sync_ref_model has moved it:
+FrozenReference, model/reference.py; GRPO's adaptive entropy coefficient: grpo/entropy_control.py). One file per process where the value is per process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 
 import torch
 
-from trainers.parallel import distributed as dist
 from trainers.sampling.batch import Rollout
 from trainers.data.streaming import load_data_position, save_data_position
 
@@ -36,19 +35,3 @@ def load_round_state(folder: str, accelerator, prompt_batches) -> dict[int, Roll
         return {}
     saved = torch.load(path, weights_only=True)
     return {saved["round"]: Rollout(**saved["rollout"]).to(accelerator.device)}
-
-
-def save_reference_state(folder: str, accelerator, reference) -> None:
-    """The moved reference model (sync_ref_model), gathered under ZeRO-3. Every process calls it."""
-    reference = dist.unwrap(accelerator, reference)
-    with dist.gathered_parameters(accelerator, reference):
-        if accelerator.is_main_process:
-            torch.save({k: v.detach().cpu() for k, v in reference.state_dict().items()},
-                       os.path.join(folder, "reference.pt"))
-
-
-def load_reference_state(folder: str, accelerator, reference) -> None:
-    """The moved reference saved by ``save_reference_state``, when the checkpoint has one."""
-    if os.path.exists(os.path.join(folder, "reference.pt")):
-        state = torch.load(os.path.join(folder, "reference.pt"), weights_only=True)
-        dist.load_full_state_dict(accelerator, reference, state)

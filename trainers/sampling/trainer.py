@@ -131,11 +131,12 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
         """The most tokens of one training forward (None: micro-batches of rows)."""
         return None
 
-    def build_scorer(self) -> LogProbScorer:
-        """The log-prob scorer of the policy (and the reference): the old log-probs and the sampler's comparison."""
+    def build_scorer(self, **options) -> LogProbScorer:
+        """The log-prob scorer of the policy (and the reference): the old log-probs and the sampler's comparison.
+        ``options``: LogProbScorer's forward and loss options a subclass sets (padding_free, kl_in_loss, ...)."""
         return self.scorer_class(self.accelerator, self.unwrapped_model, self.model_wrapped, self.ref_model,
-                             self.per_process_train_batch_size, temperature=self.args.temperature,
-                             router_aux_loss_coef=self.router_aux_loss_coef)
+                                 self.per_process_train_batch_size, temperature=self.args.temperature,
+                                 router_aux_loss_coef=self.router_aux_loss_coef, **options)
 
     def on_policy(self, round_index: int) -> bool:
         """Whether round ``round_index`` samples from the policy (distillation's lmbda draws some rounds from the
