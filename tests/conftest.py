@@ -26,6 +26,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "accelerate_configs")  # a symlink to trainers/templates/ (the package data)
 
 
+def config_factory(config_class, **defaults):
+    """``config(tmp_path, name="out", **overrides)`` for a test file: a ``config_class`` writing under
+    ``tmp_path / name``, logging every step, saving nothing, quiet, seeded, then the file's ``defaults``, then the
+    call's ``overrides``."""
+    def config(tmp_path, name: str = "out", **overrides):
+        base = dict(output_dir=str(tmp_path / name), logging_steps=1, save_strategy="no", disable_tqdm=True,
+                    report_to="none", seed=0)
+        return config_class(**{**base, **defaults, **overrides})
+
+    return config
+
+
 def pytest_addoption(parser):
     from tests import tiers
 

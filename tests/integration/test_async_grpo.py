@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 import trainers.data.streaming
-from tests.conftest import digits, step_records
+from tests.conftest import config_factory, digits, step_records
 from tests.copy_engine import CopyEngine
 from trainers import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, GenerationError
@@ -30,11 +30,8 @@ def fresh_engine_records():
     CopyEngine.fail_at = CopyEngine.stall_at = None
 
 
-def config(tmp_path, name="out", **overrides) -> GRPOConfig:
-    base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=16, num_generations=8,
-                max_completion_length=6, learning_rate=1e-2, max_steps=6, logging_steps=1, save_strategy="no",
-                disable_tqdm=True, seed=0, report_to="none", generation_backend="copy_engine")
-    return GRPOConfig(**{**base, **overrides})
+config = config_factory(GRPOConfig, per_device_train_batch_size=16, num_generations=8, max_completion_length=6,
+                        learning_rate=1e-2, max_steps=6, generation_backend="copy_engine")
 
 
 class Prompts:

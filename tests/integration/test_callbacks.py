@@ -7,15 +7,13 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl
 from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
+from tests.conftest import config_factory
 
 ROWS = as_sft_rows(reverse_digits_rows(16, seed=1))
 COMMON = {"model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"}
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=1e-3, max_steps=2,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=0)
-    return SFTConfig(**{**base, **overrides})
+config = config_factory(SFTConfig, per_device_train_batch_size=4, learning_rate=1e-3, max_steps=2)
 
 
 class Recorder(TrainerCallback):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import trainers.loop.base
-from tests.conftest import step_records
+from tests.conftest import config_factory, step_records
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import CheckpointError, ConfigError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
@@ -21,10 +21,7 @@ from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 ROWS = as_sft_rows(reverse_digits_rows(64))
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=6,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
-    return SFTConfig(**{**base, **overrides})
+config = config_factory(SFTConfig, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=6)
 
 
 def weights(model) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import Rounds, digits, step_records
+from tests.conftest import config_factory, Rounds, digits, step_records
 from trainers import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 
@@ -36,11 +36,8 @@ def teacher_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, max_completion_length=8,
-                learning_rate=3e-2, max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                report_to="none", seed=0)
-    return DistillationConfig(**{**base, **overrides})
+config = config_factory(DistillationConfig, per_device_train_batch_size=16, max_completion_length=8, learning_rate=3e-2,
+                        max_steps=2)
 
 
 def digit_share(texts: list[str]) -> float:

@@ -10,7 +10,7 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from tests.conftest import digits, step_records
+from tests.conftest import config_factory, digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError
 from trainers.sampling.scoring import LogProbScorer
@@ -18,11 +18,8 @@ from trainers.sampling.scoring import LogProbScorer
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=8,
-                max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                disable_tqdm=True, seed=0)
-    return GRPOConfig(**{**base, **overrides})
+config = config_factory(GRPOConfig, per_device_train_batch_size=16, num_generations=8, max_completion_length=8,
+                        learning_rate=1e-2, max_steps=2)
 
 
 ABC_HELLO = [{"prompt": "abc"}, {"prompt": "hello"}]  # with shuffle_dataset=False: rows 0..7 "abc", 8..15 "hello"

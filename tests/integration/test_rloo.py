@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from tests.conftest import digits, step_records
+from tests.conftest import config_factory, digits, step_records
 from trainers import RLOOConfig, RLOOTrainer
 from trainers.errors import ConfigError
 from trainers.rloo.objective import leave_one_out_advantages, sequence_kl
@@ -23,11 +23,8 @@ except ImportError:  # not installed (CI)
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 4]
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
-                max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                disable_tqdm=True, report_to="none", seed=0)
-    return RLOOConfig(**{**base, **overrides})
+config = config_factory(RLOOConfig, per_device_train_batch_size=16, num_generations=4, max_completion_length=8,
+                        learning_rate=1e-2, max_steps=2)
 
 
 def test_rloo_learns_and_logs_trls_metrics(tiny_model_dir, tmp_path):

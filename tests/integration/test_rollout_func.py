@@ -7,16 +7,14 @@ import torch
 
 from trainers import GRPOConfig, GRPOTrainer, SFTTrainer
 from trainers.errors import ConfigError, RolloutError
+from tests.conftest import config_factory
 
 PROMPTS = [{"prompt": p} for p in ["abc", "hello", "xyz", "12", "the", "cat", "sat", "on"] * 2]
 ENV = [ord(c) for c in "obs"]  # the environment's answer, appended after the model's tokens
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=8, learning_rate=1e-2, max_steps=2, logging_steps=1, save_strategy="no",
-                disable_tqdm=True, seed=0, report_to="none")
-    return GRPOConfig(**{**base, **overrides})
+config = config_factory(GRPOConfig, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                        learning_rate=1e-2, max_steps=2)
 
 
 def digits(completions, **kwargs):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import step_records
+from tests.conftest import config_factory, step_records
 from tests.floats import assert_trained_alike
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
@@ -16,10 +16,7 @@ from trainers.sft.tokenize import Collator, shift_targets
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=4,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
-    return SFTConfig(**{**base, **overrides})
+config = config_factory(SFTConfig, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=4)
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:

@@ -13,14 +13,13 @@ from trainers import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.sft.tokenize import IGNORE, Collator, transformers_labels
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
+from tests.conftest import config_factory
 
 TEXTS = [{"text": "a sentence of text number " + str(i) + " that goes on" * (i % 3)} for i in range(10)]
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=1,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, shuffle_dataset=False)
-    return SFTConfig(**{**base, **overrides})
+config = config_factory(SFTConfig, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=1,
+                        shuffle_dataset=False)
 
 
 def first_loss(trainer) -> float:

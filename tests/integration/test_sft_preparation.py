@@ -10,6 +10,7 @@ again where it is installed (the bench extra)."""
 import pytest
 from datasets import Dataset
 
+from tests.conftest import config_factory
 from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from trainers.sft.tokenize import IGNORE
@@ -58,9 +59,7 @@ CASES = {
 }
 
 
-def config(tmp_path, **overrides):
-    return SFTConfig(**{**dict(output_dir=str(tmp_path / "out"), max_steps=1, save_strategy="no", disable_tqdm=True,
-                               shuffle_dataset=False), **overrides})
+config = config_factory(SFTConfig, max_steps=1, shuffle_dataset=False)
 
 
 def as_records(dataset) -> list[tuple]:

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import step_records
+from tests.conftest import config_factory, step_records
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import ConfigError, DatasetFormatError
 from transformers import TrainerCallback
@@ -49,11 +49,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def config(tmp_path, **overrides):
-    base = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 8, "num_generations": 4,
-            "max_completion_length": 256, "learning_rate": 1e-2, "max_steps": 1, "logging_steps": 1,
-            "save_strategy": "no", "disable_tqdm": True, "seed": 0, "report_to": "none"}
-    return GRPOConfig(**{**base, **overrides})
+config = config_factory(GRPOConfig, per_device_train_batch_size=8, num_generations=4, max_completion_length=256,
+                        learning_rate=1e-2, max_steps=1)
 
 
 def call(name: str, **arguments) -> str:

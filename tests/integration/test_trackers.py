@@ -10,14 +10,12 @@ from trainers import SFTConfig, SFTTrainer
 from trainers.errors import ConfigError
 from trainers.cli.tiny import as_sft_rows, reverse_digits_rows
 from trainers.loop.trackers import flat_config, numeric_metrics, resolve_report_to
+from tests.conftest import config_factory
 
 ROWS = as_sft_rows(reverse_digits_rows(64, seed=1))
 
 
-def config(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=1e-3, max_steps=3,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
-    return SFTConfig(**{**base, **overrides})
+config = config_factory(SFTConfig, per_device_train_batch_size=8, learning_rate=1e-3, max_steps=3)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")

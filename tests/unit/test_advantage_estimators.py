@@ -32,8 +32,8 @@ def args(**fields):
     return SimpleNamespace(**{**base, **fields})
 
 
-def test_the_registry_names_grpo_rloo_and_none():
-    assert {"grpo", "rloo", "none"} <= set(ADVANTAGE_ESTIMATORS)
+def test_the_registry_names_grpo_and_rloo():
+    assert {"grpo", "rloo"} <= set(ADVANTAGE_ESTIMATORS)
 
 
 def test_grpo_is_group_relative_and_needs_no_old_logprobs():
@@ -55,9 +55,3 @@ def test_rloo_is_leave_one_out_of_the_kl_penalized_reward_and_needs_old_logprobs
     torch.testing.assert_close(got.advantages, expected, equal_nan=True)
     assert ("kl" in got.metrics) == (beta > 0)
     assert got.rewards[:7].tolist() == REWARDS[:7, 0].tolist() and got.rewards[7].isnan()  # logged: no penalty
-
-
-def test_none_gives_zero_advantages_and_logs_the_rewards():
-    got = ADVANTAGE_ESTIMATORS["none"].estimate(inputs(rollout(old=False)), args())
-    assert torch.equal(got.advantages, torch.zeros(8))
-    assert got.rewards[:7].tolist() == REWARDS[:7, 0].tolist() and got.rewards[7].isnan()

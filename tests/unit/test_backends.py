@@ -149,8 +149,25 @@ def test_the_rollout_stage_over_a_scripted_backend(tokenizer, accelerator):
     rows = [{"prompt": "hi"}] * 4
     built = stage.build(rows, [[104, 105]] * 4, trainer_state=None)
     rollout = built.rollout
-    assert built.samples.completion_ids[0] == tokenizer("hello" + END, add_special_tokens=False)["input_ids"]
+    assert built.sampled.samples.completion_ids[0] == tokenizer("hello" + END, add_special_tokens=False)["input_ids"]
     assert rollout.completion_ids.shape == (4, 6) and bool(rollout.loss_mask.all())
     assert rollout.advantages.tolist() == pytest.approx([-1.1619, -0.3873, 0.3873, 1.1619], abs=1e-4)
     assert rollout.old_logps is None and rollout.ref_logps is None
     assert built.metrics["reward"] == pytest.approx(1.5) and built.metrics["completions/clipped_ratio"] == 0.0
+
+
+def test_a_stage_without_estimator_or_scorer_logs_rewards_and_leaves_advantages_at_zero(tokenizer, accelerator):
+    """Distillation's stage: no advantage estimator, no log-prob scorer. The rewards (an environment's) are still
+    scored and logged; the advantages stay 0 and no log-probs are computed."""
+    args = GRPOConfig(output_dir="unused", num_generations=4, per_device_train_batch_size=4, max_completion_length=8)
+    backend = ScriptedBackend(inputs_for(tokenizer, accelerator, args))
+    rewards = [Reward("length", lambda completions, **kw: [float(i) for i in range(len(completions))])]
+    stage = RolloutStage(backend, None, rewards, torch.tensor([2.0]), scorer=None, args=args,
+                         accelerator=accelerator, tokenizer=tokenizer, eos_ids={tokenizer.eos_token_id},
+                         sampling=SamplingParams(max_new_tokens=8), needs=RoundNeeds(), estimator=None)
+    built = stage.build([{"prompt": "hi"}] * 4, [[104, 105]] * 4, trainer_state=None)
+    assert built.rollout.advantages.tolist() == [0.0] * 4
+    assert built.rollout.old_logps is None and built.rollout.ref_logps is None
+    assert built.metrics["reward"] == pytest.approx(3.0)  # 2 x mean(0, 1, 2, 3)
+    assert built.metrics["rewards/length/mean"] == pytest.approx(1.5)
+    assert built.sampled.rewards_per_func[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]

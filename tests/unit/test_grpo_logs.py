@@ -1,11 +1,12 @@
-"""trainers/sampling/metrics.py by hand: TRL's round metrics and the completions records."""
+"""TRL's round metrics and the completions records by hand (trainers/sampling/rollout.py, metrics.py)."""
 
 import json
 
 import pytest
 import torch
 
-from trainers.sampling.metrics import round_metrics, sample_records, write_completions
+from trainers.sampling.metrics import write_completions
+from trainers.sampling.rollout import round_metrics, sample_records
 
 NAN = float("nan")
 

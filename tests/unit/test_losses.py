@@ -20,7 +20,7 @@ from trainers.grpo.objectives import (
 )
 from trainers.model.losses import aggregate_token_mean, entropy_from_logits, logps_and_entropy, selective_log_softmax
 from trainers.sampling.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
-from trainers.sampling.importance import sampler_importance_weights
+from trainers.sampling.scoring import sampler_importance_weights
 
 # Two sequences: lengths 3 and 1 (mask), per-token losses chosen so every aggregation differs.
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])

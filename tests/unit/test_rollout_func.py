@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trainers.errors import RolloutError
-from trainers.generation.user_rollout import check_rollout, logprob_gap, padded_logprobs
+from trainers.generation.user_rollout import check_rollout
+from trainers.sampling.scoring import logprob_gap, padded_logprobs
 
 
 def output(**overrides):

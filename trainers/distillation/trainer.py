@@ -40,7 +40,8 @@ class DistillationTrainer(SamplingTrainer):
 
     config_class = DistillationConfig
     _tag_names = ("trainers", "distillation")
-    advantage_estimator = "none"  # the teacher's distribution is the signal; an environment's reward is logged
+    # no advantage estimator and no log-prob scorer (the sampling base's defaults): the teacher's distribution is
+    # the signal, and the loss reads no log-probs of the round; an environment's reward is logged
 
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),

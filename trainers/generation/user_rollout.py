@@ -121,27 +121,6 @@ def call_rollout_func(call, prompts: list, max_completion_length: int, vocab_siz
     return check_rollout(output, len(prompts), max_completion_length, vocab_size, context)
 
 
-def padded_logprobs(sampler_logps: list[list[float]], width: int) -> torch.Tensor:
-    """The sampler's log-probs as [N, width] float32, NaN beyond each completion's end (and where the sampler
-    gave none)."""
-    sampler = torch.full((len(sampler_logps), width), math.nan)
-    for row, values in enumerate(sampler_logps):
-        sampler[row, :len(values)] = torch.tensor(values, dtype=sampler.dtype)
-    return sampler
-
-
-def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """|trainer - sampler| log-probs over ``mask``'s tokens -> (sum, count, max), each a 0-d tensor.
-
-    trainer_logps, sampler_logps (``padded_logprobs``), mask: [N, C]. NaN sampler values (tokens the sampler
-    could not score) are left out, as TRL does."""
-    delta = (trainer_logps - sampler_logps).abs()
-    counted = mask.bool() & ~torch.isnan(delta)
-    delta = torch.where(counted, delta, torch.zeros_like(delta))
-    return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())
-
-
 class RolloutFuncBackend:
     """A user's ``rollout_func`` behind the backend interface. ``call``: the function bound to its trainer
     (TRL's contract is ``rollout_func(prompts, trainer)``; the trainer binds it, this class never sees the

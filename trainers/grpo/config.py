@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from trainers.config.options import check_field, opt, reject_unknown_options
 from trainers.sampling.config import PolicyGradientConfig
-from trainers.sampling.importance import ImportanceCorrection
+from trainers.sampling.scoring import ImportanceCorrection
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")

@@ -3,9 +3,9 @@
 Every estimator is one entry of ``ADVANTAGE_ESTIMATORS`` (beside the policy objectives' ``OBJECTIVES``,
 trainers/grpo/objectives.py): its function, ``estimate(inputs: AdvantageInputs, args) -> RoundAdvantages``, and
 what it needs of the round besides the rewards (the old log-probs: the round computes them when it says so).
-"grpo" (group-relative, GRPOTrainer's), "none" (no advantages: DistillationTrainer's) are here; "rloo"
-(leave-one-out with a KL penalty, RLOOTrainer's) in trainers/rloo/objective.py. The tensor functions below are
-pure.
+"grpo" (group-relative, GRPOTrainer's) is here; "rloo" (leave-one-out with a KL penalty, RLOOTrainer's) in
+trainers/rloo/objective.py. DistillationTrainer has none (the teacher's distribution is its signal). The tensor
+functions below are pure.
 """
 
 from __future__ import annotations
@@ -132,15 +132,6 @@ def group_relative(inputs: AdvantageInputs, args: Any) -> RoundAdvantages:
                             args.multi_objective_aggregation)
 
 
-def no_advantages(inputs: AdvantageInputs, args: Any) -> RoundAdvantages:
-    """Zero advantages (on-policy distillation: the teacher's distribution is the signal); the rewards of an
-    environment, if any, are still logged."""
-    n = inputs.rewards_per_func.shape[0]
-    return RoundAdvantages(combine_rewards(inputs.rewards_per_func, inputs.weights), torch.zeros(n),
-                           torch.zeros(n, dtype=torch.bool), torch.ones(n))
-
-
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": AdvantageEstimator(group_relative),
-    "none": AdvantageEstimator(no_advantages),
 }

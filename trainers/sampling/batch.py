@@ -1,5 +1,6 @@
-"""The typed records a GRPO round travels in: ``Rollout`` (one generation round's rows on this process, built by
-the rollout stage, trainers/sampling/rollout.py) and ``MicroBatch`` (the slice of it one forward/backward trains on).
+"""The typed records a round travels in: ``Rollout`` (one generation round's rows on this process, built by
+the rollout stage, trainers/sampling/rollout.py, with ``padded_rollout``) and ``MicroBatch`` (the slice of it one
+forward/backward trains on).
 
 A round is sampled and scored once and then serves ``steps_per_generation`` micro-steps, ``num_iterations``
 times over; each micro-batch is a contiguous slice with its all-padding columns trimmed, or, with
@@ -20,6 +21,7 @@ import torch
 from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.rows import prompt_groups, round_up
+from trainers.generation.sampling import Samples, ended, left_pad, right_pad
 from trainers.logs import logger
 from trainers.model.modeling import positions_from_mask
 from trainers.data.packing import pack_bfd, split_to_count
@@ -179,6 +181,31 @@ class Rollout:
         moved = type(self)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
                               for k, v in self.init_fields().items()})
         return moved.with_roles(self.roles)
+
+
+def padded_rollout(samples: Samples, pad_id: int, multiple: int | None, eos_ids: set[int],
+                   mask_truncated: bool) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """The one way samples become a ``Rollout`` (training rounds, evaluation batches and distillation's dataset
+    rounds alike): padded (P and C multiples of ``multiple``, pad_to_multiple_of: TRL's padding; the extra columns
+    are masked), the loss mask of the tokens the model wrote (less truncated completions with
+    ``mask_truncated``: mask_truncated_completions), advantages 0 until they are computed. Returns it with
+    ``truncated`` ([n] bool: the completion did not end) and ``model_tokens`` ([n, C]: 1 on the tokens the model
+    wrote, which a sampler's ``model_mask`` says; tool outputs are not), which the round's metrics read."""
+    prompt_ids, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
+    completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
+    # [n]: as the backend (or the tool loop) says; else TRL's rule, a completion with an EOS anywhere ended
+    finished = samples.finished or [ended(c, eos_ids, anywhere=True) for c in samples.completion_ids]
+    truncated = ~torch.tensor(finished, dtype=torch.bool)
+    model_tokens = attention
+    if samples.model_mask is not None:
+        model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
+    loss_mask = model_tokens.float()  # [n, C]
+    if mask_truncated:
+        loss_mask[truncated] = 0.0
+    groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)  # [n]
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, attention, groups, loss_mask,
+                      torch.zeros(len(completion_ids)), pad_to_multiple_of=multiple)
+    return rollout, truncated, model_tokens
 
 
 @dataclass(frozen=True)

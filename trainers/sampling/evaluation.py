@@ -1,109 +1,102 @@
-"""GRPO's evaluation: sample ``num_generations_eval`` completions per eval prompt, score them as a training round
-is scored, and report the rewards and the GRPO loss on them (transformers' ``eval_loss``).
+"""Evaluation of the sampling trainers: ``num_generations_eval`` completions per eval prompt, each batch built by
+the rollout stage as a round is (``RolloutStage.evaluation_round``), then the trainer's loss on it; reported are
+the rewards and the loss (transformers' ``eval_loss``) with its statistics.
 
-The loss is TRL's evaluation loss: the objective of ``loss_type`` on the evaluation batch, with the advantages of
-its own groups, computed as one micro-batch without accumulation (TRL's ``prediction_step`` calls
-``compute_loss`` in eval mode). Sampled from the current policy, every importance ratio is 1, so with
-loss_type='grpo' it is about 0 plus the KL term; the entropy bonus (``policy_loss`` beside it) and the clip and
-entropy statistics are reported as in training. A sampler other than the policy (vLLM, a rollout_func) gets no
-importance-sampling correction here (TRL applies vLLM's in evaluation too).
+The loss is TRL's evaluation loss: the trainer's loss on the evaluation batch, with the advantages of its own
+groups, computed as one micro-batch without accumulation (TRL's ``prediction_step`` calls ``compute_loss`` in eval
+mode). Sampled from the current policy, every importance ratio is 1, so with loss_type='grpo' it is about 0 plus
+the KL term; the entropy bonus (``policy_loss`` beside it) and the clip and entropy statistics are reported as in
+training. A sampler other than the policy (vLLM, a rollout_func) gets no importance-sampling correction here (TRL
+applies vLLM's in evaluation too).
+
+The trainer runs the batches (``SamplingTrainer.evaluation_stats``); what is here is pure bookkeeping: which
+prompts each batch holds, the micro-batch the loss sees, and the sums the batches add to.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 
 from trainers.agents.tool_loop import ToolCounts, tool_metrics
+from trainers.loop.stats import Extreme, Stats
 from trainers.model.losses import BatchCounts
 from trainers.sampling.advantages import combine_rewards
-from trainers.sampling.rollout import Scored, logged_names
-from trainers.loop.stats import Extreme, Stats
+from trainers.sampling.batch import MicroBatch, Rollout
+from trainers.sampling.rollout import Round, logged_names
+from trainers.sampling.rewards import Reward
 
 
-def evaluation_stats(trainer: Any) -> Stats:
-    """The mean reward (and each function's), eval_loss and the loss's statistics over the evaluation prompts,
-    as (sum, count) pairs of this process (the caller sums them over processes). Every process runs the same
-    number of batches: one with no prompts left samples a companion batch that counts nothing."""
-    acc, args, device = trainer.accelerator, trainer.args, trainer.accelerator.device
-    rows, world = len(trainer.eval_rows), acc.num_processes
-    mine, per_process = list(range(acc.process_index, rows, world)), -(-rows // world)
-    sums = torch.zeros(len(trainer.rewards) + 1, device=device)
-    counts = torch.zeros(len(trainer.rewards) + 1, device=device)
-    per_prompt, size = args.num_generations_eval or args.num_generations, trainer.eval_rows_per_batch()
-    trainer.backend.sync_weights(trainer.state.global_step)  # the weight sync: evaluation samples this step's policy
-    logged: dict[str, list[float]] = {}  # log_metric calls of every batch
-    tool_counts = ToolCounts()  # with tools: what the evaluation's tool calls did on this process
-    pooled: dict = {}
-    for start in range(0, per_process, size):
-        chunk = mine[start:start + size]  # empty: this process only keeps the others company in collectives
-        indices = [i for i in (chunk or [0]) for _ in range(per_prompt)]  # a prompt's completions stay together
-        scored = trainer.stage.sample_and_score([trainer.eval_rows[i] for i in indices],
-                                                [trainer.eval_prompt_ids[i] for i in indices], trainer.state,
-                                                score=bool(chunk))
-        if scored.episode is not None:
-            trainer.callback_handler.fire("episode_end", episode=scored.episode)
-        for name, pair in loss_stats(trainer, scored, per_prompt, counted=bool(chunk)).items():
-            total, count = pooled.get(name, (0.0, 0.0))
-            pooled[name] = (total + pair[0], count + pair[1])
-        for name, values in scored.logs.metrics.items():
-            logged.setdefault(name, []).extend(values)
-        if chunk and scored.episode is not None:  # a companion batch's dummy rollouts count nothing
-            tool_counts += scored.episode.counts
-        trainer.callback_handler.fire("prediction_step")
-        if scored.rewards_per_func is None:
-            continue
-        per_func = scored.rewards_per_func.to(device)
-        total = combine_rewards(per_func, trainer.reward_weights.to(device))
-        values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
-        sums += torch.nan_to_num(values).sum(0)
-        counts += (~torch.isnan(values)).sum(0)
-    names = (["reward"] if trainer.rewards else []) + [f"rewards/{r.name}/mean" for r in trainer.rewards]
-    for i, name in enumerate(names):  # functions of one name pool their values
-        total, count = pooled.get(name, (0.0, 0))
-        pooled[name] = (total + sums[i], count + counts[i])
-    for name, (total, count) in logged_names(acc, logged).items():  # summed over processes by the caller
-        pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
-    if trainer.tool_loop is not None:  # a training round's tools/* metrics, already over every process: the
-        main = float(acc.is_main_process)  # main process carries each as value / 1 through the caller's sum
-        for name, value in tool_metrics(acc, tool_counts).items():
-            pooled[name] = (torch.tensor(value * main, device=device), torch.tensor(main, device=device))
-    return pooled
+def evaluation_batches(num_prompts: int, prompts_per_batch: int, accelerator) -> list[list[int]]:
+    """This process's eval prompts (indices), batch by batch, as many batches on every process: its share is every
+    ``num_processes``-th prompt; an empty batch keeps the others company in the collectives and counts nothing."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    mine, per_process = list(range(rank, num_prompts, world)), -(-num_prompts // world)
+    return [mine[start:start + prompts_per_batch] for start in range(0, per_process, prompts_per_batch)]
 
 
-def loss_stats(trainer: Any, scored: Scored, per_prompt: int, counted: bool) -> Stats:
-    """TRL's evaluation loss of one batch (``loss``, with the objective's statistics), as (value, weight) pairs:
-    each batch counts once (transformers averages the batches' losses). ``counted=False``: a companion batch, run
-    for the collectives only, weighs nothing. The advantages are those of this batch's groups (each process
-    holds whole groups); ``scale_rewards='batch'`` and ``normalize_then_sum`` normalize over this process's batch."""
-    args, device = trainer.args, trainer.accelerator.device
-    stage, n = trainer.stage, len(scored.samples.completion_ids)
-    _, rollout = stage.padded_rollout(scored.samples)
-    loss_mask = rollout.loss_mask
-    rollout = stage.with_logprobs(rollout, old=False, ref=stage.needs.ref_logps)  # the loss's old ones stay unset
-    # this batch's own groups; a companion batch, unscored, gets rewards of 0 (it weighs nothing, and reports the
-    # same names as the others, which the caller sums over processes)
-    rewards_per_func = scored.rewards_per_func
-    if rewards_per_func is None:
-        rewards_per_func = torch.zeros(n, len(stage.rewards))
-    estimated = rollout  # with the old log-probs where the estimator reads them (RLOO's KL)
-    if stage.estimator.needs_old_logps(args):
-        estimated = stage.with_logprobs(rollout, old=True, ref=False)
-    advantages = stage.advantages(rewards_per_func, estimated, per_prompt, over_processes=False)
-    rollout = dataclasses.replace(rollout, advantages=advantages.advantages.to(device))
-    batch = rollout.micro_batch(0, n)
+def loss_batch(rollout: Rollout) -> tuple[MicroBatch, BatchCounts]:
+    """The whole evaluation batch as one micro-batch, and its loss counts (no accumulation, as TRL's
+    ``prediction_step``)."""
+    loss_mask = rollout.loss_mask  # [n, C]
     counts = BatchCounts(tokens=float(loss_mask.sum()), sequences=float((loss_mask.sum(-1) > 0).sum()),
                          micro_batches=1)
-    loss, stats = trainer.compute_loss(trainer.model_wrapped, batch, counts)
-    weight = float(counted)
-    out: Stats = {"loss": (loss.detach().float() * weight, torch.tensor(weight, device=device))}
-    for name, value in advantages.metrics.items():  # the algorithm's own (RLOO's kl), each batch counting once
-        out[name] = (torch.tensor(value * weight, device=device), torch.tensor(weight, device=device))
-    for name, entry in stats.items():
-        if isinstance(entry, Extreme) or name == "entropy_bonus/entropy":  # per-step controls, not evaluation's
-            continue
-        value, count = (torch.as_tensor(part, device=device, dtype=torch.float32) for part in entry)
-        out[name] = (value * weight, count * weight)
-    return out
+    return rollout.micro_batch(0, len(loss_mask)), counts
+
+
+class EvaluationTotals:
+    """The sums of an evaluation's batches on this process, as (sum, count) pairs the caller sums over processes:
+    the mean reward (and each function's, functions of one name pooled), the loss and its statistics (each batch
+    counting once: transformers averages the batches' losses), what reward functions passed to log_metric, and
+    with tools, the tool calls' metrics."""
+
+    def __init__(self, rewards: list[Reward], reward_weights: torch.Tensor, accelerator, tools: bool):
+        self.rewards, self.weights, self.accelerator, self.tools = rewards, reward_weights, accelerator, tools
+        device = accelerator.device
+        self.sums = torch.zeros(len(rewards) + 1, device=device)  # [F + 1]: the total, then each function
+        self.counts = torch.zeros(len(rewards) + 1, device=device)
+        self.pooled: Stats = {}
+        self.logged: dict[str, list[float]] = {}  # log_metric calls of every batch
+        self.tool_counts = ToolCounts()  # with tools: what the evaluation's tool calls did on this process
+
+    def add(self, built: Round, loss: torch.Tensor, stats: Stats, counted: bool) -> None:
+        """One batch: the stage's ``built`` round, the trainer's ``loss`` and ``stats`` on it. ``counted=False``:
+        a companion batch, which weighs nothing (and reports the same names as the others)."""
+        device, weight, sampled = self.accelerator.device, float(counted), built.sampled
+        batch_stats: Stats = {"loss": (loss.detach().float() * weight, torch.tensor(weight, device=device))}
+        for name, value in built.metrics.items():  # the estimator's own (RLOO's kl), each batch counting once
+            batch_stats[name] = (torch.tensor(value * weight, device=device), torch.tensor(weight, device=device))
+        for name, entry in stats.items():
+            if isinstance(entry, Extreme) or name == "entropy_bonus/entropy":  # per-step controls, not evaluation's
+                continue
+            value, count = (torch.as_tensor(part, device=device, dtype=torch.float32) for part in entry)
+            batch_stats[name] = (value * weight, count * weight)
+        for name, (value, count) in batch_stats.items():
+            total, counted_so_far = self.pooled.get(name, (0.0, 0.0))
+            self.pooled[name] = (total + value, counted_so_far + count)
+        for name, values in sampled.logs.metrics.items():
+            self.logged.setdefault(name, []).extend(values)
+        if counted and sampled.episode is not None:  # a companion batch's dummy rollouts count nothing
+            self.tool_counts += sampled.episode.counts
+        if sampled.rewards_per_func is None:  # not scored: a companion batch
+            return
+        per_func = sampled.rewards_per_func.to(device)  # [n, F]
+        total = combine_rewards(per_func, self.weights.to(device))  # [n]
+        values = torch.cat([total.unsqueeze(1), per_func], dim=1)  # [n, F + 1]
+        self.sums += torch.nan_to_num(values).sum(0)
+        self.counts += (~torch.isnan(values)).sum(0)
+
+    def stats(self) -> Stats:
+        """Every sum as a (sum, count) pair of this process. Every process calls it together (the names reward
+        functions logged are gathered)."""
+        acc, device, pooled = self.accelerator, self.accelerator.device, dict(self.pooled)
+        names = (["reward"] if self.rewards else []) + [f"rewards/{r.name}/mean" for r in self.rewards]
+        for i, name in enumerate(names):  # functions of one name pool their values
+            total, count = pooled.get(name, (0.0, 0))
+            pooled[name] = (total + self.sums[i], count + self.counts[i])
+        for name, (total, count) in logged_names(acc, self.logged).items():  # summed over processes by the caller
+            pooled[name] = (torch.tensor(total, device=device), torch.tensor(float(count), device=device))
+        if self.tools:  # a training round's tools/* metrics, already over every process: the main process
+            main = float(acc.is_main_process)  # carries each as value / 1 through the caller's sum
+            for name, value in tool_metrics(acc, self.tool_counts).items():
+                pooled[name] = (torch.tensor(value * main, device=device), torch.tensor(main, device=device))
+        return pooled

@@ -7,8 +7,6 @@ Each of GRPO and RLOO adds its advantage estimator and its loss; neither is the 
 
 from __future__ import annotations
 
-import dataclasses
-
 from trainers.loop import health
 from trainers.errors import ConfigError
 from trainers.model.modeling import cast_lm_head_to_fp32
@@ -25,6 +23,7 @@ class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
     """The sampling base with rewards, a reference model and the policy's forward options (module docstring)."""
 
     config_class = PolicyGradientConfig
+    scorer_class = LogProbScorer  # the log-prob scorer built in build_scorer (a subclass may observe its forwards)
     HEALTH_RULES = policy_health.RULES + health.RULES  # reward variance, entropy, truncation, length, KL; non-finite
 
     def __init__(self, model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
@@ -36,9 +35,13 @@ class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
                          environment_factory=environment_factory)
 
     def round_needs(self) -> RoundNeeds:
-        """The reference log-probs with a KL (beta > 0); dynamic_sampling's dropped groups."""
-        return dataclasses.replace(super().round_needs(), ref_logps=self.args.beta > 0,
-                                   dynamic_sampling=self.args.dynamic_sampling)
+        """The old log-probs once an optimizer step falls inside a round (the importance ratio is no longer 1) or
+        the advantage estimator reads them; the reference's with a KL (beta > 0); dynamic_sampling's dropped
+        groups."""
+        args = self.args
+        old = (args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
+               or self.estimator.needs_old_logps(args))
+        return RoundNeeds(old_logps=old, ref_logps=args.beta > 0, dynamic_sampling=args.dynamic_sampling)
 
     def reward_weights_given(self) -> list[float] | None:
         return self.args.reward_weights
@@ -48,12 +51,27 @@ class PolicyGradientTrainer(FrozenReference, SamplingTrainer):
         return self.args.token_budget
 
     def build_scorer(self, **loss) -> LogProbScorer:
-        """The policy's forward options, and ``loss``: what the algorithm's loss adds (GRPO: an entropy bonus,
-        objectives that fold the sampler's weights in)."""
+        """The log-prob scorer of the policy and the reference, with the policy's forward options, and ``loss``:
+        what the algorithm's loss adds (GRPO: an entropy bonus, objectives that fold the sampler's weights in)."""
         args = self.args
-        return super().build_scorer(padding_free=args.padding_free, token_budget=args.token_budget,
-                                    skip_zero_gradient_rows=args.skip_zero_gradient_rows, kl_in_loss=args.beta > 0,
-                                    **loss)
+        return self.scorer_class(self.accelerator, self.unwrapped_model, self.model_wrapped, self.ref_model,
+                                 self.per_process_train_batch_size, temperature=args.temperature,
+                                 router_aux_loss_coef=self.router_aux_loss_coef, padding_free=args.padding_free,
+                                 token_budget=args.token_budget, skip_zero_gradient_rows=args.skip_zero_gradient_rows,
+                                 kl_in_loss=args.beta > 0, **loss)
+
+    # TRL's names for the log-prob scorer's (trainers/sampling/scoring.py), where tests and scripts read them
+
+    def policy_logprobs(self, model, batch, **options) -> dict:
+        return self.scorer.policy_logprobs(model, batch, **options)
+
+    @property
+    def shares_prompt_forward(self) -> bool:
+        return self.scorer.shares_prompt_forward
+
+    @property
+    def skips_zero_gradient_rows(self) -> bool:
+        return self.scorer.skips_zero_gradient_rows
 
     def after_load(self, model) -> None:
         super().after_load(model)

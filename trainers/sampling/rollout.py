@@ -1,64 +1,73 @@
 """The rollout stage of the sampling trainers (GRPO, RLOO, distillation): one generation round, built forward
-from the round's dataset rows to a ``Rollout``.
+from the round's dataset rows to a ``Rollout``. Followed from here to the loss, a round crosses these files:
 
-    rows -> sample (the generation backend: the policy,       RolloutStage.sample_and_score
-            vLLM, a rollout_func or a registered one; with tools,
-            the tool loop over it: trainers/agents/tool_loop.py;
-            or completions given: async, a dataset's)
-         -> decode -> score (the reward functions)               RolloutStage.sample_and_score
+    rows -> sample: the generation backend (the policy,       RolloutStage.sample_and_score
+            vLLM, a rollout_func or a registered one,          generation/backend.py
+            returning Samples; with tools, the tool loop
+            over it: agents/tool_loop.py), or completions
+            given (async, a dataset's), then decoded
+         -> score: the reward functions                       sampling/rewards.py
          -> gather the rewards of every process
-         -> pad -> loss masks -> Rollout                         RolloutStage.padded_rollout
-         -> old and reference log-probs (as ``RoundNeeds``       RolloutStage.with_logprobs
-            says: LogProbScorer, trainers/sampling/scoring.py)
-         -> advantages (the trainer's estimator,                 RolloutStage.advantages
-            ADVANTAGE_ESTIMATORS, trainers/sampling/advantages.py)
-         -> dynamic sampling's dropped groups out of the loss masks
-         -> the sampler's log-probs against the trainer's (importance weights)
-         -> metrics and the completions table
-         -> Rollout (trainers/sampling/batch.py), which the micro-batches are cut from
+         -> pad -> loss mask -> Rollout                        sampling/batch.py (padded_rollout)
+         -> old and reference log-probs, as ``RoundNeeds``     sampling/scoring.py (LogProbScorer)
+            says
+         -> advantages: the trainer's estimator, if it has     sampling/advantages.py (ADVANTAGE_ESTIMATORS)
+            one; dynamic sampling's groups out of the mask
+         -> another sampler's log-probs against the policy's   sampling/scoring.py (compare_sampler)
+            (importance weights)
+         -> metrics and the completions table                  here (round_metrics, sample_records)
+         -> Round: the Rollout, which the trainer's            sampling/batch.py (Rollout.micro_batch)
+            micro-batches are cut from, for its loss           grpo/trainer.py and grpo/objectives.py (or
+                                                               rloo/, distillation/)
 
 ``RolloutStage`` is built once, from what it uses (never the trainer), and calls nothing back in the trainer: the
 trainer passes what changes per round (the TrainerState for the reward functions) and fires its own events with
-what the round returns (``Round.episode``). Every process runs it together: sampling
-may gather weights (ZeRO-3), rewards are gathered, and a failure in user code on one process stops all
-(``dist.raise_together``). The backend's weights are synced before the stage runs (SamplingTrainer.prepare_step).
-Evaluation samples and scores through the same ``sample_and_score``.
+what the round returns. Every process runs it together: sampling may gather weights (ZeRO-3), rewards are
+gathered, and a failure in user code on one process stops all (``dist.raise_together``). The backend's weights are
+synced before the stage runs (SamplingTrainer.prepare_step). Evaluation builds its batches with the same steps
+(``evaluation_round``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from trainers.parallel import distributed as dist
 from trainers.agents.tool_loop import Episode, ToolLoop, tool_metrics
 from trainers.data.formats import is_conversational
 from trainers.generation.backend import Backend, PolicyBackend
-from trainers.generation.sampling import Samples, SamplingParams, ended, left_pad, right_pad
-from trainers.generation.user_rollout import logprob_gap, padded_logprobs
-from trainers.sampling.advantages import AdvantageEstimator, AdvantageInputs, RoundAdvantages
-from trainers.sampling.batch import Rollout, prompt_groups
-from trainers.sampling.importance import ImportanceCorrection
-from trainers.sampling.metrics import round_metrics, sample_records
+from trainers.generation.sampling import Samples, SamplingParams
+from trainers.parallel import distributed as dist
+from trainers.sampling.advantages import (
+    AdvantageEstimator,
+    AdvantageInputs,
+    RoundAdvantages,
+    combine_rewards,
+    nanstd,
+)
+from trainers.sampling.batch import Rollout, padded_rollout
+from trainers.sampling.reward_functions import completion_text
 from trainers.sampling.rewards import Reward, RewardLogs, call_rewards
-from trainers.sampling.scoring import LogProbScorer
-from trainers.loop.stats import Extreme, reduce_extremes, reduce_pairs
+from trainers.sampling.scoring import ImportanceCorrection, LogProbScorer, compare_sampler, padded_logprobs
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """This process's completions of a round, before scoring: what the backend (or the tool loop) returned, the
-    rows' dataset prompts, the completions decoded (or the tool loop's messages), and the tool loop's episode."""
+    """This process's completions of a round (or an evaluation batch): what the backend (or the tool loop)
+    returned, the rows' dataset prompts, the completions decoded (or the tool loop's messages), the tool loop's
+    episode; once scored, the rewards and what the reward functions logged."""
 
     samples: Samples
     prompts: list
     completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
-    episode: Episode | None = None
+    episode: Episode | None = None  # with tools: the tool loop's episode (its counts: what the tool calls did)
     version: int | None = None  # asynchronous GRPO: the optimizer step whose weights sampled the round
+    rewards_per_func: torch.Tensor | None = None  # [n, F] float32, NaN where a function returned None; None: unscored
+    logs: RewardLogs = field(default_factory=RewardLogs)  # what the reward functions passed to log_metric / log_extra
 
 
 def sample_rows(backend: Backend, tool_loop: ToolLoop | None, tokenizer, rows: list[dict],
@@ -74,24 +83,12 @@ def sample_rows(backend: Backend, tool_loop: ToolLoop | None, tokenizer, rows: l
 
 
 @dataclass(frozen=True)
-class Scored:
-    """This process's completions of a round (or an evaluation batch), decoded and scored."""
-
-    samples: Samples
-    prompts: list  # the rows' dataset prompts
-    completions: list  # text, or [{"role": "assistant", "content": text}] for a conversational prompt
-    rewards_per_func: torch.Tensor | None  # [n, F] float32, NaN where a function returned None; None: not scored
-    logs: RewardLogs  # what the reward functions passed to log_metric / log_extra
-    episode: Episode | None = None  # with tools: the tool loop's episode (its counts: what the tool calls did)
-    version: int | None = None  # asynchronous GRPO: the optimizer step whose weights sampled them
-
-
-@dataclass(frozen=True)
 class RoundNeeds:
     """What a round computes beyond its samples and rewards, as the trainer's loss and advantage estimator ask:
     the old log-probs (the policy before the round's optimizer steps), the reference's (a KL), dynamic_sampling's
     groups without reward variance out of the loss, and the importance weights of another sampler's completions
-    (None: not weighted; the sampler's log-probs are still compared with the policy's, as metrics)."""
+    (None: not weighted; the sampler's log-probs are still compared with the policy's, as metrics, where the
+    trainer has a log-prob scorer)."""
 
     old_logps: bool = False
     ref_logps: bool = False
@@ -104,32 +101,33 @@ class Round:
     """What building a round gives the trainer: the rows to train on, and what it logs about them."""
 
     rollout: Rollout
-    metrics: dict[str, float]  # TRL's round metrics, over every process
+    metrics: dict[str, float]  # TRL's round metrics over every process (evaluation: the estimator's own)
     completions: list[dict] | None  # log_completions: every process's records (main process writes them)
-    samples: Samples  # what the backend (and the tool loop) returned, before padding
-    episode: Episode | None = None  # with tools: the tool loop's episode (the trainer's on_episode_end)
+    sampled: Sampled  # this process's samples as the backend (and the tool loop) returned them, and their rewards
 
 
 class RolloutStage:
     """The rollout stage, built once the policy is prepared, from what it uses (never the trainer): the generation
     ``backend``, the ``tool_loop`` strategy (None: one turn, the backend's own ``sample``), the reward functions
     and their weights, the log-prob ``scorer`` (old and reference log-probs, the rows skip_zero_gradient_rows
-    skips), the config, the processes' ``accelerator``, the tokenizer (decoding), the EOS ids, the default
-    sampling parameters, what the round computes (``needs``) and the trainer's advantage ``estimator`` (an entry
-    of ADVANTAGE_ESTIMATORS). Every process calls its methods together."""
+    skips; None: a trainer whose loss reads none, distillation's), the config, the processes' ``accelerator``, the
+    tokenizer (decoding), the EOS ids, the default sampling parameters, what the round computes (``needs``) and
+    the trainer's advantage ``estimator`` (an entry of ADVANTAGE_ESTIMATORS; None: no advantages). Every process
+    calls its methods together."""
 
     def __init__(self, backend: Backend, tool_loop: ToolLoop | None, rewards: list[Reward],
                  reward_weights: torch.Tensor, scorer: LogProbScorer | None, args: Any, accelerator, tokenizer,
-                 eos_ids: set[int], sampling: SamplingParams, needs: RoundNeeds, estimator: AdvantageEstimator):
+                 eos_ids: set[int], sampling: SamplingParams, needs: RoundNeeds,
+                 estimator: AdvantageEstimator | None):
         self.backend, self.tool_loop, self.rewards, self.reward_weights = backend, tool_loop, rewards, reward_weights
         self.scorer, self.args, self.accelerator, self.tokenizer = scorer, args, accelerator, tokenizer
         self.eos_ids, self.sampling, self.needs, self.estimator = eos_ids, sampling, needs, estimator
         # a backend other than the policy itself: its log-probs are compared with the policy's (importance weights)
-        self.other_sampler = not isinstance(backend, PolicyBackend)
+        self.other_sampler = scorer is not None and not isinstance(backend, PolicyBackend)
 
     def sample_and_score(self, rows: list[dict], prompt_ids: list[list[int]], trainer_state: Any,
                          params: SamplingParams | None = None, score: bool = True,
-                         sampled: Sampled | None = None) -> Scored:
+                         sampled: Sampled | None = None) -> Sampled:
         """Sample one completion per row through the backend (with tools, the tool loop over it), decode it,
         and (with ``score``) call the reward functions, which get ``trainer_state`` (TRL's contract).
         ``score=False`` on a process that only keeps the others company in the collectives (evaluation's last
@@ -140,19 +138,18 @@ class RolloutStage:
         if sampled is None:
             sampled = sample_rows(self.backend, self.tool_loop, self.tokenizer, rows, prompt_ids,
                                   params or self.sampling, self.eos_ids, acc)
-        episode, samples = sampled.episode, sampled.samples
-        logs, rewards, error = RewardLogs(), None, None
+        episode, logs, rewards, error = sampled.episode, RewardLogs(), None, None
         if score:
             try:  # user code: a failure on one process must stop all of them
                 environments = episode.environments if episode is not None else None
-                rewards = self.score_completions(rows, sampled.prompts, sampled.completions, samples, logs,
+                rewards = self.score_completions(rows, sampled.prompts, sampled.completions, sampled.samples, logs,
                                                  trainer_state, environments)
             except Exception as caught:
                 error = caught
         if episode is not None and self.tool_loop is not None:
             self.tool_loop.give_back(episode)  # scored: its environments may serve another round
         dist.raise_together(acc, error)
-        return Scored(samples, sampled.prompts, sampled.completions, rewards, logs, episode, sampled.version)
+        return dataclasses.replace(sampled, rewards_per_func=rewards, logs=logs)
 
     def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,
                           logs: RewardLogs, trainer_state: Any, environments: list | None = None) -> torch.Tensor:
@@ -169,19 +166,19 @@ class RolloutStage:
         return call_rewards(self.rewards, prompts, completions, samples.completion_ids, columns,
                             {"trainer_state": trainer_state}, logs)
 
-    def padded_rollout(self, samples: Samples, start: int = 0) -> tuple[PaddedSamples, Rollout]:
-        """The one way samples become a ``Rollout``: padded (``pad_samples``), the loss mask of the model's tokens
-        (``loss_mask_of``: truncated completions out; dynamic sampling's groups come later, from the advantages),
-        advantages 0 until they are computed, on the device. ``start``: this process's first row in the round.
-        Training rounds, evaluation batches and distillation's dataset rounds all build theirs here."""
-        padded = pad_samples(samples, self.tokenizer.pad_token_id, self.args.pad_to_multiple_of, self.eos_ids)
-        loss_mask, _ = loss_mask_of(padded.model_tokens, padded.truncated, None, start, self.args)
-        n = len(samples.completion_ids)
-        return padded, padded.rollout(loss_mask, torch.zeros(n)).to(self.accelerator.device)
+    def padded_rollout(self, samples: Samples) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+        """``padded_rollout`` (sampling/batch.py) on the device: (the Rollout, truncated [n], model_tokens
+        [n, C])."""
+        rollout, truncated, model_tokens = padded_rollout(samples, self.tokenizer.pad_token_id,
+                                                          self.args.pad_to_multiple_of, self.eos_ids,
+                                                          self.args.mask_truncated_completions)
+        return rollout.to(self.accelerator.device), truncated, model_tokens
 
     def with_logprobs(self, rollout: Rollout, old: bool, ref: bool) -> Rollout:
         """``rollout`` with the policy's log-probs now (``old``: before the round's optimizer steps) and the
         reference's (``ref``), where asked (the others as they were)."""
+        if not (old or ref):
+            return rollout
         return dataclasses.replace(rollout, old_logps=self.scorer.old_logprobs(rollout) if old else rollout.old_logps,
                                    ref_logps=self.scorer.reference_logprobs(rollout) if ref else rollout.ref_logps)
 
@@ -189,7 +186,13 @@ class RolloutStage:
                    over_processes: bool = True) -> RoundAdvantages:
         """The estimator's advantages: of a round (``over_processes``: ``rewards_per_func`` [G, F] holds every
         process's rows; every process calls this together) or of this process's evaluation batch (its own rows,
-        whole groups; no collectives). ``rollout``: this process's rows, with the log-probs the estimator reads."""
+        whole groups; no collectives). ``rollout``: this process's rows, with the log-probs the estimator reads.
+        Without an estimator (distillation): the rewards alone, for the metrics, and no advantages."""
+        if self.estimator is None:
+            rewards = combine_rewards(rewards_per_func, self.reward_weights)  # [G]
+            groups = rewards.view(-1, num_generations)  # [G / num_generations, num_generations]
+            return RoundAdvantages(rewards, torch.zeros_like(rewards), torch.zeros(len(groups), dtype=torch.bool),
+                                   nanstd(groups, dim=1))
         inputs = AdvantageInputs(rewards_per_func, self.reward_weights, num_generations, rollout, self.accelerator,
                                  over_processes)
         return self.estimator.estimate(inputs, self.args)
@@ -200,26 +203,26 @@ class RolloutStage:
         """The rollout stage for this process's ``rows`` of one round (module docstring); ``trainer_state``: what
         the reward functions get; ``sampled``: its completions sampled already (the asynchronous producer,
         trainers/sampling/async_rounds.py; a dataset's completions, distillation's off-policy rounds)."""
-        args, acc = self.args, self.accelerator
+        args, acc, needs = self.args, self.accelerator, self.needs
         scored = self.sample_and_score(rows, prompt_ids, trainer_state, sampled=sampled)
-        samples = scored.samples
         rewards_per_func = acc.gather(scored.rewards_per_func.to(acc.device)).cpu()  # [G, F], every process's rows
         n, start = len(rows), acc.process_index * len(rows)
 
-        padded, rollout = self.padded_rollout(samples, start)  # its advantages: below
-        truncated, model_tokens = padded.truncated, padded.model_tokens
-        rollout = self.with_logprobs(rollout, self.needs.old_logps, self.needs.ref_logps)
+        rollout, truncated, model_tokens = self.padded_rollout(scored.samples)
+        rollout = self.with_logprobs(rollout, needs.old_logps, needs.ref_logps)
         adv = self.advantages(rewards_per_func, rollout, args.num_generations)
-        loss_mask, dropped_groups = loss_mask_of(model_tokens, truncated, adv.zero_std if self.needs.dynamic_sampling
-                                                 else None, start, args)
-        local_advantages = adv.advantages[start:start + n]  # [n]
-        rollout = dataclasses.replace(rollout, loss_mask=loss_mask.to(acc.device),
-                                      advantages=local_advantages.to(acc.device))
+        advantages, loss_mask = adv.advantages[start:start + n], rollout.loss_mask  # [n], [n, C]
+        if needs.dynamic_sampling:  # the groups whose rewards are all equal leave the loss
+            group_of_row = torch.arange(start, start + n) // args.num_generations  # [n]
+            loss_mask = loss_mask.masked_fill(adv.zero_std[group_of_row].to(loss_mask.device).unsqueeze(1), 0.0)
+        rollout = dataclasses.replace(rollout, loss_mask=loss_mask, advantages=advantages.to(acc.device))
         sampler_metrics = {}
         if self.other_sampler:
             width = rollout.completion_ids.shape[1]
-            sampler = None if samples.logprobs is None else padded_logprobs(samples.logprobs, width)
-            rollout, sampler_metrics = self.with_sampler_logps(rollout, sampler, model_tokens.to(acc.device))
+            logprobs = scored.samples.logprobs
+            sampler = None if logprobs is None else padded_logprobs(logprobs, width)  # [n, C]
+            rollout, sampler_metrics = compare_sampler(acc, self.scorer, rollout, sampler, model_tokens.to(acc.device),
+                                                       needs.importance)
         # which rows skip_zero_gradient_rows leaves out of the backward, read once here, not per micro-batch
         if self.scorer is not None:
             rollout = rollout.with_roles(self.scorer.row_roles(rollout))
@@ -229,8 +232,8 @@ class RolloutStage:
         names = [r.name for r in self.rewards]
         metrics = round_metrics(adv.rewards, rewards_per_func, names, adv.std_in_use, lengths, all_truncated)
         metrics.update(adv.metrics)
-        if self.needs.dynamic_sampling:
-            metrics["dynamic_sampling/dropped_groups"] = dropped_groups
+        if needs.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = int(adv.zero_std.sum())
         metrics.update(sampler_metrics)
         if scored.episode is not None:
             metrics.update(tool_metrics(acc, scored.episode.counts))
@@ -241,41 +244,28 @@ class RolloutStage:
             # own log_extra column of that name is kept instead
             version = {} if scored.version is None else {"model_version": [scored.version] * n}
             local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
-                                   adv.rewards[start:start + n], local_advantages, {**version, **scored.logs.extra})
+                                   adv.rewards[start:start + n], advantages, {**version, **scored.logs.extra})
             completions = dist.gather_objects(acc, local)
-        return Round(rollout, metrics, completions, scored.samples, scored.episode)
+        return Round(rollout, metrics, completions, scored)
 
-    def with_sampler_logps(self, rollout: Rollout, sampler: torch.Tensor | None, mask: torch.Tensor
-                           ) -> tuple[Rollout, dict]:
-        """A backend's own log-probs (``sampler``: [n, C], NaN where it gave none) against the trainer's own for
-        the model's tokens (``mask``), computed once per round (the old log-probs when it needs them anyway): TRL's
-        sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy; and, with
-        vllm_importance_sampling_correction, the importance weights pi_old / pi_sampler the loss is multiplied by,
-        with TRL's sampling/importance_sampling_ratio/{min,mean,max}. All over every process; processes without
-        sampler log-probs take part in the collectives and count nothing."""
-        acc = self.accelerator
-        given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
-        if given.item() == 0:
-            return rollout, {}
-        current = rollout.old_logps if rollout.old_logps is not None else self.scorer.old_logprobs(rollout)
-        current = current.float()
-        mine = sampler is not None  # this process's rollout gave log-probs
-        sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
-        total, count, peak = logprob_gap(current, sampler, mask)
-        total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
-        metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
-                   "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
-        weights, correction = None, self.needs.importance
-        if correction is not None:
-            weights = correction.weights(current, sampler, mask)  # [n, C] or [n, 1]
-            # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
-            # log-prob (a process whose rollout gave none) count nothing
-            counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
-            metrics.update(pooled_extremes(acc, "sampling/importance_sampling_ratio",
-                                           weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
-        if not mine:
-            return rollout, metrics
-        return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
+    @torch.no_grad()
+    def evaluation_round(self, rows: list[dict], prompt_ids: list[list[int]], trainer_state: Any,
+                         num_generations: int, score: bool = True) -> Round:
+        """One evaluation batch, built as a round is (sample, score, pad, log-probs, advantages), over this
+        process's rows alone: whole groups of ``num_generations``, their advantages from their own rewards (no
+        collectives beyond the backend's and the reward functions'). ``score=False``: a companion batch, run for
+        the collectives only, whose rewards are 0. Its Rollout has no old log-probs (sampled from the current
+        policy, every importance ratio is 1) and no sampler correction; its metrics are the estimator's own."""
+        scored = self.sample_and_score(rows, prompt_ids, trainer_state, score=score)
+        rewards_per_func = scored.rewards_per_func
+        if rewards_per_func is None:
+            rewards_per_func = torch.zeros(len(rows), len(self.rewards))
+        rollout, _, _ = self.padded_rollout(scored.samples)
+        old = self.estimator is not None and self.estimator.needs_old_logps(self.args)  # RLOO's KL reads them
+        rollout = self.with_logprobs(rollout, old=old, ref=self.needs.ref_logps)
+        adv = self.advantages(rewards_per_func, rollout, num_generations, over_processes=False)
+        rollout = dataclasses.replace(rollout, advantages=adv.advantages.to(self.accelerator.device), old_logps=None)
+        return Round(rollout, dict(adv.metrics), None, scored)
 
 
 def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tuple[list, list]:
@@ -287,56 +277,44 @@ def decode(tokenizer, rows: list[dict], completion_ids: list[list[int]]) -> tupl
     return prompts, completions
 
 
+def round_metrics(rewards: torch.Tensor, rewards_per_func: torch.Tensor, reward_names: list[str],
+                  std_in_use: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's metrics of one round, over every process's completions.
 
-@dataclass(frozen=True)
-class PaddedSamples:
-    """A batch's samples as padded tensors, and which completions were cut and which tokens the model wrote."""
-
-    prompt_ids: torch.Tensor  # [n, P] left-padded
-    prompt_mask: torch.Tensor  # [n, P]
-    completion_ids: torch.Tensor  # [n, C] right-padded
-    attention: torch.Tensor  # [n, C] 1 on real completion tokens
-    truncated: torch.Tensor  # [n] bool: the completion did not end
-    model_tokens: torch.Tensor  # [n, C]: 1 on the tokens the model wrote (a rollout's model_mask leaves out the rest)
-    groups: torch.Tensor  # [n] long: each row's distinct prompt (``prompt_groups``)
-    pad_to_multiple_of: int | None
-
-    def rollout(self, loss_mask: torch.Tensor, advantages: torch.Tensor) -> Rollout:
-        return Rollout(self.prompt_ids, self.prompt_mask, self.completion_ids, self.attention, self.groups, loss_mask,
-                       advantages, pad_to_multiple_of=self.pad_to_multiple_of)
-
-
-
-def pad_samples(samples: Samples, pad_id: int, multiple: int | None, eos_ids: set[int]) -> PaddedSamples:
-    """``samples`` padded (P and C multiples of ``multiple``, pad_to_multiple_of: TRL's padding; the extra columns
-    are masked), with which completions were cut and which tokens the model wrote."""
-    prompt_ids, prompt_mask = left_pad(samples.prompt_ids, pad_id, multiple)  # [n, P]
-    completion_ids, attention = right_pad(samples.completion_ids, pad_id, multiple=multiple)  # [n, C]
-    # [n]: as the backend (or the tool loop) says; else TRL's rule, a completion with an EOS anywhere ended
-    finished = samples.finished or [ended(c, eos_ids, anywhere=True) for c in samples.completion_ids]
-    truncated = ~torch.tensor(finished, dtype=torch.bool)
-    model_tokens = attention
-    if samples.model_mask is not None:
-        model_tokens = right_pad(samples.model_mask, 0, width=completion_ids.shape[1])[0]
-    groups = torch.tensor(prompt_groups(samples.prompt_ids), dtype=torch.long)
-    return PaddedSamples(prompt_ids, prompt_mask, completion_ids, attention, truncated, model_tokens, groups,
-                         multiple)
+    rewards: [N] weighted sums; rewards_per_func: [N, F] (NaN where a function returned None); std_in_use: the
+    std the advantages were scaled by (per group, or the batch's); lengths, truncated: [N] completion lengths
+    and whether each hit max_completion_length. No reward functions: the completion metrics only."""
+    metrics = {}
+    if reward_names:  # without reward functions (distillation), no reward metrics
+        zero = torch.isclose(std_in_use, torch.zeros_like(std_in_use))  # a NaN std (one scored completion): not 0
+        metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
+                   "frac_reward_zero_std": float(zero.float().mean())}
+    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                    "completions/max_length": float(lengths.max()),
+                    "completions/clipped_ratio": float(truncated.mean())})
+    terminated = lengths[truncated == 0]  # the completions that ended with EOS; TRL logs 0 when none did
+    terminated = terminated if len(terminated) else torch.zeros(1)
+    metrics.update({"completions/mean_terminated_length": float(terminated.mean()),
+                    "completions/min_terminated_length": float(terminated.min()),
+                    "completions/max_terminated_length": float(terminated.max())})
+    for name in dict.fromkeys(reward_names):  # functions of one name: their mean, as in TRL
+        columns = [rewards_per_func[:, i] for i, n in enumerate(reward_names) if n == name]
+        metrics[f"rewards/{name}/mean"] = sum(float(torch.nanmean(c)) for c in columns) / len(columns)
+        metrics[f"rewards/{name}/std"] = sum(float(nanstd(c)) for c in columns) / len(columns)
+    return metrics
 
 
-def loss_mask_of(model_tokens: torch.Tensor, truncated: torch.Tensor, zero_std: torch.Tensor | None, start: int,
-                 args: Any) -> tuple[torch.Tensor, int]:
-    """The tokens the loss counts ([n, C] float): the model's own, less truncated completions
-    (mask_truncated_completions) and the groups ``zero_std`` marks (dynamic_sampling: [G/num_generations] over the
-    round, this process's rows starting at row ``start``; None: no groups dropped, as in evaluation).
-    Returns it and the number of groups dropped."""
-    loss_mask = model_tokens.float()
-    if args.mask_truncated_completions:
-        loss_mask[truncated] = 0.0
-    if zero_std is None:
-        return loss_mask, 0
-    group_of_row = torch.arange(start, start + len(loss_mask)) // args.num_generations
-    loss_mask[zero_std[group_of_row]] = 0.0
-    return loss_mask, int(zero_std.sum())
+def sample_records(prompts: list, completions: list, reward_names: list[str], rewards_per_func: torch.Tensor,
+                   rewards: torch.Tensor, advantages: torch.Tensor, extra: dict) -> list[dict]:
+    """One record per completion for ``log_completions``: the total and each function's reward (None where it
+    returned None), the advantage, and the columns reward functions added with log_extra."""
+    records = []
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        per_func = {name: None if math.isnan(v) else v for name, v in zip(reward_names, rewards_per_func[i].tolist())}
+        records.append({"prompt": prompt, "completion": completion_text(completion), "reward": float(rewards[i]),
+                        "rewards": per_func, "advantage": float(advantages[i]),
+                        **{column: values[i] for column, values in extra.items()}})
+    return records
 
 
 def logged_names(accelerator, logged: dict[str, list[float]]) -> dict[str, tuple[float, int]]:
@@ -354,15 +332,3 @@ def logged_metric_means(accelerator, logs: RewardLogs) -> dict[str, float]:
         return {}
     totals = dist.all_reduce_sum(accelerator, torch.tensor(list(logged.values()), device=accelerator.device))
     return {name: total / count for name, (total, count) in zip(logged, totals.tolist())}
-
-
-def pooled_extremes(accelerator, name: str, values: torch.Tensor) -> dict:
-    """{name}/min, /mean and /max of this process's ``values`` and every other's (nothing when none has any)."""
-    pooled = reduce_pairs(accelerator, {f"{name}/mean": (values.sum(), values.numel())})  # NaN when none has any
-    if math.isnan(pooled[f"{name}/mean"]):
-        return {}
-    nothing = values.new_tensor(math.nan)  # a process without values is left out of the min and max
-    pooled.update(reduce_extremes(accelerator, {
-        f"{name}/min": [Extreme(values.min() if values.numel() else nothing, "min")],
-        f"{name}/max": [Extreme(values.max() if values.numel() else nothing, "max")]}))
-    return pooled

@@ -1,16 +1,22 @@
-"""The sampling trainers' log-prob scorer: the policy's, the old and the reference log-probs of a round's completions, in one
-place (``LogProbScorer``). The rollout stage asks it for old and reference log-probs; the loss for the policy's,
-with the rows that cannot have a gradient left out of the backward (``training_forward``)."""
+"""The sampling trainers' log-prob scorer: the policy's, the old and the reference log-probs of a round's
+completions, in one place (``LogProbScorer``). The rollout stage asks it for old and reference log-probs; the loss
+for the policy's, with the rows that cannot have a gradient left out of the backward (``training_forward``). And a
+sampler other than the policy (vLLM, a rollout_func, a registered backend) against it: its log-probs compared with
+the policy's, and TRL's vllm_importance_sampling_* weights (``ImportanceCorrection``, ``compare_sampler``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 
 from trainers.parallel import distributed as dist
 from trainers.generation import engine
 from trainers.model.modeling import token_logprobs
+from trainers.loop.stats import Extreme, reduce_extremes, reduce_pairs
 from trainers.model.output_head import plan_head
 from trainers.sampling.batch import MicroBatch, Rollout, RoundPart, RowRole, budget_groups
 from trainers.sampling.packed_forward import packed_logprobs
@@ -173,3 +179,104 @@ class LogProbScorer:
                 idle |= (batch.sampler_weights * mask).sum(-1) == 0  # masked out by the sampler correction
         roles = torch.full_like(silent, RowRole.TRAINED, dtype=torch.long)  # [B]
         return roles.masked_fill(idle, RowRole.NO_GRADIENT).masked_fill(silent, RowRole.NO_LOSS).tolist()
+
+
+@dataclass(frozen=True)
+class ImportanceCorrection:
+    """How the round weighs a completion sampled by another engine: ``mode`` (per 'token_*' or 'sequence_*';
+    '*_truncate' clips the ratio, '*_mask' drops what falls outside) and the bounds (None: no bound)."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+    def weights(self, logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return sampler_importance_weights(logps, sampler_logps, mask, self.mode, self.clip_min, self.clip_max)
+
+
+def sampler_importance_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                               clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """Importance weights π_old / π_sampler that correct for completions sampled by another engine than the
+    policy (TRL's vLLM importance sampling: truncated or masked IS): per token ([B, T]) for
+    'token_*' modes, per completion ([B, 1], the product over its masked tokens) for 'sequence_*'. '*_truncate'
+    clips them to [clip_min, clip_max]; '*_mask' sets them to 0 outside it (None: no bound on that side).
+
+    logps (the trainer's, π_old), sampler_logps (NaN where the sampler gave none: a difference of 0, so no
+    correction), mask: [B, T]. Padding columns get weight 1.
+    """
+    diff = torch.nan_to_num((logps - sampler_logps) * mask, nan=0.0)  # [B, T]
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [B, 1]
+    weights = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return weights if clip_min is None and clip_max is None else weights.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def padded_logprobs(sampler_logps: list[list[float]], width: int) -> torch.Tensor:
+    """The sampler's log-probs as [N, width] float32, NaN beyond each completion's end (and where the sampler
+    gave none)."""
+    sampler = torch.full((len(sampler_logps), width), math.nan)
+    for row, values in enumerate(sampler_logps):
+        sampler[row, :len(values)] = torch.tensor(values, dtype=sampler.dtype)
+    return sampler
+
+
+def logprob_gap(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|trainer - sampler| log-probs over ``mask``'s tokens -> (sum, count, max), each a 0-d tensor.
+
+    trainer_logps, sampler_logps (``padded_logprobs``), mask: [N, C]. NaN sampler values (tokens the sampler
+    could not score) are left out, as TRL does."""
+    delta = (trainer_logps - sampler_logps).abs()
+    counted = mask.bool() & ~torch.isnan(delta)
+    delta = torch.where(counted, delta, torch.zeros_like(delta))
+    return delta.sum(), counted.sum().to(delta.dtype), delta.max() if delta.numel() else delta.new_zeros(())
+
+
+def compare_sampler(accelerator, scorer: LogProbScorer, rollout: Rollout, sampler: torch.Tensor | None,
+                    mask: torch.Tensor, correction: ImportanceCorrection | None) -> tuple[Rollout, dict]:
+    """A backend's own log-probs (``sampler``: [n, C], NaN where it gave none) against the policy's for the
+    model's tokens (``mask``), computed once per round (the round's old log-probs when it has them): TRL's
+    sampling/sampling_logp_difference/{mean,max}, about 0 when the rollout sampled from this policy; and, with a
+    ``correction`` (vllm_importance_sampling_correction), the importance weights pi_old / pi_sampler the loss is
+    multiplied by, with TRL's sampling/importance_sampling_ratio/{min,mean,max}. Returns ``rollout`` with both,
+    and the metrics. All over every process; processes without sampler log-probs take part in the collectives
+    and count nothing."""
+    acc = accelerator
+    given = dist.all_reduce_sum(acc, torch.tensor([float(sampler is not None)], device=acc.device))
+    if given.item() == 0:
+        return rollout, {}
+    current = rollout.old_logps if rollout.old_logps is not None else scorer.old_logprobs(rollout)
+    current = current.float()
+    mine = sampler is not None  # this process's rollout gave log-probs
+    sampler = sampler.to(current.device) if mine else torch.full_like(current, math.nan)  # NaN: counts nothing
+    total, count, peak = logprob_gap(current, sampler, mask)
+    total, count = dist.all_reduce_sum(acc, torch.stack([total, count])).tolist()
+    metrics = {"sampling/sampling_logp_difference/mean": total / max(count, 1.0),
+               "sampling/sampling_logp_difference/max": dist.all_reduce_max(acc, peak.reshape(1)).item()}
+    weights = None
+    if correction is not None:
+        weights = correction.weights(current, sampler, mask)  # [n, C] or [n, 1]
+        # as TRL: per token over the model's tokens, per completion over every row; rows without any sampler
+        # log-prob (a process whose rollout gave none) count nothing
+        counted = mask.bool() if weights.shape[1] > 1 else torch.ones_like(weights, dtype=torch.bool)
+        metrics.update(pooled_extremes(acc, "sampling/importance_sampling_ratio",
+                                       weights[counted & ~sampler.isnan().all(1, keepdim=True)]))
+    if not mine:
+        return rollout, metrics
+    return dataclasses.replace(rollout, sampler_logps=sampler, sampler_weights=weights), metrics
+
+
+def pooled_extremes(accelerator, name: str, values: torch.Tensor) -> dict:
+    """{name}/min, /mean and /max of this process's ``values`` and every other's (nothing when none has any)."""
+    pooled = reduce_pairs(accelerator, {f"{name}/mean": (values.sum(), values.numel())})  # NaN when none has any
+    if math.isnan(pooled[f"{name}/mean"]):
+        return {}
+    nothing = values.new_tensor(math.nan)  # a process without values is left out of the min and max
+    pooled.update(reduce_extremes(accelerator, {
+        f"{name}/min": [Extreme(values.min() if values.numel() else nothing, "min")],
+        f"{name}/max": [Extreme(values.max() if values.numel() else nothing, "max")]}))
+    return pooled

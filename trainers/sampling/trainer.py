@@ -12,8 +12,9 @@ It owns what they share, and an algorithm adds its loss and what its round needs
   sampling/advantages.py) and the ``rollout_end`` / ``episode_end`` events;
 - evaluation (sampling/evaluation.py), the completions table, and what a resumed run needs (sampling/resume.py).
 
-A subclass declares its ``advantage_estimator``, what its round needs (``round_needs``), its ``compute_loss``, and,
-with a reference model or other frozen models, loads them in ``after_load`` / ``after_prepare``.
+A subclass declares its ``advantage_estimator`` (None: none), what its round needs (``round_needs``), its log-prob
+scorer (``build_scorer``; None: its loss reads no log-probs of the round), its ``compute_loss``, and, with a
+reference model or other frozen models, loads them in ``after_load`` / ``after_prepare``.
 PolicyGradientTrainer (sampling/policy_gradient.py) is the part GRPO and RLOO share.
 """
 
@@ -33,7 +34,7 @@ from trainers.generation.sampling import SamplingParams
 from trainers.generation.vllm_common import check_vllm_here
 from trainers.model.modeling import cast_lm_head_to_fp32, generation_eos_ids, prompt_learning_config
 from trainers.data.samplers import group_slots
-from trainers.sampling import evaluation
+from trainers.sampling.evaluation import EvaluationTotals, evaluation_batches, loss_batch
 from trainers.sampling.advantages import ADVANTAGE_ESTIMATORS
 from trainers.sampling.async_rounds import AsyncRounds
 from trainers.sampling.batch import MicroBatch, Rollout, RoundPart, budget_micro_batches, round_shape
@@ -58,8 +59,7 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
 
     config_class = SamplingConfig
     HEALTH_RULES = health.RULES  # non-finite steps; the policy-gradient trainers add the rules on rewards
-    advantage_estimator = "none"  # an entry of ADVANTAGE_ESTIMATORS (sampling/advantages.py)
-    scorer_class = LogProbScorer  # the log-prob scorer built in build_scorer (a subclass may observe its forwards)
+    advantage_estimator: str | None = None  # an entry of ADVANTAGE_ESTIMATORS (sampling/advantages.py); None: none
     # A causal LM's buffers (the rotary frequencies) are constants; broadcasting them would make every DDP forward
     # a collective, and the number of forwards per micro-batch differs between processes here (a shared prompt
     # forward, rows out of the backward). ddp_broadcast_buffers=True restores DDP's default and turns both off.
@@ -114,13 +114,9 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
     # ------------------------------------------------------------------ what an algorithm declares
 
     def round_needs(self) -> RoundNeeds:
-        """What a round computes beyond samples and rewards: the old log-probs once an optimizer step falls inside
-        a round (or the advantage estimator reads them); a subclass adds its loss's needs (reference log-probs,
-        dropped groups, the importance correction)."""
-        args = self.args
-        old = (args.num_iterations > 1 or args.gradient_accumulation_steps % self.steps_per_generation != 0
-               or self.estimator.needs_old_logps(args))
-        return RoundNeeds(old_logps=old)
+        """What a round computes beyond samples and rewards, as the trainer's loss and estimator ask (old and
+        reference log-probs, dropped groups, the importance correction): nothing here."""
+        return RoundNeeds()
 
     def reward_weights_given(self) -> list[float] | None:
         """The weights of the reward functions given (None: 1 each)."""
@@ -131,12 +127,10 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
         """The most tokens of one training forward (None: micro-batches of rows)."""
         return None
 
-    def build_scorer(self, **options) -> LogProbScorer:
-        """The log-prob scorer of the policy (and the reference): the old log-probs and the sampler's comparison.
-        ``options``: LogProbScorer's forward and loss options a subclass sets (padding_free, kl_in_loss, ...)."""
-        return self.scorer_class(self.accelerator, self.unwrapped_model, self.model_wrapped, self.ref_model,
-                                 self.per_process_train_batch_size, temperature=self.args.temperature,
-                                 router_aux_loss_coef=self.router_aux_loss_coef, **options)
+    def build_scorer(self) -> LogProbScorer | None:
+        """The log-prob scorer of the policy (and the reference) the round and the loss use: old and reference
+        log-probs, another sampler's compared with the policy's. None: the loss reads none (distillation's)."""
+        return None
 
     def on_policy(self, round_index: int) -> bool:
         """Whether round ``round_index`` samples from the policy (distillation's lmbda draws some rounds from the
@@ -164,7 +158,7 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
                               f"{other_sampler} would choose another. Give one of them.")
         if args.use_vllm and args.vllm_mode == "colocate":  # before the model loads
             check_vllm_here()
-        self.estimator = ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+        self.estimator = None if self.advantage_estimator is None else ADVANTAGE_ESTIMATORS[self.advantage_estimator]
         self.needs = self.round_needs()
 
         self.rewards: list[Reward] = [resolve_reward(spec, args.max_completion_length, tok, args.chat_template_kwargs,
@@ -257,12 +251,13 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
         elif self.async_rounds is not None:
             sampled, lag = self.async_rounds.take(round_index, self._first_step(round_index))
         built = self.stage.build(rows, ids, self.state, sampled=sampled)
-        if built.episode is not None:
-            self.callback_handler.fire("episode_end", episode=built.episode)
+        if built.sampled.episode is not None:
+            self.callback_handler.fire("episode_end", episode=built.sampled.episode)
         self._round_metrics.append(built.metrics | lag)
         if built.completions is not None:  # as in TRL, the last round of a step is what gets logged
             self._samples = built.completions
-        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=built.rollout, samples=built.samples,
+        self.callback_handler.fire("rollout_end", round_index=round_index, rollout=built.rollout,
+                                   samples=built.sampled.samples,
                                    metrics=built.metrics)
         return built.rollout
 
@@ -354,8 +349,23 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
 
     def evaluation_stats(self) -> Stats:
         """Rewards, eval_loss and the loss's statistics of num_generations_eval (default num_generations) sampled
-        completions per eval prompt (trainers/sampling/evaluation.py)."""
-        return evaluation.evaluation_stats(self)
+        completions per eval prompt, as (sum, count) pairs of this process (the caller sums them over processes;
+        trainers/sampling/evaluation.py). Each batch is built by the stage as a round is, then ``compute_loss``
+        runs on it; every process runs as many batches."""
+        per_prompt = self.args.num_generations_eval or self.args.num_generations
+        self.backend.sync_weights(self.state.global_step)  # the weight sync: evaluation samples this step's policy
+        totals = EvaluationTotals(self.rewards, self.reward_weights, self.accelerator, self.tool_loop is not None)
+        for prompts in evaluation_batches(len(self.eval_rows), self.eval_rows_per_batch(), self.accelerator):
+            indices = [i for i in (prompts or [0]) for _ in range(per_prompt)]  # a prompt's completions together
+            built = self.stage.evaluation_round([self.eval_rows[i] for i in indices],
+                                                [self.eval_prompt_ids[i] for i in indices], self.state, per_prompt,
+                                                score=bool(prompts))
+            if built.sampled.episode is not None:
+                self.callback_handler.fire("episode_end", episode=built.sampled.episode)
+            loss, stats = self.compute_loss(self.model_wrapped, *loss_batch(built.rollout))
+            totals.add(built, loss, stats, counted=bool(prompts))
+            self.callback_handler.fire("prediction_step")
+        return totals.stats()
 
     def on_log(self, record: dict) -> None:
         if self.args.log_completions and self._samples and self.accelerator.is_main_process:

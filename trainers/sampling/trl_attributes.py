@@ -83,19 +83,6 @@ class TRLAttributes:
         ``.vllm_client`` as a server; trainers/generation/vllm_colocate.py, vllm_remote.py); None without."""
         return getattr(self, "_vllm", None)
 
-    # the log-prob scorer's (trainers/sampling/scoring.py), where tests and scripts read them on the trainer
-
-    def policy_logprobs(self, model, batch, **options) -> dict:
-        return self.scorer.policy_logprobs(model, batch, **options)
-
-    @property
-    def shares_prompt_forward(self) -> bool:
-        return self.scorer.shares_prompt_forward
-
-    @property
-    def skips_zero_gradient_rows(self) -> bool:
-        return self.scorer.skips_zero_gradient_rows
-
     @property
     def train_dataset(self):
         """The training data as given (TRL's GRPOTrainer keeps it so: prompts are tokenized when rounds are built)."""
