@@ -1,4 +1,4 @@
-"""trainers: lean RL and supervised fine-tuning for language models, with TRL's names and contracts.
+"""trainers: lean RL, preference and supervised fine-tuning for language models, with TRL's names and contracts.
 
 The names below are imported on first use (PEP 562), so that ``import trainers.parallel.distributed`` or the CLI's
 ``trainers vllm-serve`` (every launched worker, every server start) does not pay for transformers, peft and all

@@ -126,7 +126,10 @@ def trainer_parameters(path: pathlib.Path) -> list[str]:
 TRAINER_PARTS = {"trainers.loop.callbacks"}
 
 
-@pytest.mark.parametrize("name", sorted(name for name in MODULES if room(name) in CORE | {"generation", "agents"}
+BELOW_THE_ALGORITHMS = CORE | {"generation", "agents", "sampling"}  # the sampling base: its stage, scorer, evaluation
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if room(name) in BELOW_THE_ALGORITHMS
                                         and name not in FACADES | TRAINER_PARTS))
 def test_no_module_below_the_algorithms_takes_a_trainer(name):
     """Below the algorithms, components are built from explicit arguments, never from a trainer object."""
