@@ -70,11 +70,11 @@ def test_rloo_on_the_colocated_engine(together):
 
 def test_distillation_on_the_colocated_engine(together):
     """DistillationTrainer samples through the colocated engine: after every sync its greedy completions equal the
-    student's and its log-probs match the trainer's (learning is test_distillation.py's); the engine is gone after."""
+    student's (learning is test_distillation.py's); the engine is gone after. Its loss reads no log-probs of the
+    round, so none are computed to compare with the engine's (no sampling/* metrics, as TRL's distillation)."""
     report = together("distill")
-    diff = [r["sampling/sampling_logp_difference/mean"] for r in report["records"]]
-    assert len(diff) == 4 and all(d < IN_SYNC for d in diff), diff
-    assert all(r["equal"] for r in report["rounds"])
+    assert len(report["records"]) == 4 and not any(key.startswith("sampling/") for r in report["records"] for key in r)
+    assert report["rounds"] and all(r["equal"] for r in report["rounds"])
     assert all(r["loss"] > 0 and "reward" not in r for r in report["records"])
     assert engine_processes(report["after_train"]) == []
 
