@@ -16,11 +16,12 @@ trl = pytest.importorskip("trl")
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 
-# What every sampling trainer adds to TRL (SamplingConfig): engines, tool threads, vLLM's eager switch and
-# asynchronous generation; and what GRPO and RLOO add (PolicyGradientConfig): the policy's forwards, dynamic sampling
+# What every sampling trainer adds to TRL (SamplingConfig): engines, tool threads, vLLM's eager switch and server
+# key, asynchronous generation; and what GRPO and RLOO add (PolicyGradientConfig): the policy's forwards, dynamic sampling
 SAMPLING = {"generation_engine", "generation_backend", "tool_workers", "tool_timeout", "vllm_enforce_eager",
             "async_generation", "max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps",
-            "weight_sync_timeout", "request_timeout", "heartbeat_stale_after_s", "fork_threshold_tokens"}
+            "weight_sync_timeout", "request_timeout", "heartbeat_stale_after_s", "fork_threshold_tokens",
+            "vllm_server_api_key"}
 POLICY_GRADIENT = {"dynamic_sampling", "padding_free", "token_budget", "skip_zero_gradient_rows"}
 ADDITIONS = {
     GRPOConfig: (SAMPLING | POLICY_GRADIENT, "grpo.md"),

@@ -54,6 +54,9 @@ def resolve_pad_to_multiple_of(value: Any, cls_name: str) -> Any:
                           f"'auto' or None.") from None
 
 
+SECRET_FIELDS = ("hub_token", "vllm_server_api_key")  # masked by TrainingConfig.to_dict
+
+
 def config_from_training_arguments(config_class: type, arguments) -> Any:
     """A transformers.TrainingArguments (or a subclass such as TRL's configs) as ``config_class``, as TRL's
     SFTTrainer converts one: every field through ``to_dict()``, so options this project does not take are refused
@@ -432,4 +435,10 @@ class TrainingConfig:
         return self.warmup_ratio or None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, secrets masked (``hub_token``, a server's API key: ``<HUB_TOKEN>``, as transformers masks
+        them): this is what training_args.json and checkpoints record."""
+        fields = dataclasses.asdict(self)
+        for name in SECRET_FIELDS:
+            if fields.get(name) is not None:
+                fields[name] = f"<{name.upper()}>"
+        return fields

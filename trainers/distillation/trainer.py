@@ -99,7 +99,8 @@ class DistillationTrainer(SamplingTrainer):
             self.teacher_model = dist.prepare_frozen(self.accelerator, self.teacher_model)
             self.teacher = LocalTeacher(self.accelerator, self.teacher_model)
         else:
-            client = VLLMClient(base_url=args.teacher_model_server_url, connection_timeout=args.vllm_server_timeout)
+            client = VLLMClient(base_url=args.teacher_model_server_url, connection_timeout=args.vllm_server_timeout,
+                                api_key=args.vllm_server_api_key)
             self.teacher = ServedTeacher(client, args.loss_top_k)
         # the chunked divergence where both heads are plain linear ones (a served teacher has none), else full logits
         self.student_head = plan_head(self.unwrapped_model)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -42,6 +43,11 @@ from trainers.errors import VLLMServerError
 ENGINE_NAME = "trainers_gloo"  # the server's transfer engine (trainers_vllm_worker.ENGINE_NAME)
 STORE_PREFIX = "trainers_weights"  # trainers_vllm_worker.STORE_PREFIX
 START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
+KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the server's key when none is given (vllm_server.KEY_VARIABLE)
+
+
+class VLLMKeyError(VLLMServerError):
+    """The server refused the trainer's key (HTTP 401): not a server that is down, so never waited for."""
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,13 @@ class VLLMClient:
         connection_timeout: seconds to wait for the server to answer before it is an error.
         transfer_timeout: seconds a weight-transfer rendezvous or tensor may wait for the other side.
         request_timeout: seconds an HTTP request may wait for the server's bytes (None: no limit, as TRL).
+        api_key: the key the server was started with (``trainers vllm-serve --api-key``), sent with every request;
+            None: the environment variable TRAINERS_VLLM_API_KEY, else none.
     """
 
     def __init__(self, base_url: str | None = None, host: str = "0.0.0.0", server_port: int = 8000,
                  group_port: int = 51216, connection_timeout: float = 0.0, transfer_timeout: float = 300.0,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, api_key: str | None = None):
         if base_url is not None:
             parsed = urllib.parse.urlparse(base_url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -82,6 +90,7 @@ class VLLMClient:
         self.group_port = group_port
         self.transfer_timeout = transfer_timeout
         self.request_timeout = request_timeout
+        self.api_key = api_key if api_key is not None else os.environ.get(KEY_VARIABLE) or None
         self._group: dist.ProcessGroupGloo | None = None
         self._store: dist.TCPStore | None = None  # kept alive with the group: it hosts the rendezvous
         self._in_update = False  # inside weight_update()
@@ -94,12 +103,21 @@ class VLLMClient:
     def _request(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if data is not None else {})
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                 payload = response.read()
         except urllib.error.HTTPError as error:  # the server answered with an error status
+            if error.code == 401:
+                given = ("the key the trainer sent was not its key" if self.api_key else
+                         "the trainer sent none")
+                raise VLLMKeyError(f"The vLLM server at {self.base_url} refused {method} {path} (HTTP 401): it was "
+                                   f"started with a key (trainers vllm-serve --api-key, or one it generated and "
+                                   f"printed) and {given}. Set vllm_server_api_key (or the environment variable "
+                                   f"{KEY_VARIABLE}) to the server's key.") from None
             detail = error.read().decode(errors="replace")[:2000]
             raise VLLMServerError(f"The vLLM server at {self.base_url} answered {method} {path} with HTTP "
                                   f"{error.code}: {detail}") from error
@@ -124,6 +142,8 @@ class VLLMClient:
             try:
                 self._get("/health")
                 return
+            except VLLMKeyError:
+                raise  # it answered: waiting will not change the key
             except VLLMServerError as error:
                 if time.monotonic() >= deadline:
                     raise VLLMServerError(f"The vLLM server at {self.base_url} cannot be reached (waited "
@@ -257,15 +277,17 @@ class VLLMClient:
             raise VLLMServerError(f"Cannot host the weight-transfer rendezvous on {address}:{self.group_port} "
                                   f"(vllm_group_port) for the vLLM server at {self.base_url}: {error}. Pick a "
                                   f"free port.") from error
+        group_key = secrets.token_hex(16)  # only the servers this (authenticated) call reaches can join the group
         init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
-                     "rank_offset": 1, "timeout_s": self.transfer_timeout}
+                     "rank_offset": 1, "timeout_s": self.transfer_timeout, "group_key": group_key}
         request = _in_thread(lambda: self._post("/init_weight_transfer_engine", {"init_info": init_info}))
 
         def join():  # blocks until every worker has joined
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-            return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, world_size, options)
+            return dist.ProcessGroupGloo(dist.PrefixStore(f"{STORE_PREFIX}/{group_key}", store), 0, world_size,
+                                         options)
 
         group = _in_thread(join)
         self._raise_first_error(request, group, "opening the weight-transfer group")

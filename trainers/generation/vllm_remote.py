@@ -95,7 +95,7 @@ class VLLMRemote(VLLMBackend):
         return VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
                           server_port=args.vllm_server_port, group_port=args.vllm_group_port,
                           connection_timeout=args.vllm_server_timeout, transfer_timeout=args.weight_sync_timeout,
-                          request_timeout=args.request_timeout)
+                          request_timeout=args.request_timeout, api_key=args.vllm_server_api_key)
 
     def producer(self) -> ServerSampler:
         """A sampler for this process alone, for GRPO's asynchronous producer thread (trainers/sampling/async_rounds.py):

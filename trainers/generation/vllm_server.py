@@ -10,6 +10,12 @@ TRL's ``trl vllm-serve`` options (underscores or dashes); any other flag goes to
 (trainers/generation/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
 imports through ``--worker-extension-cls``. The trainer connects with ``VLLMClient`` (trainers/generation/vllm_client.py).
 
+It listens on 127.0.0.1 unless ``--host`` says otherwise. With a key (``--api-key``, or TRAINERS_VLLM_API_KEY; one
+is generated and printed when the host is not a loopback address and none is given), every route answers 401
+without it: generation, the weight transfer and vLLM's development routes alike
+(trainers/generation/vllm_worker/trainers_vllm_auth.py, loaded with ``--middleware``). The key reaches the server
+in its environment, not on its command line. The trainer sends it (vllm_server_api_key, or the same variable).
+
 This file imports only the standard library: it runs as a script in a vLLM-only environment, and the server it
 starts needs only vLLM plus the worker module's folder on PYTHONPATH, never the ``trainers`` package.
 """
@@ -17,14 +23,18 @@ starts needs only vLLM plus the worker module's folder on PYTHONPATH, never the 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import secrets
 import shlex
 import sys
 
 WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")  # holds only the worker module
 WORKER_EXTENSION = "trainers_vllm_worker.TrainersWorkerExtension"
 ENGINE_NAME = "trainers_gloo"  # the worker module's ENGINE_NAME
+KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the key, for the server (and the trainer) when --api-key is not given
+KEY_MIDDLEWARE = "trainers_vllm_auth.RequireKey"  # in WORKER_DIR: every route behind the key
 
 
 def build_parser(prog: str = "trainers vllm-serve") -> argparse.ArgumentParser:
@@ -39,7 +49,13 @@ def build_parser(prog: str = "trainers vllm-serve") -> argparse.ArgumentParser:
     add("revision", default=None, help="Model revision (branch, tag or commit).")
     add("tensor_parallel_size", type=int, default=1, help="Tensor-parallel workers.")
     add("data_parallel_size", type=int, default=1, help="Data-parallel replicas (keep 1 for dense models).")
-    add("host", default="0.0.0.0", help="Address the server listens on.")
+    add("host", default="127.0.0.1",
+        help="Address the server listens on: this machine only by default; 0.0.0.0 (or an interface's address) "
+             "for trainers on other machines, which needs a key (--api-key).")
+    add("api_key", default=None,
+        help=f"The key every request must carry (Authorization: Bearer KEY), on every route. Default: "
+             f"{KEY_VARIABLE}; with neither, none on a loopback host, and one generated and printed otherwise. "
+             f"The trainer sends it from vllm_server_api_key or {KEY_VARIABLE}.")
     add("port", type=int, default=8000, help="Port the server listens on.")
     add("gpu_memory_utilization", type=float, default=0.9,
         help="GPU: fraction of its memory for weights, activations and KV cache. On CPU see --cpu_kvcache_space.")
@@ -80,7 +96,27 @@ def resolve_model(model: str) -> str:
     return model  # a Hub id
 
 
-def build_command(args: argparse.Namespace, extra_args: list[str]) -> list[str]:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def resolve_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[str | None, bool]:
+    """(the server's key, whether it was generated): --api-key, else the environment's, else on a host that is
+    not a loopback address a new one (none on a loopback host: only this machine can reach it)."""
+    environ = os.environ if environ is None else environ
+    key = args.api_key or environ.get(KEY_VARIABLE) or None
+    if key is None and not is_loopback(args.host):
+        return secrets.token_urlsafe(24), True
+    return key, False
+
+
+def build_command(args: argparse.Namespace, extra_args: list[str], key: str | None = None) -> list[str]:
     """The server's command line, starting with the Python that runs it."""
     command = [
         args.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -109,6 +145,8 @@ def build_command(args: argparse.Namespace, extra_args: list[str]) -> list[str]:
         command += ["--distributed-executor-backend", args.distributed_executor_backend]
     if args.speculative_config is not None:
         command += ["--speculative-config", args.speculative_config]
+    if key is not None:  # every route behind the key (the key itself travels in the environment: build_env)
+        command += ["--middleware", KEY_MIDDLEWARE]
     command += [
         # our transfer engine, registered by the worker module that vLLM's worker imports
         "--worker-extension-cls", WORKER_EXTENSION,
@@ -121,8 +159,12 @@ def build_command(args: argparse.Namespace, extra_args: list[str]) -> list[str]:
     return command + list(extra_args)
 
 
-def build_env(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+def build_env(args: argparse.Namespace, base: dict[str, str] | None = None, key: str | None = None
+              ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    env.pop(KEY_VARIABLE, None)
+    if key is not None:
+        env[KEY_VARIABLE] = key  # read by the middleware (KEY_MIDDLEWARE)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /init_weight_transfer_engine, /update_weights, /reset_prefix_cache, ...
     env["PYTHONPATH"] = os.pathsep.join([WORKER_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.cpu_kvcache_space))  # read by vLLM's CPU platform only
@@ -133,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     args, extra_args = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     if not os.path.isfile(args.python):
         raise SystemExit(f"trainers vllm-serve: error: --python {args.python!r}: no such file.")
-    command = build_command(args, extra_args)
-    env = build_env(args)
+    key, generated = resolve_key(args)
+    command = build_command(args, extra_args, key)
+    env = build_env(args, key=key)
+    if generated:
+        print(f"[trainers vllm-serve] {args.host} is reachable from other machines and no key was given: every "
+              f"request must carry this one. Give it to the trainer as vllm_server_api_key or {KEY_VARIABLE}:\n"
+              f"{KEY_VARIABLE}={key}", flush=True)
+    elif key is None:
+        print(f"[trainers vllm-serve] no key: only this machine can reach {args.host}.", flush=True)
     print("[trainers vllm-serve] VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE="
           f"{env['VLLM_CPU_KVCACHE_SPACE']} PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {shlex.join(command)}",
           flush=True)

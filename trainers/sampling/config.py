@@ -120,6 +120,10 @@ class SamplingConfig(TrainingConfig):
     vllm_server_host: str = opt("0.0.0.0", "Server mode: the server's host, when vllm_server_base_url is None.")
     vllm_server_port: int = opt(8000, "Server mode: the server's port, when vllm_server_base_url is None.",
                                 ge=1, le=65535)
+    vllm_server_api_key: str | None = opt(
+        None, "Server mode: the key `trainers vllm-serve` was started with (--api-key; it prints one it generated). "
+        "None: the environment variable TRAINERS_VLLM_API_KEY, else no key. Sent with every request; masked in "
+        "training_args.json and checkpoints.")
     vllm_server_timeout: float = opt(
         240.0, "Server mode: seconds to wait for the server to answer before training starts.", gt=0, finite=True)
     vllm_group_port: int = opt(

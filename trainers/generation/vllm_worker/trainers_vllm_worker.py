@@ -45,6 +45,9 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int  # the trainer (rank 0) + every worker of the server
     rank_offset: int = 1  # this worker's rank in the group: its global worker rank + rank_offset
     timeout_s: float = 300.0  # a rendezvous or transfer that waits longer fails (the trainer died)
+    # a secret the trainer draws for this group and sends only in this (authenticated) call: the group's keys in
+    # the trainer's store are under it, so only servers the trainer called can join (anyone can reach the store)
+    group_key: str = ""
 
 
 @dataclass
@@ -102,7 +105,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         # bind gloo to the interface that reaches the trainer (its default resolves the hostname, which may not)
         options._devices = [dist.ProcessGroupGloo.create_device(
             hostname=local_address(init_info.master_address, init_info.master_port))]
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, init_info.world_size, options)
+        prefix = dist.PrefixStore(f"{STORE_PREFIX}/{init_info.group_key}", store)
+        self.group = dist.ProcessGroupGloo(prefix, rank, init_info.world_size, options)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
