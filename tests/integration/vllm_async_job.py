@@ -105,7 +105,9 @@ def interrupted(url, model_dir, group_port, out, pgid, how) -> dict:
     try:
         trainer.train()
     except (VLLMServerError, GenerationError) as error:
-        report["error"], report["error_type"] = str(error), type(error).__name__
+        # a VLLMServerError, or a subclass of it (VLLMServerDown: the server did not answer)
+        family = "VLLMServerError" if isinstance(error, VLLMServerError) else type(error).__name__
+        report["error"], report["error_type"] = str(error), family
     report["seconds_to_stop"] = time.perf_counter() - started
     report["steps_done"] = trainer.state.global_step
     report["checkpoints"] = sorted(os.listdir(os.path.join(out, "run")))

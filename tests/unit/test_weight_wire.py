@@ -6,7 +6,7 @@ after an update)."""
 
 import torch
 
-from trainers.generation.vllm_client import host_buffer, plan_buckets, wire_tensor
+from trainers.generation.weight_wire import host_buffer, plan_buckets, wire_tensor
 
 
 def test_weights_for_a_narrower_server_travel_in_its_dtype():

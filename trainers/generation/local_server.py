@@ -44,15 +44,15 @@ class LocalServer:
 
 
 def start_local_server(model: str, log_path: str, *, max_model_len: int = 1024, dtype: str = "float32",
-                       cores: list[int] | None = None, extra: tuple[str, ...] = (), timeout: float = 600.0
-                       ) -> LocalServer:
+                       cores: list[int] | None = None, extra: tuple[str, ...] = (), timeout: float = 600.0,
+                       port: int | None = None) -> LocalServer:
     """`trainers vllm-serve --model model` on 127.0.0.1 and a free port (eager, a 1 GiB KV cache on CPU; ``extra``:
-    more flags), its output in ``log_path``; with ``cores``, the server and its engine run on those CPU cores
-    alone (taskset, and vLLM's own thread binding). Returns once the server answers; an error naming the log if it
+    more flags), its output in ``log_path`` (``port``: that one instead, e.g. a server restarted where it was); with
+    ``cores``, the server and its engine run on those CPU cores alone (taskset, and vLLM's own thread binding). Returns once the server answers; an error naming the log if it
     exits or does not answer within ``timeout`` seconds."""
     from trainers.generation.vllm_client import VLLMClient
 
-    port = free_port()
+    port = port or free_port()
     command = [sys.executable, "-m", "trainers.cli.main", "vllm-serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--max_model_len", str(max_model_len), "--enforce_eager",
                "--cpu_kvcache_space", "1", "--log_level", "warning", *extra]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.errors import VLLMServerError
+from trainers.generation.weight_wire import BUCKET_BYTES, host_buffer, hosted_store, plan_buckets, wire_tensor
 
 ENGINE_NAME = "trainers_gloo"  # the server's transfer engine (trainers_vllm_worker.ENGINE_NAME)
 STORE_PREFIX = "trainers_weights"  # trainers_vllm_worker.STORE_PREFIX
@@ -48,6 +49,11 @@ KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the server's key when none is given (v
 
 class VLLMKeyError(VLLMServerError):
     """The server refused the trainer's key (HTTP 401): not a server that is down, so never waited for."""
+
+
+class VLLMServerDown(VLLMServerError):
+    """The server did not answer (refused, reset, timed out) or failed inside (HTTP 5xx): with several servers,
+    the others take its requests (generation/vllm_servers.py). A request it refused (another 4xx) is not this."""
 
 
 @dataclass(frozen=True)
@@ -119,11 +125,11 @@ class VLLMClient:
                                    f"printed) and {given}. Set vllm_server_api_key (or the environment variable "
                                    f"{KEY_VARIABLE}) to the server's key.") from None
             detail = error.read().decode(errors="replace")[:2000]
-            raise VLLMServerError(f"The vLLM server at {self.base_url} answered {method} {path} with HTTP "
+            raise (VLLMServerDown if error.code >= 500 else VLLMServerError)(f"The vLLM server at {self.base_url} answered {method} {path} with HTTP "
                                   f"{error.code}: {detail}") from error
         except (urllib.error.URLError, HTTPException, OSError) as error:  # refused, reset, timed out, closed
             reason = getattr(error, "reason", None) or error
-            raise VLLMServerError(f"The vLLM server at {self.base_url} did not answer {method} {path}: {reason}. "
+            raise VLLMServerDown(f"The vLLM server at {self.base_url} did not answer {method} {path}: {reason}. "
                                   f"Is it still running? (its log says why it stopped)") from error
         return json.loads(payload) if payload else {}
 
@@ -270,13 +276,7 @@ class VLLMClient:
         world_size = self.get_world_size() + 1  # this process is rank 0
         address = local_address(self.host, self.server_port)  # where the server's workers reach this process
         timeout = timedelta(seconds=self.transfer_timeout)
-        try:
-            store = dist.TCPStore(address, self.group_port, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-        except Exception as error:  # the port is taken (another run?) or not bindable here
-            raise VLLMServerError(f"Cannot host the weight-transfer rendezvous on {address}:{self.group_port} "
-                                  f"(vllm_group_port) for the vLLM server at {self.base_url}: {error}. Pick a "
-                                  f"free port.") from error
+        store = hosted_store(address, self.group_port, timeout, self.base_url)
         group_key = secrets.token_hex(16)  # only the servers this (authenticated) call reaches can join the group
         init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
                      "rank_offset": 1, "timeout_s": self.transfer_timeout, "group_key": group_key}
@@ -297,19 +297,19 @@ class VLLMClient:
     def weight_update(self) -> Iterator[None]:
         """One weight update of several ``update_named_params`` calls (e.g. one per gathered module): the server
         reloads layer-wise as the tensors arrive and finishes once, then drops its prefix cache."""
-        self.init_communicator()
-        self._start_weight_update()
-        self._in_update = True
+        self.begin_weight_update()
         try:
             yield
         finally:
             self._in_update = False
-        self._post("/finish_weight_update")
-        self.reset_prefix_cache()
+        self.end_weight_update()
 
-    def _start_weight_update(self) -> None:
-        """Open the server's weight update. One left open by a transfer that failed half-way (this run's, or a
-        trainer that died mid-transfer) is closed first, its partial weights to be overwritten by this update."""
+    def begin_weight_update(self) -> None:
+        """Open the server's weight update (``weight_update()`` in two calls, for several servers updated
+        together): the transfer group if not open, then the update. One left open by a transfer that failed
+        half-way (this run's, or a trainer that died mid-transfer) is closed first, its partial weights to be
+        overwritten by this update."""
+        self.init_communicator()
         try:
             self._post("/start_weight_update")
         except VLLMServerError as error:
@@ -317,6 +317,13 @@ class VLLMClient:
                 raise
             self._post("/finish_weight_update")
             self._post("/start_weight_update")
+        self._in_update = True
+
+    def end_weight_update(self) -> None:
+        """Finish the update ``begin_weight_update`` opened: the server reloads, then drops its prefix cache."""
+        self._in_update = False
+        self._post("/finish_weight_update")
+        self.reset_prefix_cache()
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
@@ -403,50 +410,10 @@ class VLLMClient:
         """Release this client's group; idempotent. The server is not stopped (it is not the trainer's)."""
         self.close_communicator()
 
-
-BUCKET_BYTES = 64 * 2**20  # tensors of one dtype sent as one flat buffer, up to this many bytes (a larger one alone)
-
-
-def wire_tensor(tensor: torch.Tensor, server_dtype: torch.dtype | None) -> torch.Tensor:
-    """The tensor as it is sent: in the server's dtype when that is narrower (float32 weights to a bfloat16 server:
-    half the bytes), else as it is (a wider server widens it exactly)."""
-    if (server_dtype is None or not tensor.is_floating_point() or not server_dtype.is_floating_point
-            or server_dtype.itemsize >= tensor.element_size()):
-        return tensor
-    return tensor.to(server_dtype)
-
-
-def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors of one dtype grouped into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket
-    of its own): each bucket is one broadcast instead of one per tensor. -> the tensors' indices, per bucket."""
-    buckets: list[list[int]] = []
-    size = 0
-    for index, tensor in enumerate(tensors):
-        nbytes = tensor.numel() * tensor.element_size()
-        last = buckets[-1] if buckets else None
-        if last is None or tensors[last[0]].dtype != tensor.dtype or size + nbytes > bucket_bytes:
-            buckets.append([index])
-            size = nbytes
-        else:
-            last.append(index)
-            size += nbytes
-    return buckets
-
-
-def host_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One tensor alone: itself in host memory. Several (one dtype): their elements one after the other in one flat
-    host buffer, pinned when they come from a GPU so the copies run asynchronously and wait once, not per tensor."""
-    if len(tensors) == 1:
-        return tensors[0].to("cpu").contiguous()
-    on_gpu = any(t.device.type == "cuda" for t in tensors)
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=on_gpu)  # [total]
-    offset = 0
-    for tensor in tensors:
-        flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1), non_blocking=on_gpu)
-        offset += tensor.numel()
-    if on_gpu:
-        torch.cuda.synchronize()  # the pinned copies are asynchronous: complete before gloo reads the buffer
-    return flat
+    def abandon(self) -> None:
+        """Release this client's group without a word to the server (it is down, or hung: a request would wait for
+        it)."""
+        self._drop_group()
 
 
 def parse_logprobs(choices_logprobs: list[dict | None]) -> tuple[list | None, list | None]:

@@ -1,8 +1,10 @@
-"""vLLM as a server (``vllm_mode="server"``): the backend over the client of a `trainers vllm-serve` server
-(generation/vllm_client.py; the server: generation/vllm_server.py). The main process sends every process's prompts
-in one request and the policy's weights after each optimizer step that precedes a round; the other processes take
-part in the weight gathers (ZeRO-3) and get their rows back. A server that fails mid-run raises
-``VLLMServerError`` on every process, together: the trainer answers it with a checkpoint.
+"""vLLM as a server (``vllm_mode="server"``): the backend over the clients of one or several `trainers vllm-serve`
+servers (generation/vllm_client.py; the server: generation/vllm_server.py; several as one pool:
+generation/vllm_servers.py). The main process sends every process's prompts, spread over the servers, and the
+policy's weights to all of them after each optimizer step that precedes a round; the other processes take part in
+the weight gathers (ZeRO-3) and get their rows back. A server that fails mid-run is taken out while the others
+serve; when none is left, ``VLLMServerError`` is raised on every process, together: the trainer answers it with a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from trainers.parallel import distributed as dist
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend
+from trainers.generation.vllm_servers import ServerPool
 
 
 MAX_CONCURRENT_REQUESTS = 16  # a round's requests in flight at once (vLLM batches them together)
@@ -36,12 +39,23 @@ def seeded_requests(prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple
     return requests
 
 
-def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None,
+def server_urls(config) -> list[str]:
+    """The servers' URLs: vllm_server_base_url (one, a list, or several separated by commas), else
+    vllm_server_host and vllm_server_port."""
+    given = config.vllm_server_base_url
+    if given is None:
+        return [f"http://{config.vllm_server_host}:{config.vllm_server_port}"]
+    parts = given.split(",") if isinstance(given, str) else list(given)
+    return [part.strip() for part in parts if part.strip()]
+
+
+def request_completions(pool: ServerPool, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None,
                         max_requests: int = MAX_CONCURRENT_REQUESTS) -> tuple[list[list[int]], list[list[float]]]:
     """The completions of ``prompt_ids`` (row i with seed ``seeds[i]``, vllm.SamplingParams ``kwargs``) and their
-    log-probs (NaN where the server gave none), from the server behind ``client``: a run of rows with one prompt and
+    log-probs (NaN where the server gave none), from the servers of ``pool``: a run of rows with one prompt and
     consecutive seeds (a group's completions) is one request for n completions with the first seed (vLLM seeds the
-    n with s, s + 1, ...); the requests are sent together, at most ``max_requests`` in flight."""
+    n with s, s + 1, ...); the requests are sent together, at most ``max_requests`` in flight, each to the server
+    with the fewest in flight (another if that one fails)."""
     options = {k: v for k, v in kwargs.items() if k in ("n", "repetition_penalty", "temperature", "top_p", "top_k",
                                                         "min_p", "max_tokens", "logprobs")}
     extra = {k: v for k, v in kwargs.items() if k not in options}
@@ -49,11 +63,12 @@ def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], k
 
     def send(request: tuple[list[list[int]], int, int]) -> dict:
         prompts, n, seed = request
-        return client.generate(prompts=prompts, **{**options, "n": n}, structured_outputs_regex=regex,
-                               generation_kwargs={**extra, "seed": seed})
+        return pool.request(lambda client: client.generate(
+            prompts=prompts, **{**options, "n": n}, structured_outputs_regex=regex,
+            generation_kwargs={**extra, "seed": seed}))
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(requests), max_requests))) as pool:
-        outs = list(pool.map(send, requests))
+    with ThreadPoolExecutor(max_workers=max(1, min(len(requests), max_requests))) as threads:
+        outs = list(threads.map(send, requests))
     completions, logprobs = [], []  # the rows in order: the requests' completions in order
     for out in outs:
         completions += out["completion_ids"]
@@ -64,14 +79,17 @@ def request_completions(client, prompt_ids: list[list[int]], seeds: list[int], k
 
 
 class VLLMRemote(VLLMBackend):
-    """A `trainers vllm-serve` server; ``.vllm_client`` (TRL's ``trainer.vllm_generation.vllm_client``) on the
-    main process. Built on every process, together: the client is checked against the served model and the
-    policy's weights are sent before training."""
+    """`trainers vllm-serve` servers: ``.pool`` on the main process, and ``.vllm_client`` (TRL's
+    ``trainer.vllm_generation.vllm_client``) the client of the first server in service. Built on every process,
+    together: each client is checked against the served model and the policy's weights are sent before training."""
 
     def __init__(self, inputs: BackendInputs):
         super().__init__(inputs)
         self.llm = None  # TRL's attribute: a colocated engine, None here
-        self.vllm_client = None
+        self.pool: ServerPool | None = None  # on the main process
+        self.urls = server_urls(self.config)
+        self._producer_pools: list[ServerPool] = []  # this process's asynchronous producers' (producer())
+        self._version: int | None = None  # the optimizer step whose weights the push under way sends
         self._closed = False  # on every process: close() ran, the next sync connects again
         self._connect()
         self.sync_weights(0)  # the policy's weights before the first optimizer step
@@ -82,58 +100,81 @@ class VLLMRemote(VLLMBackend):
         acc, error = self.context.accelerator, None
         if acc.is_main_process:
             try:
-                self.vllm_client = self._new_client()
-                self.vllm_client.check_server(self._model_name())
+                self.pool = ServerPool(self.urls, self._new_client)
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error)
 
-    def _new_client(self):
+    @property
+    def vllm_client(self):
+        """TRL's ``trainer.vllm_generation.vllm_client`` (for a rollout_func that calls the server itself): the
+        client of the first server in service, on the main process; None elsewhere and once closed."""
+        if self.pool is None:
+            return None
+        ready = self.pool.in_service()
+        return ready[0].client if ready else None
+
+    def _new_client(self, url: str, wait: bool = True):
+        """A client of the server at ``url``, checked against the trainer's model; ``wait=False``: asked once
+        (a server that failed, asked again at a weight sync)."""
         from trainers.generation.vllm_client import VLLMClient
 
         args = self.config
-        return VLLMClient(base_url=args.vllm_server_base_url, host=args.vllm_server_host,
-                          server_port=args.vllm_server_port, group_port=args.vllm_group_port,
-                          connection_timeout=args.vllm_server_timeout, transfer_timeout=args.weight_sync_timeout,
-                          request_timeout=args.request_timeout, api_key=args.vllm_server_api_key)
+        client = VLLMClient(base_url=url, group_port=args.vllm_group_port,
+                            connection_timeout=args.vllm_server_timeout if wait else 0.0,
+                            transfer_timeout=args.weight_sync_timeout, request_timeout=args.request_timeout,
+                            api_key=args.vllm_server_api_key)
+        client.check_server(self._model_name())
+        return client
 
     def producer(self) -> ServerSampler:
         """A sampler for this process alone, for GRPO's asynchronous producer thread (trainers/sampling/async_rounds.py):
-        its own client, its own rows, no collectives, no weights (this backend pushes them)."""
+        its own clients, its own rows, no collectives, no weights (this backend pushes them, and tells its pool
+        which servers hold them after each push)."""
         inputs = dataclasses.replace(self.inputs, context=dataclasses.replace(
             self.context, accelerator=dist.ThisProcess(self.context.accelerator)))
-        return ServerSampler(inputs, self._new_client())
+        pool = ServerPool(self.urls, self._new_client)
+        self._producer_pools.append(pool)
+        return ServerSampler(inputs, pool)
 
     def sync_weights(self, step: int | None = None) -> None:
         if self._closed:  # closed at the end of a train() call, used again (evaluate, a rollout function)
             self._connect()
             self._closed, self._synced_step = False, None
+        self._version = step
         super().sync_weights(step)
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
-        """The main process sends the weights in requests of about WEIGHT_BATCH_BYTES; the others take part in
-        the gathers."""
-        client, error = self.vllm_client, None
-        if client is None:
+        """The main process sends the weights to every server together, in requests of about WEIGHT_BATCH_BYTES;
+        the others take part in the gathers. Then every process's asynchronous producers learn which servers hold
+        them."""
+        acc, error = self.context.accelerator, None
+        if self.pool is None:
             for _ in batches:
                 pass
         else:
             try:
-                with client.weight_update():
-                    pending, size = [], 0
-                    for batch in batches:
-                        pending += batch
-                        size += sum(t.numel() * t.element_size() for _, t in batch)
-                        if size >= WEIGHT_BATCH_BYTES:
-                            client.update_named_params(pending)
-                            pending, size = [], 0
-                    client.update_named_params(pending)
+                self.pool.push(chunked(batches), self._version)
             except Exception as caught:
                 error = caught
                 for _ in batches:  # the other processes are still gathering
                     pass
         # every process gets the VLLMServerError: the trainer answers it with a checkpoint, written together
-        dist.raise_together(self.context.accelerator, error, shared=(VLLMServerError,))
+        dist.raise_together(acc, error, shared=(VLLMServerError,))
+        view = dist.broadcast_object(acc, self.pool.view() if acc.is_main_process else None)
+        for pool in self._producer_pools:
+            pool.adopt(view)
+
+    def step_metrics(self) -> dict[str, float]:
+        """With several servers, what the pool reports (servers in service, failovers, each one's share of the
+        completions), the same on every process; nothing with one. Every process calls it together."""
+        if len(self.urls) < 2:
+            return {}
+        acc = self.context.accelerator
+        mine = self.pool.metrics() if self.pool is not None else {}
+        for pool in self._producer_pools:  # this process's producers: their failovers count too
+            mine["servers/failovers"] = mine.get("servers/failovers", 0.0) + pool.failovers
+        return dist.broadcast_object(acc, mine)
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         """Every process's prompts from the main process (``request_completions``); each process gets its own rows
@@ -143,7 +184,7 @@ class VLLMRemote(VLLMBackend):
         answer, error = None, None
         if acc.is_main_process:
             try:
-                answer = request_completions(self.vllm_client, [ids for part, _ in everyone for ids in part],
+                answer = request_completions(self.pool, [ids for part, _ in everyone for ids in part],
                                              [seed for _, part in everyone for seed in part], kwargs,
                                              self.config.vllm_structured_outputs_regex)
             except Exception as caught:
@@ -155,28 +196,40 @@ class VLLMRemote(VLLMBackend):
         return completions[mine], logprobs[mine]
 
     def close(self) -> None:
-        """Close the client (the server keeps running); the next weight sync connects again. Idempotent."""
+        """Close the clients (the servers keep running); the next weight sync connects again. Idempotent."""
         self._closed = True
-        if self.vllm_client is not None:
-            client, self.vllm_client = self.vllm_client, None
-            client.close()
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.close()
 
 
 class ServerSampler(VLLMBackend):
     """The generating half of ``VLLMRemote`` for one process: its own ``client``, its own rows, no collectives
     (``inputs``' accelerator is ``dist.ThisProcess``). Weights are not its business: ``VLLMRemote`` pushes them."""
 
-    def __init__(self, inputs: BackendInputs, client):
+    def __init__(self, inputs: BackendInputs, pool: ServerPool):
         super().__init__(inputs)
-        self.client = client
+        self.pool = pool
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         inflight = self.config.max_inflight_tasks  # -1: MAX_CONCURRENT_REQUESTS
-        return request_completions(self.client, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex,
+        return request_completions(self.pool, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex,
                                    inflight if inflight > 0 else MAX_CONCURRENT_REQUESTS)
 
     def sync_weights(self, step: int | None = None) -> None:
         raise RuntimeError("ServerSampler.sync_weights: the trainer's VLLMRemote pushes the weights.")
 
     def close(self) -> None:
-        self.client.close()
+        self.pool.close()
+
+
+def chunked(batches: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``batches`` (one gathered module each) regrouped into requests of about WEIGHT_BATCH_BYTES."""
+    pending, size = [], 0
+    for batch in batches:
+        pending += batch
+        size += sum(t.numel() * t.element_size() for _, t in batch)
+        if size >= WEIGHT_BATCH_BYTES:
+            yield pending
+            pending, size = [], 0
+    yield pending

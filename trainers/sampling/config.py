@@ -114,9 +114,10 @@ class SamplingConfig(TrainingConfig):
         "starts again at each train() call: True saves that start-up on a GPU where rounds are short.")
     vllm_structured_outputs_regex: str | None = opt(
         None, "Constrain every completion to this regular expression (vLLM's structured outputs). None: free text.")
-    vllm_server_base_url: str | None = opt(
-        None, "Server mode: the server's URL (e.g. 'http://localhost:8000'); when given, vllm_server_host and "
-        "vllm_server_port are not used.")
+    vllm_server_base_url: str | list[str] | None = opt(
+        None, "Server mode: the server's URL (e.g. 'http://localhost:8000'), or several (a list, or URLs separated "
+        "by commas): each round's requests are spread over them, the weights pushed to all, and one that fails is "
+        "taken out while the others serve. When given, vllm_server_host and vllm_server_port are not used.")
     vllm_server_host: str = opt("0.0.0.0", "Server mode: the server's host, when vllm_server_base_url is None.")
     vllm_server_port: int = opt(8000, "Server mode: the server's port, when vllm_server_base_url is None.",
                                 ge=1, le=65535)
@@ -180,10 +181,14 @@ class SamplingConfig(TrainingConfig):
         check_field(self.generation_batch_size is None or self.steps_per_generation is None, name,
                     "steps_per_generation", self.steps_per_generation,
                     "set generation_batch_size or steps_per_generation, not both")
-        url = self.vllm_server_base_url
-        check_field(url is None or (url.startswith(("http://", "https://")) and url.split("://", 1)[1].strip("/")),
-                    name, "vllm_server_base_url", url, "give the server's URL with its scheme and host, e.g. "
-                    "'http://localhost:8000'")
+        given = self.vllm_server_base_url
+        urls = [] if given is None else given.split(",") if isinstance(given, str) else given
+        for url in urls:
+            check_field(isinstance(url, str) and url.strip().startswith(("http://", "https://"))
+                        and url.strip().split("://", 1)[1].strip("/"), name, "vllm_server_base_url", given,
+                        "give each server's URL with its scheme and host, e.g. 'http://localhost:8000' (several: a "
+                        "list, or separated by commas)")
+        check_field(given is None or len(urls) > 0, name, "vllm_server_base_url", given, "give at least one URL")
         check_field(self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size == 1, name, "vllm_tensor_parallel_size",
                     self.vllm_tensor_parallel_size, "the colocated engine runs on one device here; for tensor "
                     "parallelism start a server (`trainers vllm-serve --tensor-parallel-size N`) and use "

@@ -332,13 +332,15 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
                                   self.needs, self.estimator)
 
     def after_optimizer_step(self, metrics: dict) -> None:
-        """The step's round metrics: the mean over the rounds built for it, as TRL averages what it appended; and
-        the asynchronous pipeline's waits and syncs since the last step."""
+        """The step's round metrics: the mean over the rounds built for it, as TRL averages what it appended; the
+        asynchronous pipeline's waits and syncs since the last step; with several vLLM servers, the pool's."""
         rounds, self._round_metrics = self._round_metrics, []
         for name in dict.fromkeys(name for m in rounds for name in m):
             metrics[name] = sum(m[name] for m in rounds if name in m) / sum(name in m for m in rounds)
         if self.async_rounds is not None:
             metrics.update(self.async_rounds.step_metrics())
+        if hasattr(self._vllm, "step_metrics"):  # several vLLM servers: those in service, failovers, shares
+            metrics.update(self._vllm.step_metrics())
 
     # ------------------------------------------------------------------ evaluation and logging
 

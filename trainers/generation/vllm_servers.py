@@ -1,0 +1,213 @@
+"""Several `trainers vllm-serve` servers as one (``vllm_server_base_url`` given a list of URLs): each round's
+requests spread over them, the weights pushed to all of them together, and a server that fails taken out while
+the others finish the round.
+
+- **Spreading.** Each request (one prompt's completions, seeded: generation/vllm_remote.py) goes to the server in
+  service with the fewest requests in flight (ties: the first listed). Seeds stay per row, so which server
+  samples a row does not choose its seed; whether it samples the same tokens as another server would is a
+  matter of the engines' batching (docs/grpo.md, "Several servers").
+- **Versions.** Each server is tagged with the optimizer step whose weights it holds. Only servers holding the
+  latest weights get requests: a server that missed a push gets none until a push reaches it.
+- **Failover.** A server that does not answer (refused, reset, past ``request_timeout``) or fails inside
+  (HTTP 5xx) while sampling or receiving weights is taken out, with one warning naming it, and counted
+  (``ServerPool.metrics``); its requests go to the others, so the round completes with every row sampled once.
+  At each weight push the servers that are out are asked again (``/health``, once): one that answers is
+  connected afresh, sent the weights with the others, and takes requests again. Only when none is left is it a
+  ``VLLMServerError`` (the trainer stops with a checkpoint, as with one server).
+
+A request the server refuses (another 4xx: a bad sampling option, a wrong key) is the run's error, not the
+server's: it is raised, whatever the number of servers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from trainers.errors import VLLMServerError
+from trainers.logs import logger
+
+
+@dataclass
+class Server:
+    """One server of the pool: its client (None while it is out), the weights it holds, what it is doing."""
+
+    url: str
+    client: object | None  # a VLLMClient (generation/vllm_client.py), or a stand-in with its methods
+    version: int | None = None  # the optimizer step whose weights it holds (None: none pushed yet)
+    out: bool = False  # taken out after a failure, until a push takes it back
+    in_flight: int = 0  # requests sent and not yet answered
+    completions: int = 0  # completions it returned
+    failures: int = 0  # times it was taken out
+
+
+class ServerPool:
+    """``urls``' servers; ``connect(url, wait)`` -> a client of the server there, checked against the model
+    (``VLLMServerError`` when it does not answer within the connection timeout, or at once with ``wait=False``).
+    The clients are connected now: every server must answer at the start (a wrong URL is a configuration error,
+    not a failure to route around)."""
+
+    def __init__(self, urls: list[str], connect: Callable[[str, bool], object]):
+        if not urls:
+            raise VLLMServerError("ServerPool: no server URL given.")
+        if len(set(urls)) != len(urls):
+            raise VLLMServerError(f"vllm_server_base_url lists a server twice: {urls}.")
+        self.connect = connect
+        self.servers = [Server(url, connect(url, True)) for url in urls]
+        self.version: int | None = None  # the weights the servers in service hold
+        self.failovers = 0  # servers taken out in this run
+        self.last_error: Exception | None = None  # the last failure that took a server out
+        self.lock = threading.Lock()  # requests run in threads (a round's requests, GRPO's producers)
+
+    # ------------------------------------------------------------------ which server
+
+    def in_service(self) -> list[Server]:
+        """The servers that take requests: answering, and holding the latest weights."""
+        return [s for s in self.servers if not s.out and s.client is not None and s.version == self.version]
+
+    def take_out(self, server: Server, error: Exception, doing: str) -> None:
+        """``server`` out of service after ``error``: counted, one warning naming it (none when it was the only
+        one: its error is the run's), its client released without a word to it."""
+        with self.lock:
+            if server.out:
+                return
+            server.out, server.failures, self.last_error = True, server.failures + 1, error
+            self.failovers += 1
+            left = len(self.in_service())
+        if len(self.servers) > 1:
+            logger.warning(f"vLLM server {server.url} failed while {doing} and is out of service ({left} of "
+                           f"{len(self.servers)} left; it is asked again at the next weight sync): {error}")
+        client, server.client = server.client, None
+        if client is not None and hasattr(client, "abandon"):
+            client.abandon()
+
+    def none_left(self) -> VLLMServerError:
+        """The error when no server is left: the last failure itself with one server (as without a pool), else
+        one naming them all and the last failure."""
+        if len(self.servers) == 1 and self.last_error is not None:
+            return self.last_error
+        return VLLMServerError(f"No vLLM server left: {', '.join(s.url for s in self.servers)} are out of service "
+                               f"(each failed or missed a weight push; the warnings above say why). The last "
+                               f"failure: {self.last_error}")
+
+    def _pick(self) -> Server:
+        with self.lock:
+            ready = self.in_service()
+            if not ready:
+                raise self.none_left()
+            server = min(ready, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            return server
+
+    def request(self, send: Callable[[object], dict], doing: str = "sampling") -> dict:
+        """``send(client)`` on the server in service with the fewest requests in flight; on another if that one
+        fails (it is taken out), until one answers or none is left. Safe to call from several threads."""
+        from trainers.generation.vllm_client import VLLMServerDown
+
+        while True:
+            server = self._pick()
+            try:
+                out = send(server.client)
+            except VLLMServerDown as error:
+                self.take_out(server, error, doing)
+                continue
+            finally:
+                with self.lock:
+                    server.in_flight -= 1
+            with self.lock:
+                server.completions += len(out.get("completion_ids", ()))
+            return out
+
+    # ------------------------------------------------------------------ weights
+
+    def take_back(self) -> list[Server]:
+        """The servers that are out and answer again, connected afresh (their weights are stale until the push
+        that follows)."""
+        back = []
+        for server in self.servers:
+            if not server.out:
+                continue
+            try:
+                server.client = self.connect(server.url, False)
+            except VLLMServerError:
+                continue  # still down: asked again at the next push
+            server.out, server.version = False, None
+            back.append(server)
+            logger.warning(f"vLLM server {server.url} answers again: it gets this push's weights and then requests.")
+        return back
+
+    def push(self, batches: Iterable[list[tuple[str, torch.Tensor]]], version: int | None) -> None:
+        """Every answering server's weights := ``batches`` (the policy's, gathered module by module), sent to all
+        of them together; those that answer again first (``take_back``). A server that fails during the push is
+        taken out; the push fails only when none received it."""
+        from trainers.generation.vllm_client import VLLMServerDown
+
+        self.take_back()
+        targets = [s for s in self.servers if not s.out and s.client is not None]
+        with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+
+            def each(call: Callable[[Server], None], doing: str) -> None:
+                futures = [(s, pool.submit(call, s)) for s in targets if not s.out]
+                for server, future in futures:
+                    error = future.exception()
+                    if isinstance(error, VLLMServerDown):
+                        self.take_out(server, error, doing)
+                    elif error is not None:
+                        raise error
+
+            each(lambda s: s.client.begin_weight_update(), "opening a weight update")
+            for batch in batches:
+                each(lambda s: s.client.update_named_params(batch), "receiving weights")
+            each(lambda s: s.client.end_weight_update(), "finishing a weight update")
+        done = [s for s in targets if not s.out]
+        if not done:
+            raise self.none_left()
+        for server in done:
+            server.version = version
+        self.version = version
+
+    # ------------------------------------------------------------------ another process's pool
+
+    def view(self) -> dict[str, int | None | bool]:
+        """Which servers are in service and the weights they hold, as the pool that pushes them sees it: url ->
+        the version, or False when it is out or stale. Sent to the other processes' pools after each push."""
+        ready = self.in_service()
+        return {s.url: (s.version if s in ready else False) for s in self.servers} | {"": self.version}
+
+    def adopt(self, view: dict) -> None:
+        """Follow the pushing pool's ``view`` (GRPO's asynchronous producers, which sample but never push): a
+        server it has out is out here; one in service there is connected again here if it was out."""
+        self.version = view[""]
+        for server in self.servers:
+            version = view.get(server.url, False)
+            if version is False:
+                if not server.out:
+                    self.take_out(server, VLLMServerError("out of service for the trainer"), "following the trainer")
+                continue
+            if server.out:
+                try:
+                    server.client = self.connect(server.url, False)
+                except VLLMServerError:
+                    continue
+                server.out = False
+            server.version = version
+
+    # ------------------------------------------------------------------ reporting
+
+    def metrics(self) -> dict[str, float]:
+        """servers/in_service, servers/failovers (in the run so far), and each server's share of the completions
+        so far (servers/share/<i>, in the order given)."""
+        total = sum(s.completions for s in self.servers)
+        out = {"servers/in_service": float(len(self.in_service())), "servers/failovers": float(self.failovers)}
+        for i, server in enumerate(self.servers):
+            out[f"servers/share/{i}"] = server.completions / total if total else 0.0
+        return out
+
+    def close(self) -> None:
+        for server in self.servers:
+            if server.client is not None:
+                server.client.close()
