@@ -82,13 +82,14 @@ def test_a_groups_rows_become_one_seeded_request_for_n_completions():
 @pytest.mark.parametrize("inflight, most", [(-1, 4), (1, 1), (2, 2)])
 def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_path, inflight, most):
     """async_generation's sampler (ServerSampler, one process's rows) sends a round's requests together, at most
-    max_inflight_tasks at once (-1: up to 16): 4 prompts, 4 requests."""
+    max_inflight_tasks at once (-1: up to 16): 4 prompts, 4 requests, through its pool of servers (here one)."""
     import threading
     import time
 
     from trainers.generation.backend import BackendInputs
     from trainers.generation.sampling import GenerationContext
     from trainers.generation.vllm_remote import ServerSampler
+    from trainers.generation.vllm_servers import ServerPool
 
     class Client:  # the server's client, counting the requests in flight
         def __init__(self):
@@ -107,7 +108,8 @@ def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_pat
                       max_inflight_tasks=inflight)
     context = GenerationContext(Accelerator(cpu=True), pad_id=0, eos_ids=frozenset({1}))
     client = Client()
-    sampler = ServerSampler(BackendInputs(context, None, None, None, args, 4), client)
+    pool = ServerPool(["http://stand-in:8000"], lambda url, wait: client)  # one server: this client
+    sampler = ServerSampler(BackendInputs(context, None, None, None, args, 4), pool)
     samples = sampler.sample(["a", "b", "c", "d"], [[2], [3], [4], [5]], SamplingParams(max_new_tokens=2))
     assert samples.completion_ids == [[7, 1]] * 4 and client.most == most
 
