@@ -5,7 +5,8 @@ run of 8 steps in which server B is killed after step 3, restarted on its port a
 it there) and taken back, then server A frozen with SIGSTOP after step 6 (its requests and the weight push wait
 request_timeout, then it is taken out). The run finishes its 8 steps; every prompt of the epoch is scored exactly
 once per completion slot; each server served 40-60% of the completions while both were up; the failovers are
-counted and each logged once by name. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
+counted and each logged once by name. Then B is killed too: with no server left the run stops after step 8 with
+a checkpoint, and the error names both servers. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
 
 import logging
 import os
@@ -18,6 +19,7 @@ from transformers import TrainerCallback
 
 from tests.conftest import digits, step_records
 from trainers import GRPOConfig, GRPOTrainer
+from trainers.errors import VLLMServerError
 from trainers.generation.local_server import free_port, start_local_server
 
 PROMPTS = [{"prompt": f"{i} {i + 1}"} for i in range(16)]  # 8 steps x 2 prompts: one epoch
@@ -25,7 +27,7 @@ STEPS = 8
 
 
 class Chaos(TrainerCallback):
-    """Kills server B after step 3, restarts it after step 5, freezes server A after step 6."""
+    """Kills server B after step 3, restarts it after step 5, freezes server A after step 6, kills B after step 8."""
 
     def __init__(self, servers: dict, restart):
         self.servers, self.restart = servers, restart
@@ -38,6 +40,9 @@ class Chaos(TrainerCallback):
             self.servers["B"] = self.restart()  # blocks until it answers (its start-up)
         elif state.global_step == 6:
             os.killpg(self.servers["A"].process.pid, signal.SIGSTOP)
+        elif state.global_step == STEPS:
+            os.killpg(self.servers["B"].process.pid, signal.SIGKILL)
+            self.servers["B"].process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +108,22 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
         scored.update(prompts)
         return digits(completions)
 
-    args = config(tmp_path, "chaos", urls, request_timeout=20)
+    args = config(tmp_path, "chaos", urls, request_timeout=20, max_steps=STEPS + 2)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
                           callbacks=[Chaos(servers, restart)])
     logger = logging.getLogger("trainers")
     propagate, logger.propagate = logger.propagate, True
     try:
         with caplog.at_level(logging.WARNING, logger="trainers"):
-            trainer.train()
+            with pytest.raises(VLLMServerError) as stopped:
+                trainer.train()
     finally:
         logger.propagate = propagate
+    # no server left after step 8: stopped there, with a checkpoint, naming both servers
+    message = str(stopped.value)
+    assert f"No vLLM server left: {urls[0]}, {urls[1]}" in message, message
+    assert "Training stopped after step 8; checkpoint written to" in message, message
+    assert os.path.isdir(tmp_path / "chaos" / "checkpoint-8")
     records = {r["step"]: r for r in step_records(trainer)}
     assert trainer.state.global_step == STEPS and sorted(records) == list(range(1, STEPS + 1))
     # every prompt of the epoch scored once per completion slot: nothing lost or doubled by the failovers
@@ -128,6 +139,6 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
     assert in_service[5] == 2  # restarted: taken back at step 6's push, with its weights
     assert in_service[6:] == [1, 1] and failovers[-1] == 2  # A frozen: out after request_timeout
     records_ = {id(r): r for r in caplog.records}.values()
-    warned = [r.getMessage() for r in records_ if "out of service" in r.getMessage()]
-    assert len([w for w in warned if servers["B"].url in w]) == 1 and len([w for w in warned if urls[0] in w]) == 1
+    warned = Counter(url for r in records_ for url in urls if r.getMessage().startswith(f"vLLM server {url} failed"))
+    assert warned == {urls[0]: 1, urls[1]: 2}  # one warning per failure: A frozen; B killed, then killed again
     assert any("answers again" in r.getMessage() and servers["B"].url in r.getMessage() for r in records_)

@@ -24,6 +24,7 @@ from trainers.generation.vllm_servers import ServerPool
 
 
 MAX_CONCURRENT_REQUESTS = 16  # a round's requests in flight at once (vLLM batches them together)
+PROBE_TIMEOUT_S = 5.0  # a server that failed, asked again at a weight push: the most its checks may wait
 
 
 def seeded_requests(prompt_ids: list[list[int]], seeds: list[int]) -> list[tuple[list[list[int]], int, int]]:
@@ -120,11 +121,15 @@ class VLLMRemote(VLLMBackend):
         from trainers.generation.vllm_client import VLLMClient
 
         args = self.config
+        # asked once, a server answers within seconds or is still down (a frozen one would hold the push for
+        # request_timeout): the checks wait PROBE_TIMEOUT_S at most, then the client waits as configured
+        checks = args.request_timeout if wait else min(PROBE_TIMEOUT_S, args.request_timeout or PROBE_TIMEOUT_S)
         client = VLLMClient(base_url=url, group_port=args.vllm_group_port,
                             connection_timeout=args.vllm_server_timeout if wait else 0.0,
-                            transfer_timeout=args.weight_sync_timeout, request_timeout=args.request_timeout,
+                            transfer_timeout=args.weight_sync_timeout, request_timeout=checks,
                             api_key=args.vllm_server_api_key)
         client.check_server(self._model_name())
+        client.request_timeout = args.request_timeout
         return client
 
     def producer(self) -> ServerSampler:
