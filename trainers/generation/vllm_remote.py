@@ -171,15 +171,13 @@ class VLLMRemote(VLLMBackend):
             pool.adopt(view)
 
     def step_metrics(self) -> dict[str, float]:
-        """With several servers, what the pool reports (servers in service, failovers, each one's share of the
-        completions), the same on every process; nothing with one. Every process calls it together."""
+        """With several servers, what the main process's pools report (servers in service, failovers, each one's
+        share of the completions, its asynchronous producer's included), the same on every process; nothing with
+        one. Every process calls it together."""
         if len(self.urls) < 2:
             return {}
-        acc = self.context.accelerator
-        mine = self.pool.metrics() if self.pool is not None else {}
-        for pool in self._producer_pools:  # this process's producers: their failovers count too
-            mine["servers/failovers"] = mine.get("servers/failovers", 0.0) + pool.failovers
-        return dist.broadcast_object(acc, mine)
+        mine = self.pool.metrics(self._producer_pools) if self.pool is not None else {}
+        return dist.broadcast_object(self.context.accelerator, mine)
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         """Every process's prompts from the main process (``request_completions``); each process gets its own rows

@@ -198,13 +198,17 @@ class ServerPool:
 
     # ------------------------------------------------------------------ reporting
 
-    def metrics(self) -> dict[str, float]:
-        """servers/in_service, servers/failovers (in the run so far), and each server's share of the completions
-        so far (servers/share/<i>, in the order given)."""
-        total = sum(s.completions for s in self.servers)
-        out = {"servers/in_service": float(len(self.in_service())), "servers/failovers": float(self.failovers)}
-        for i, server in enumerate(self.servers):
-            out[f"servers/share/{i}"] = server.completions / total if total else 0.0
+    def metrics(self, followers: Iterable[ServerPool] = ()) -> dict[str, float]:
+        """servers/in_service, servers/failovers (in the run so far) and each server's share of the completions
+        so far (servers/share/<i>, in the order given), counting what ``followers`` (this process's asynchronous
+        producers' pools, over the same servers) sampled and saw too."""
+        pools = [self, *followers]
+        counts = [sum(pool.servers[i].completions for pool in pools) for i in range(len(self.servers))]
+        total = sum(counts)
+        out = {"servers/in_service": float(len(self.in_service())),
+               "servers/failovers": float(sum(pool.failovers for pool in pools))}
+        for i, count in enumerate(counts):
+            out[f"servers/share/{i}"] = count / total if total else 0.0
         return out
 
     def close(self) -> None:
