@@ -124,6 +124,15 @@ class ServerPool:
 
     # ------------------------------------------------------------------ weights
 
+    def reconnect(self, server: Server) -> bool:
+        """Ask a server that is out once; if it answers, connect it afresh and put it back in the pool."""
+        try:
+            server.client = self.connect(server.url, False)
+        except VLLMServerError:
+            return False
+        server.out = False
+        return True
+
     def take_back(self) -> list[Server]:
         """The servers that are out and answer again, connected afresh (their weights are stale until the push
         that follows)."""
@@ -131,11 +140,9 @@ class ServerPool:
         for server in self.servers:
             if not server.out:
                 continue
-            try:
-                server.client = self.connect(server.url, False)
-            except VLLMServerError:
+            if not self.reconnect(server):
                 continue  # still down: asked again at the next push
-            server.out, server.version = False, None
+            server.version = None
             back.append(server)
             logger.warning(f"vLLM server {server.url} answers again: it gets this push's weights and then requests.")
         return back
@@ -188,12 +195,8 @@ class ServerPool:
                 if not server.out:
                     self.take_out(server, VLLMServerError("out of service for the trainer"), "following the trainer")
                 continue
-            if server.out:
-                try:
-                    server.client = self.connect(server.url, False)
-                except VLLMServerError:
-                    continue
-                server.out = False
+            if server.out and not self.reconnect(server):
+                continue
             server.version = version
 
     # ------------------------------------------------------------------ reporting
