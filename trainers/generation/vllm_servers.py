@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,16 +42,40 @@ class Server:
     out: bool = False  # taken out after a failure, until a push takes it back
     in_flight: int = 0  # requests sent and not yet answered
     completions: int = 0  # completions it returned
-    failures: int = 0  # times it was taken out
+
+
+@dataclass
+class Outages:
+    """The servers out of service as this process's pools see them: the trainer's pool and its asynchronous
+    producers' pools share one, so an outage that several of them meet (a producer while sampling, the trainer at
+    its next push) is warned about and counted once."""
+
+    out: set[str] = field(default_factory=set)  # the URLs of the servers out now
+    count: int = 0  # outages in this run
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self, url: str) -> bool:
+        """True when this is news: the first pool to meet this server's outage (it warns; the outage counts)."""
+        with self.lock:
+            if url in self.out:
+                return False
+            self.out.add(url)
+            self.count += 1
+            return True
+
+    def end(self, url: str) -> None:
+        with self.lock:
+            self.out.discard(url)
 
 
 class ServerPool:
     """``urls``' servers; ``connect(url, wait)`` -> a client of the server there, checked against the model
     (``VLLMServerError`` when it does not answer within the connection timeout, or at once with ``wait=False``).
     The clients are connected now: every server must answer at the start (a wrong URL is a configuration error,
-    not a failure to route around)."""
+    not a failure to route around). ``outages``: shared with the other pools of this process over the same
+    servers (see ``Outages``); a pool of its own by default."""
 
-    def __init__(self, urls: list[str], connect: Callable[[str, bool], object]):
+    def __init__(self, urls: list[str], connect: Callable[[str, bool], object], outages: Outages | None = None):
         if not urls:
             raise VLLMServerError("ServerPool: no server URL given.")
         if len(set(urls)) != len(urls):
@@ -59,11 +83,16 @@ class ServerPool:
         self.connect = connect
         self.servers = [Server(url, connect(url, True)) for url in urls]
         self.version: int | None = None  # the weights the servers in service hold
-        self.failovers = 0  # servers taken out in this run
+        self.outages = outages if outages is not None else Outages()
         self.last_error: Exception | None = None  # the last failure that took a server out
         self.lock = threading.Lock()  # requests run in threads (a round's requests, GRPO's producers)
 
     # ------------------------------------------------------------------ which server
+
+    @property
+    def failovers(self) -> int:
+        """Outages in this run, as this process's pools met them (each counted once)."""
+        return self.outages.count
 
     def in_service(self) -> list[Server]:
         """The servers that take requests: answering, and holding the latest weights."""
@@ -71,14 +100,14 @@ class ServerPool:
 
     def take_out(self, server: Server, error: Exception, doing: str) -> None:
         """``server`` out of service after ``error``: counted, one warning naming it (none when it was the only
-        one: its error is the run's), its client released without a word to it."""
+        one: its error is the run's; none when another pool of this process met this outage first), its client
+        released without a word to it."""
         with self.lock:
             if server.out:
                 return
-            server.out, server.failures, self.last_error = True, server.failures + 1, error
-            self.failovers += 1
+            server.out, self.last_error = True, error
             left = len(self.in_service())
-        if len(self.servers) > 1:
+        if self.outages.begin(server.url) and len(self.servers) > 1:
             logger.warning(f"vLLM server {server.url} failed while {doing} and is out of service ({left} of "
                            f"{len(self.servers)} left; it is asked again at the next weight sync): {error}")
         client, server.client = server.client, None
@@ -131,6 +160,7 @@ class ServerPool:
         except VLLMServerError:
             return False
         server.out = False
+        self.outages.end(server.url)
         return True
 
     def take_back(self) -> list[Server]:
@@ -204,12 +234,11 @@ class ServerPool:
     def metrics(self, followers: Iterable[ServerPool] = ()) -> dict[str, float]:
         """servers/in_service, servers/failovers (in the run so far) and each server's share of the completions
         so far (servers/share/<i>, in the order given), counting what ``followers`` (this process's asynchronous
-        producers' pools, over the same servers) sampled and saw too."""
+        producers' pools, over the same servers) sampled; the outages all of them met, each once."""
         pools = [self, *followers]
         counts = [sum(pool.servers[i].completions for pool in pools) for i in range(len(self.servers))]
         total = sum(counts)
-        out = {"servers/in_service": float(len(self.in_service())),
-               "servers/failovers": float(sum(pool.failovers for pool in pools))}
+        out = {"servers/in_service": float(len(self.in_service())), "servers/failovers": float(self.failovers)}
         for i, count in enumerate(counts):
             out[f"servers/share/{i}"] = count / total if total else 0.0
         return out
