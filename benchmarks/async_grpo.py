@@ -3,13 +3,15 @@ core, the trainer on the other, the GRPO demo's task (examples/grpo_arithmetic.p
 settings), the same steps, one after the other in this process.
 
     python benchmarks/async_grpo.py                      # 800 steps each, about 10 minutes on 2 cores
-    python benchmarks/async_grpo.py --steps 200 --bounds 1 2
+    python benchmarks/async_grpo.py --steps 200 --bounds 1 2 --modes in_flight
 
 Reported per run: seconds per optimizer step (median, and the whole run), the trainer's idle time (synchronous: the
 time it waits for the server's completions, measured around the backend's sample; asynchronous: the time it
 waits for a round, perf/rollout_wait_s, and for a producer to finish its round before a weight push), the
 server's idle time (synchronous: the step minus its sampling; asynchronous: the producer's wait for weights or
 room, rollout/backpressure_s), and held-out greedy accuracy every --eval_every steps (evaluation is not timed).
+Each bound runs with the weights pushed in flight (in_flight_weight_updates=True, the default) and between rounds
+(False), unless --modes says otherwise; "tokens across a push" is the share of completions sampled across one.
 Nothing else may run on the machine meanwhile (two jobs on two cores stall each other: ../shared/NOTES.md).
 """
 
@@ -78,14 +80,15 @@ class Record(TrainerCallback):
                                                                self.held_out)
 
 
-def run(start: str, train_rows, held_out, url: str, steps: int, every: int, bound: int | None) -> dict:
+def run(start: str, train_rows, held_out, url: str, steps: int, every: int, bound: int | None,
+        mode: str = "in_flight") -> dict:
     fields = grpo_settings(tempfile.mkdtemp(prefix="async-grpo-"), steps=steps)
     fields.update(logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                   vllm_group_port=free_port())
     if bound is None:
         fields.update(use_vllm=False, generation_backend="timed_server")
     else:
-        fields.update(async_generation=True, max_staleness=bound)
+        fields.update(async_generation=True, max_staleness=bound, in_flight_weight_updates=mode == "in_flight")
     record = Record(held_out, every)
     trainer = GRPOTrainer(model=start, reward_funcs=exact_answer, train_dataset=train_rows,
                           args=GRPOConfig(**fields), callbacks=[record])
@@ -105,7 +108,8 @@ def run(start: str, train_rows, held_out, url: str, steps: int, every: int, boun
         trainer_idle = statistics.mean(r["perf/rollout_wait_s"] + r["perf/weight_sync_wait_s"] for r in rows)
         server_idle = statistics.mean(r["rollout/backpressure_s"] for r in rows)
         push = statistics.mean(r["perf/weight_sync_s"] - r["perf/weight_sync_wait_s"] for r in rows)
-    return {"name": "sync" if bound is None else f"async, bound {bound}", "step": step, "wall": wall,
+    return {"name": "sync" if bound is None else f"async, bound {bound}, {mode.replace('_', ' ')}", "step": step,
+            "wall": wall, "mixed": statistics.mean(r.get("sample/updated_in_flight", 0.0) for r in rows),
             "trainer_idle": trainer_idle, "server_idle": server_idle, "push": push, "accuracy": record.accuracy,
             "staleness": statistics.mean(r.get("sample/staleness_mean", 0.0) for r in rows),
             "reward": statistics.mean(r["reward"] for r in record.steps[-50:])}
@@ -116,6 +120,8 @@ def main():
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--eval_every", type=int, default=100)
     parser.add_argument("--bounds", type=int, nargs="+", default=[1])
+    parser.add_argument("--modes", nargs="+", default=["in_flight", "between_rounds"],
+                        choices=["in_flight", "between_rounds"])
     parser.add_argument("--workdir", default=None)
     cli = parser.parse_args()
     workdir = cli.workdir or tempfile.mkdtemp(prefix="async-grpo-bench-")
@@ -132,20 +138,21 @@ def main():
     server = start_local_server(start, os.path.join(workdir, "server.log"), max_model_len=512, cores=[SERVER_CORE])
     print(f"server up in {server.startup_seconds:.0f} s on core {SERVER_CORE}", flush=True)
     try:
-        results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound)
-                   for bound in [None] + cli.bounds]
+        results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, None)]
+        results += [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound, mode)
+                    for bound in cli.bounds for mode in cli.modes]
     finally:
         server.stop()
     sync = results[0]["step"]
     print(f"\n| run | s/step (median) | vs sync | whole run | trainer idle / step | server idle / step | "
-          f"weight push / step | mean staleness | held-out accuracy every {cli.eval_every} steps | "
-          f"reward, last 50 steps |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"weight push / step | mean staleness | tokens across a push | held-out accuracy every "
+          f"{cli.eval_every} steps | reward, last 50 steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         curve = " ".join(f"{100 * r['accuracy'][s]:.1f}" for s in sorted(r["accuracy"]))
         print(f"| {r['name']} | {r['step']:.3f} | {sync / r['step']:.2f}x | {r['wall']:.0f} s | "
               f"{r['trainer_idle']:.3f} s | {r['server_idle']:.3f} s | {r['push']:.3f} s | {r['staleness']:.2f} | "
-              f"{curve} | {r['reward']:.3f} |")
+              f"{100 * r['mixed']:.0f}% | {curve} | {r['reward']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """A generation backend apart from the policy, for asynchronous GRPO's tests without a vLLM server: a copy of the
 policy's weights (updated only by ``sync_weights``) that samples with seeded generators and returns its log-probs,
 as vLLM does. Registered as ``copy_engine``; ``producer()`` samples one process's rows alone, sharing the copy.
+Weights may arrive while a producer samples (``updates_in_flight``, as the vLLM server's pause between decode
+steps): one lock keeps a token's forward and a weight load apart, and each token records the version it was
+sampled with (``Samples.versions``).
 
 ``CopyEngine.fail_at`` / ``stall_at`` (class attributes, for one test at a time): the producer's sampler raises, or
 sleeps for an hour, on its n-th round (counted from 1 per producer). ``CopyEngine.pushes`` records the steps of
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import threading
 import time
 
 import torch
@@ -25,10 +29,14 @@ class CopyEngine:
     pushes: list[int] = []
     versions: list[tuple[int, int]] = []
 
-    def __init__(self, inputs, engine: torch.nn.Module | None = None, accelerator=None, producing: bool = False):
+    updates_in_flight = True
+
+    def __init__(self, inputs, engine: torch.nn.Module | None = None, accelerator=None, producing: bool = False,
+                 lock: threading.Lock | None = None):
         self.inputs, self.config = inputs, inputs.config
         self.accelerator = accelerator or inputs.context.accelerator
         self.engine = engine if engine is not None else copy.deepcopy(inputs.policy).eval().requires_grad_(False)
+        self.lock = lock or threading.Lock()  # a token's forward, or a weight load: never both
         self.producing, self.rounds = producing, 0
         self._step, self._calls, self._weights = 0, 0, 0
 
@@ -46,8 +54,9 @@ class CopyEngine:
     def sync_weights(self, step: int | None = None) -> None:
         if step is not None:
             self.seed_position(step)
-        self.engine.load_state_dict(self.inputs.policy.state_dict())
-        CopyEngine._held = step
+        with self.lock:
+            self.engine.load_state_dict(self.inputs.policy.state_dict())
+            CopyEngine._held = step
         CopyEngine.pushes.append(step)
 
     @torch.no_grad()
@@ -56,12 +65,14 @@ class CopyEngine:
         where = f"{self.config.seed}/{self._step}/{self._calls}/{self.accelerator.process_index}"
         base = int.from_bytes(hashlib.sha256(where.encode()).digest()[:4], "big")
         eos = set(self.inputs.context.eos_ids)
-        completions, logprobs = [], []
+        completions, logprobs, versions = [], [], []
         for row, ids in enumerate(prompt_ids):
             generator = torch.Generator().manual_seed(base + row)
-            tokens, values = [], []
+            tokens, values, held = [], [], []
             for _ in range(params.max_new_tokens):
-                logits = self.engine(torch.tensor([ids + tokens])).logits[0, -1].float() / params.temperature
+                with self.lock:
+                    logits = self.engine(torch.tensor([ids + tokens])).logits[0, -1].float() / params.temperature
+                    held.append(CopyEngine._held)
                 logp = torch.log_softmax(logits, -1)
                 token = int(torch.multinomial(logp.exp(), 1, generator=generator))
                 tokens.append(token)
@@ -70,10 +81,13 @@ class CopyEngine:
                     break
             completions.append(tokens)
             logprobs.append(values)
-        return Samples(prompt_ids, completions, logprobs, finished=[ended(c, eos) for c in completions])
+            versions.append(held)
+        return Samples(prompt_ids, completions, logprobs, finished=[ended(c, eos) for c in completions],
+                       versions=versions)
 
     def producer(self) -> CopyEngine:
-        return CopyEngine(self.inputs, self.engine, dist.ThisProcess(self.accelerator), producing=True)
+        return CopyEngine(self.inputs, self.engine, dist.ThisProcess(self.accelerator), producing=True,
+                          lock=self.lock)
 
     def close(self) -> None:
         pass
@@ -81,3 +95,12 @@ class CopyEngine:
 
 CopyEngine._held = None
 register_backend("copy_engine", CopyEngine)
+
+
+class WholeRoundsEngine(CopyEngine):
+    """A backend that cannot take weights while it samples (in_flight_weight_updates=False only)."""
+
+    updates_in_flight = False
+
+
+register_backend("copy_engine_whole_rounds", WholeRoundsEngine)

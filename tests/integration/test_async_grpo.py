@@ -132,9 +132,11 @@ def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_
     """max_staleness=k, weight_sync_steps=N: the weights are pushed every N steps; each round is sampled with
     weights at most k syncs older than its step's (the producer waits rather than go staler), and as stale as
     that allows once the producer is ahead; the logged staleness is what the producer used, and so is each logged
-    completion's model_version."""
+    completion's model_version. Whole rounds on one version (in_flight_weight_updates=False): the pushes wait for
+    the round in flight."""
     trainer = train(tiny_model_dir, config(tmp_path, async_generation=True, max_staleness=bound,
-                                           weight_sync_steps=every, max_steps=8, log_completions=True),
+                                           weight_sync_steps=every, max_steps=8, log_completions=True,
+                                           in_flight_weight_updates=False),
                     callbacks=[ProducerAhead(bound, every, steps=8)])
     assert CopyEngine.pushes == list(range(0, 8, every))
     lags = [first // every - held // every for first, held in CopyEngine.versions]
@@ -149,6 +151,31 @@ def test_every_round_is_within_the_bound_and_the_producer_runs_ahead(tiny_model_
             record = json.loads(line)
             versions.setdefault(record["step"], set()).add(record["model_version"])
     assert versions == {first + 1: {held} for first, held in CopyEngine.versions}
+
+
+def test_in_flight_weight_updates_tag_each_token_and_keep_the_bound(tiny_model_dir, tmp_path, caplog):
+    """in_flight_weight_updates (the default): the trainer pushes while the producer samples, and the engine takes
+    the weights between two tokens (as the server between decode steps), so rounds sampled across a push have
+    tokens of two versions. Every token is within max_staleness=1 of the step that trains on it and never newer,
+    versions never go back within a completion, a record's model_version is its round's oldest token's, and the
+    step's sample/updated_in_flight counts the completions sampled across a push."""
+    trainer = train(tiny_model_dir, config(tmp_path, async_generation=True, max_staleness=1, max_steps=8,
+                                           max_completion_length=24, log_completions=True))
+    with open(tmp_path / "out" / "completions.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    by_step: dict[int, list] = {}
+    for record in records:
+        tokens = [v for v, start, end in record["version_spans"] for _ in range(start, end)]
+        trained_at = record["step"] - 1  # the optimizer step whose round it is
+        assert all(trained_at - 1 <= v <= trained_at for v in tokens), (record["step"], record["version_spans"])
+        assert tokens == sorted(tokens)
+        by_step.setdefault(record["step"], []).append(tokens)
+    for step, rows in by_step.items():
+        assert {r["model_version"] for r in records if r["step"] == step} == {min(min(t) for t in rows)}
+    mixed = {step: sum(len(set(t)) > 1 for t in rows) / len(rows) for step, rows in by_step.items()}
+    logged = {r["step"]: r["sample/updated_in_flight"] for r in step_records(trainer)}
+    print(f"\nin flight: share of completions sampled across a push, by step {mixed}")
+    assert logged == pytest.approx(mixed) and sum(v > 0 for v in mixed.values()) >= 2, mixed
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -201,12 +228,13 @@ def test_a_producer_that_raises_stops_the_run_with_a_checkpoint(tiny_model_dir, 
 
 
 def test_a_stalled_producer_stops_the_run_within_its_timeouts(tiny_model_dir, tmp_path):
-    """The producer's 3rd round never ends (a request that hangs): the trainer's next weight sync waits at most
-    request_timeout + weight_sync_timeout for it, then every process stops with a GenerationError and a
-    checkpoint; no thread keeps the run from ending."""
+    """Weights between rounds: the producer's 3rd round never ends (a request that hangs): the trainer's next
+    weight sync waits at most request_timeout + weight_sync_timeout for it, then every process stops with a
+    GenerationError and a checkpoint; no thread keeps the run from ending. (In flight, the push does not wait for
+    the round: the heartbeat notices the stall, as in the next test.)"""
     CopyEngine.stall_at = 3
     args = config(tmp_path, async_generation=True, max_staleness=1, request_timeout=2, weight_sync_timeout=2,
-                  heartbeat_stale_after_s=30)
+                  heartbeat_stale_after_s=30, in_flight_weight_updates=False)
     started = time.monotonic()
     with pytest.raises(GenerationError, match="did not finish its round within 4 s") as caught:
         train(tiny_model_dir, args)
@@ -233,6 +261,11 @@ def test_options_are_checked_before_training(tiny_model_dir, tmp_path):
         config(tmp_path, generation_backend=None, async_generation=True)
     with pytest.raises(ConfigError, match="the colocated engine shares this process"):
         config(tmp_path, generation_backend=None, async_generation=True, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ConfigError, match="`in_flight_weight_updates=False` is invalid; it applies to asynchronous"):
+        config(tmp_path, in_flight_weight_updates=False)
+    with pytest.raises(GenerationError, match="WholeRoundsEngine cannot take new weights while its producer samples"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
+                    args=config(tmp_path, generation_backend="copy_engine_whole_rounds", async_generation=True))
     with pytest.raises(GenerationError, match="PolicyBackend cannot sample ahead of training"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=digits, train_dataset=PROMPTS,
                     args=config(tmp_path, generation_backend="policy", async_generation=True))

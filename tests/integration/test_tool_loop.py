@@ -96,6 +96,8 @@ class ScriptedAhead(Scripted):
     """Scripted, able to sample ahead of training (async_generation): its producer is the same script (with
     ``then`` given it reads nothing of the weights)."""
 
+    updates_in_flight = True  # it reads nothing of the weights: a push may land while it samples
+
     def producer(self):
         return copy.copy(self)
 

@@ -1,7 +1,8 @@
 """Asynchronous GRPO (async_generation) against a real vLLM server: `trainers vllm-serve` started once for this
 module (as tests/integration/test_vllm_server.py starts it), the runs in processes of their own
 (tests/integration/vllm_async_job.py; bound 0 and bound 1 share one). Bound 0 is the synchronous run exactly;
-bound 1 learns the digits task with rounds at most one step stale; two processes under ZeRO-3 each sample their own
+bound 1 learns the digits task with rounds at most one step stale, each token tagged with the weights that
+sampled it; two processes under ZeRO-3 each sample their own
 rows; a server stopped mid-run (SIGSTOP: a stalled transfer) and a server killed mid-run each stop the run within
 the stated timeouts with a checkpoint. The tests run in file order: the last one kills the server."""
 
@@ -59,6 +60,16 @@ def test_bound_one_learns_with_every_round_one_step_stale(together):
         assert all(name in r for r in records), name
     # one optimizer step of lag: the sampler's log-probs differ from the policy's that trains on them
     assert sum(r["sampling/sampling_logp_difference/mean"] for r in records[1:]) / 23 > 1e-3
+    # the producer samples through the token route (in_flight_weight_updates, the default): every token tagged
+    # with its weights, within the bound of the step that trains on it and never newer, never going back within a
+    # completion; model_version the round's oldest token's (sampled across a push: tests/integration/
+    # test_vllm_server.py, test_a_request_in_flight_goes_on_across_a_paused_weight_update)
+    for record in report["completions"]:
+        tokens = [v for v, start, end in record["version_spans"] for _ in range(start, end)]
+        trained_at = record["step"] - 1  # the optimizer step whose round it is
+        assert tokens and all(trained_at - 1 <= v <= trained_at for v in tokens), record["version_spans"]
+        assert tokens == sorted(tokens) and record["model_version"] <= tokens[0]
+    assert all("sample/updated_in_flight" in r for r in records)
 
 
 def test_two_processes_under_zero3_sample_their_own_rows(server, tmp_path):

@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -224,6 +225,49 @@ def test_weight_update_makes_the_server_match_a_reference(client, server):
     assert greedy(client) == expected
 
 
+def generated_tokens(server) -> float:
+    """The server's count of tokens generated so far (vLLM's /metrics)."""
+    key = os.environ.get(KEY_VARIABLE)
+    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_request_in_flight_goes_on_across_a_paused_weight_update(client, server):
+    """In-flight weight updates (asynchronous GRPO's default): a request of 1000 tokens on the token route is paused
+    between two decode steps (begin_weight_update(pause=True)), the weights replaced and tagged, and the request
+    resumed: it completes whole, its tokens tagged with the version before the push and then the one after (vLLM's
+    weight-version spans), and the new weights serve (greedy equal to theirs)."""
+    first, second = reference_model(server.model_dir, seed=5), reference_model(server.model_dir, seed=6)
+
+    def push(model, version: int, pause: bool) -> None:
+        client.begin_weight_update(pause=pause)
+        client.update_named_params(model.state_dict().items())
+        client.end_weight_update(version)
+
+    push(first, 1, pause=False)
+    answer: dict = {}
+    request = threading.Thread(target=lambda: answer.update(client.generate_tokens(
+        PROMPTS[0], n=1, seed=0, sampling_params={"max_tokens": 1000, "temperature": 1.0, "ignore_eos": True,
+                                                  "logprobs": 0})))
+    before = generated_tokens(server)
+    request.start()
+    deadline = time.monotonic() + 60
+    while generated_tokens(server) < before + 20 and time.monotonic() < deadline:  # it is decoding
+        time.sleep(0.05)
+    push(second, 2, pause=True)
+    request.join(timeout=120)
+    splits = []
+    for ids, versions, logprobs in zip(answer["completion_ids"], answer["versions"], answer["logprobs"]):
+        assert len(ids) == len(versions) == len(logprobs) == 1000
+        split = versions.index(2)
+        assert 0 < split < 1000 and versions == [1] * split + [2] * (1000 - split)
+        splits.append(split)
+    print(f"\na request in flight across a push: tokens of version 1 up to {splits}, then version 2")
+    assert greedy(client) == reference_greedy(second, PROMPTS, 8)
+
+
 def status_of(url: str, method: str, key: str | None) -> int:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     request = urllib.request.Request(url, data=b"{}" if method != "GET" else None, method=method, headers=headers)
@@ -244,7 +288,7 @@ def test_every_route_refuses_a_caller_without_the_key_and_changes_nothing(client
               for method in methods]
     # the weight transfer and vLLM's development routes among them, and paths outside the schema
     assert {"/init_weight_transfer_engine", "/update_weights", "/pause", "/resume", "/health",
-            "/v1/completions"} <= {path for path, _ in routes}
+            "/v1/completions", "/inference/v1/generate"} <= {path for path, _ in routes}
     routes += [("/metrics", "GET"), ("/docs", "GET"), ("/no/such/route", "POST")]
     answered = {(path, method): [status_of(server.url + path, method, wrong) for wrong in (None, "not-the-key")]
                 for path, method in routes}

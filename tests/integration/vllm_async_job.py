@@ -7,7 +7,8 @@ several processes; ``OUT/MODE/report.json`` for exact and learn).
     python tests/integration/vllm_async_job.py exact URL MODEL_DIR GROUP_PORT OUT
         4 steps synchronous, then 4 with async_generation and max_staleness=0: the same weights.
     python tests/integration/vllm_async_job.py learn URL MODEL_DIR GROUP_PORT OUT
-        24 steps of the digits task with max_staleness=1: the reward rises; each step's staleness and waits.
+        24 steps of the digits task with max_staleness=1: the reward rises; each step's staleness and waits, and
+        the completions.jsonl records (each token's weight version).
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \\
         tests/integration/vllm_async_job.py zero3 URL MODEL_DIR GROUP_PORT OUT
         3 steps, 2 processes under ZeRO-3, max_staleness=1: each process's producer samples its own rows.
@@ -73,10 +74,13 @@ def exact(url, model_dir, group_port, out) -> dict:
 
 
 def learn(url, model_dir, group_port, out) -> dict:
-    trainer = async_grpo(model_dir, url, group_port, out, max_staleness=1)
+    trainer = async_grpo(model_dir, url, group_port, out, max_staleness=1, log_completions=True)
     started = time.perf_counter()
     trainer.train()
-    return {"records": records(trainer), "seconds": time.perf_counter() - started}
+    seconds = time.perf_counter() - started
+    with open(os.path.join(out, "run", "completions.jsonl")) as f:
+        completions = [json.loads(line) for line in f]
+    return {"records": records(trainer), "seconds": seconds, "completions": completions}
 
 
 def zero3(url, model_dir, group_port, out) -> dict:

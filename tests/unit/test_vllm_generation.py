@@ -82,7 +82,8 @@ def test_a_groups_rows_become_one_seeded_request_for_n_completions():
 @pytest.mark.parametrize("inflight, most", [(-1, 4), (1, 1), (2, 2)])
 def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_path, inflight, most):
     """async_generation's sampler (ServerSampler, one process's rows) sends a round's requests together, at most
-    max_inflight_tasks at once (-1: up to 16): 4 prompts, 4 requests, through its pool of servers (here one)."""
+    max_inflight_tasks at once (-1: up to 16): 4 prompts, 4 requests, through its pool of servers (here one), on
+    the token route (in_flight_weight_updates: each token's weight version comes back)."""
     import threading
     import time
 
@@ -95,14 +96,14 @@ def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_pat
         def __init__(self):
             self.lock, self.now, self.most = threading.Lock(), 0, 0
 
-        def generate(self, prompts, n, **kwargs):
+        def generate_tokens(self, prompt_ids, n, seed, sampling_params):  # the token route (in flight)
             with self.lock:
                 self.now += 1
                 self.most = max(self.most, self.now)
             time.sleep(0.1)
             with self.lock:
                 self.now -= 1
-            return {"completion_ids": [[7, 1]] * (n * len(prompts)), "logprobs": None}
+            return {"completion_ids": [[7, 1]] * n, "logprobs": None, "versions": [[3, 3]] * n}
 
     args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", async_generation=True,
                       max_inflight_tasks=inflight)
@@ -112,6 +113,7 @@ def test_the_producers_requests_in_flight_are_at_most_max_inflight_tasks(tmp_pat
     sampler = ServerSampler(BackendInputs(context, None, None, None, args, 4), pool)
     samples = sampler.sample(["a", "b", "c", "d"], [[2], [3], [4], [5]], SamplingParams(max_new_tokens=2))
     assert samples.completion_ids == [[7, 1]] * 4 and client.most == most
+    assert samples.versions == [[3, 3]] * 4  # each token's weight version, as the server tagged it
 
 
 def test_row_seeds_follow_the_run_seed_the_step_and_the_call(tiny_model_dir):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import free_port
 from trainers.errors import VLLMServerError
-from trainers.generation import vllm_client, vllm_server
+from trainers.generation import vllm_answers, vllm_client, vllm_server
 
 WORKER_FILE = os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_worker.py")
 
@@ -35,6 +35,7 @@ def test_command_runs_the_api_server_with_our_transfer_engine(tmp_path):
     assert flag(cmd, "--worker-extension-cls") == "trainers_vllm_worker.TrainersWorkerExtension"
     assert json.loads(flag(cmd, "--weight-transfer-config")) == {"backend": "trainers_gloo"}
     assert flag(cmd, "--logprobs-mode") == "processed_logprobs" and flag(cmd, "--max-logprobs") == "-1"
+    assert "--enable-scale-out" in cmd  # the token route: each token's weight version (in-flight weight updates)
     assert cmd[-2:] == ["--seed", "3"]  # a flag vllm-serve does not know goes to vLLM as is
     # TRL's spellings: underscores and dashes are the same option
     _, same = command("--model", str(tmp_path), "--port", "8123", "--tensor_parallel_size", "2",
@@ -112,11 +113,33 @@ def test_unreachable_server_is_an_error_naming_the_url():
 def test_logprobs_are_parsed_as_trl_parses_them():
     payload = {"tokens": ["token_id:7", "token_id:9"], "token_logprobs": [-2.0, float("nan")],
                "top_logprobs": [{"token_id:3": -0.5, "token_id:7": -2.0}, {"token_id:4": -0.1}]}
-    values, ids = vllm_client.parse_logprobs([payload])
+    values, ids = vllm_answers.parse_logprobs([payload])
     assert ids == [[[3, 7], [4, 9]]]  # by descending probability, the sampled token always there
     assert values == [[[-0.5, -2.0], [-0.1, None]]]  # NaN (a token vLLM could not score) -> None
-    assert vllm_client.parse_logprobs([None]) == (None, None)
+    assert vllm_answers.parse_logprobs([None]) == (None, None)
     assert not math.isnan(values[0][0][0])
+
+
+def test_the_token_routes_answers_are_read_into_the_same_shapes_and_each_tokens_version():
+    """/inference/v1/generate (in-flight weight updates): its log-probs as parse_logprobs gives them, and vLLM's
+    weight-version spans as one version per token (vLLM's "default", before any tagged update: None)."""
+    payload = {"content": [{"token_id": 7, "logprob": -2.0, "top_logprobs": [{"token_id": 3, "logprob": -0.5}]},
+                           {"token_id": 9, "logprob": float("nan"), "top_logprobs": []}]}
+    assert vllm_answers.parse_token_logprobs([payload]) == ([[[-0.5, -2.0], [None]]], [[[3, 7], [9]]])
+    assert vllm_answers.parse_token_logprobs([None]) == (None, None)
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 4},
+             {"version": "4", "start": 4, "end": 6}]
+    assert vllm_answers.token_versions(spans, 6) == [None, 3, 3, 3, 4, 4]
+    assert vllm_answers.token_versions(None, 2) == [None, None]
+
+
+def test_version_spans_are_runs_of_one_version_and_the_table_shows_where_they_change():
+    from trainers.sampling.metrics import spans_text
+    from trainers.sampling.rollout import version_spans
+
+    assert version_spans([3, 3, 4, None, 4]) == [[3, 0, 2], [4, 2, 3], [None, 3, 4], [4, 4, 5]]
+    assert spans_text(version_spans([3, 3, 4, None, 4])) == "3>4@2"
+    assert spans_text(version_spans([5, 5])) == "5" and spans_text([]) == "-"
 
 
 def test_same_model_compares_folders_by_path(tmp_path):

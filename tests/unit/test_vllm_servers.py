@@ -46,7 +46,7 @@ class Client:
         self.fleet.served[self.url] += prompts
         return {"prompt_ids": prompts, "completion_ids": [[7]] * (n * len(prompts))}
 
-    def begin_weight_update(self):
+    def begin_weight_update(self, pause=False):
         self._check("/start_weight_update")
         self.fleet.weights[self.url].append([])
 
@@ -54,7 +54,7 @@ class Client:
         self._check("/update_weights")
         self.fleet.weights[self.url][-1] += [name for name, _ in batch]
 
-    def end_weight_update(self):
+    def end_weight_update(self, version=None):
         self._check("/finish_weight_update")
 
     def abandon(self):

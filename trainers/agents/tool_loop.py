@@ -196,8 +196,10 @@ class ToolLoop:
         completions: list[list[int]] = [[] for _ in range(n)]
         masks: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
+        versions: list[list[int | None]] = [[] for _ in range(n)]  # each token's weight version (None: a tool's)
         messages: list[list[dict]] = [[] for _ in range(n)]
         given_logprobs = True  # the backend gave log-probs (vLLM); the policy itself gives none
+        given_versions = True  # the backend tagged each token with its weight version (in-flight weight updates)
         counts = ToolCounts(rollouts=n)
         pending, iteration = list(range(n)), 0
         while True:
@@ -207,6 +209,7 @@ class ToolLoop:
             out = backend.sample([prompts[i] for i in pending] or [prompts[0]], ids,
                                  dataclasses.replace(params, max_new_tokens=room))
             given_logprobs = given_logprobs and out.logprobs is not None
+            given_versions = given_versions and out.versions is not None
             calling = []
             for j, i in enumerate(pending):
                 turn_ids = out.completion_ids[j][:budget - len(completions[i])]
@@ -217,22 +220,26 @@ class ToolLoop:
                 masks[i] += [1] * len(turn_ids)
                 if out.logprobs is not None:
                     logprobs[i] += out.logprobs[j][:len(turn_ids)]
+                if out.versions is not None:
+                    versions[i] += out.versions[j][:len(turn_ids)]
                 messages[i].append(turn.message)
                 counts += ToolCounts(malformed=turn.malformed)
                 if turn.calls and whole and iteration < self.max_iterations and len(completions[i]) < budget:
                     calling.append((i, turn))
-            pending, called = self._call_tools(calling, environments, completions, masks, logprobs, messages, budget)
+            pending, called = self._call_tools(calling, environments, completions, masks, logprobs, versions, messages,
+                                               budget)
             counts += called
             iteration += 1
             if dist.all_reduce_sum(acc, torch.tensor([float(len(pending))], device=acc.device)).item() == 0:
                 break
         # a rollout whose last turn was cut by the budget did not finish (TRL's rule after tool calls)
         samples = Samples(prompt_ids, completions, logprobs if given_logprobs else None, masks,
-                          finished=[ended(c, eos_ids) for c in completions])
+                          finished=[ended(c, eos_ids) for c in completions],
+                          versions=versions if given_versions else None)
         return Episode(samples, prompts, messages, environments, counts)
 
-    def _call_tools(self, calling: list[tuple[int, Turn]], environments, completions, masks, logprobs, messages,
-                    budget: int) -> tuple[list[int], ToolCounts]:
+    def _call_tools(self, calling: list[tuple[int, Turn]], environments, completions, masks, logprobs, versions,
+                    messages, budget: int) -> tuple[list[int], ToolCounts]:
         """Run the calls of every rollout in ``calling`` at once, append each rollout's tool turn (cut to the
         budget) to its tokens and messages; -> the rollouts that go on sampling, and what the calls did."""
         if not calling:
@@ -249,6 +256,7 @@ class ToolLoop:
             completions[i] += suffix
             masks[i] += [0] * len(suffix)
             logprobs[i] += [math.nan] * len(suffix)
+            versions[i] += [None] * len(suffix)
             messages[i] += [{"role": "tool", "name": r.name, "content": r.content} for r in kept]
             if len(completions[i]) < budget:
                 going_on.append(i)

@@ -41,6 +41,9 @@ class Samples:
     # per completion: it ended (an EOS) rather than being cut by the token budget, as the backend knows it; None:
     # the rollout stage applies TRL's rule (an EOS anywhere)
     finished: list[bool] | None = None
+    # per completion token: the weight version (optimizer step) that sampled it, None for a token the model did not
+    # write (a tool result); None: the backend does not say (asynchronous GRPO's in-flight weight updates need it)
+    versions: list[list[int | None]] | None = None
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

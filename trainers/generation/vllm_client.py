@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from trainers.errors import VLLMServerError
+from trainers.generation.vllm_answers import (finite_or_minus_inf, parse_logprobs, parse_token_logprobs,
+                                             token_versions)
 from trainers.generation.weight_wire import BUCKET_BYTES, host_buffer, hosted_store, plan_buckets, wire_tensor
 
 ENGINE_NAME = "trainers_gloo"  # the server's transfer engine (trainers_vllm_worker.ENGINE_NAME)
@@ -100,6 +102,7 @@ class VLLMClient:
         self._group: dist.ProcessGroupGloo | None = None
         self._store: dist.TCPStore | None = None  # kept alive with the group: it hosts the rendezvous
         self._in_update = False  # inside weight_update()
+        self._paused = False  # begin_weight_update(pause=True) paused the server's requests; end_weight_update resumes
         self._server_dtype: torch.dtype | None | bool = None  # server_dtype(): None until read, False if unknown
         self.wait_for_server(connection_timeout)
         self.model = self.served_model()
@@ -234,6 +237,37 @@ class VLLMClient:
             "logprob_token_ids": token_ids,
         }
 
+    def generate_tokens(self, prompt_ids: list[int], n: int = 1, seed: int | None = None,
+                        sampling_params: dict | None = None) -> dict[str, list]:
+        """``n`` completions of one prompt (token ids), by vLLM's token route (``/inference/v1/generate``, which
+        ``trainers vllm-serve`` enables with ``--enable-scale-out``), each token tagged with the weight version that
+        sampled it: a request in flight across a weight update (``begin_weight_update(pause=True)``) has tokens of
+        two versions. ``sampling_params``: vllm.SamplingParams arguments (``structured_outputs``, ``logprobs``, ...).
+
+        Returns ``completion_ids``, ``logprobs`` / ``logprob_token_ids`` as ``generate`` (None without
+        ``logprobs``) and ``versions`` ([row][token]: the ``version`` given to ``end_weight_update``, None before
+        any)."""
+        params = {**(sampling_params or {}), "n": n} | ({} if seed is None else {"seed": seed})
+        body = {"model": self.model, "token_ids": list(map(int, prompt_ids)), "sampling_params": params,
+                "output_mode": "tokens"}
+        try:
+            answer = self._post("/inference/v1/generate", body)
+        except VLLMServerError as error:
+            if "HTTP 403" not in str(error) and "HTTP 404" not in str(error):
+                raise
+            raise VLLMServerError(f"The vLLM server at {self.base_url} does not serve /inference/v1/generate, which "
+                                  f"in-flight weight updates sample through (each token's weight version): restart it "
+                                  f"with this version's `trainers vllm-serve` (it passes --enable-scale-out), or set "
+                                  f"in_flight_weight_updates=False.") from None
+        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        if len(choices) != n:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} returned {len(choices)} completions for n={n}.")
+        values, token_ids = parse_token_logprobs([choice.get("logprobs") for choice in choices])
+        return {"completion_ids": [choice["token_ids"] for choice in choices], "logprobs": values,
+                "logprob_token_ids": token_ids,
+                "versions": [token_versions(choice.get("weight_versions"), len(choice["token_ids"]))
+                             for choice in choices]}
+
     def get_sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 100,
                               temperature: float = 1.0) -> dict[str, list]:
         """The served model's log-probs of given token sequences (prompt + completion) at each completion
@@ -256,11 +290,11 @@ class VLLMClient:
             for position in range(start, len(sequence)):
                 given = choice["prompt_logprobs"][position] or {}
                 ranked = sorted(given.items(), key=lambda item: item[1]["rank"])[:top_logprobs]
-                values = [_finite_or_minus_inf(item["logprob"]) for _, item in ranked]
+                values = [finite_or_minus_inf(item["logprob"]) for _, item in ranked]
                 rows[0].append(values + [-math.inf] * (top_logprobs - len(values)))
                 rows[1].append([int(token) for token, _ in ranked] + [0] * (top_logprobs - len(ranked)))
                 actual = given.get(str(sequence[position]))
-                rows[2].append([-math.inf if actual is None else _finite_or_minus_inf(actual["logprob"])])
+                rows[2].append([-math.inf if actual is None else finite_or_minus_inf(actual["logprob"])])
                 rows[3].append([int(sequence[position])])
             for key, values in zip(out, rows):
                 out[key].append(values)
@@ -304,12 +338,16 @@ class VLLMClient:
             self._in_update = False
         self.end_weight_update()
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, pause: bool = False) -> None:
         """Open the server's weight update (``weight_update()`` in two calls, for several servers updated
         together): the transfer group if not open, then the update. One left open by a transfer that failed
         half-way (this run's, or a trainer that died mid-transfer) is closed first, its partial weights to be
-        overwritten by this update."""
+        overwritten by this update. ``pause``: requests in flight are paused between decode steps first (vLLM's
+        ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them."""
         self.init_communicator()
+        if pause:
+            self._post("/pause", params={"mode": "keep"})
+            self._paused = True
         try:
             self._post("/start_weight_update")
         except VLLMServerError as error:
@@ -319,11 +357,15 @@ class VLLMClient:
             self._post("/start_weight_update")
         self._in_update = True
 
-    def end_weight_update(self) -> None:
-        """Finish the update ``begin_weight_update`` opened: the server reloads, then drops its prefix cache."""
+    def end_weight_update(self, version: int | None = None) -> None:
+        """Finish the update ``begin_weight_update`` opened: the server reloads (tagging the tokens it samples from
+        here on with ``version``, when given), drops its prefix cache and resumes the requests it paused."""
         self._in_update = False
-        self._post("/finish_weight_update")
+        self._post("/finish_weight_update", {} if version is None else {"weight_version": str(version)})
         self.reset_prefix_cache()
+        if self._paused:
+            self._post("/resume")
+            self._paused = False
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
@@ -414,33 +456,6 @@ class VLLMClient:
         """Release this client's group without a word to the server (it is down, or hung: a request would wait for
         it)."""
         self._drop_group()
-
-
-def parse_logprobs(choices_logprobs: list[dict | None]) -> tuple[list | None, list | None]:
-    """/v1/completions log-probs -> ([row][token][k] values, [row][token][k] token ids) by descending probability,
-    the sampled token always among them, as TRL's ``parse_logprobs``; NaN becomes None; (None, None) when the
-    request asked for none."""
-    if not choices_logprobs or choices_logprobs[0] is None:
-        return None, None
-    values, token_ids = [], []
-    for logprobs in choices_logprobs:
-        row_values, row_ids = [], []
-        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
-            ranked = {token: logprob, **(top or {})}  # the sampled token even when it is not among the top ones
-            items = sorted(ranked.items(), key=lambda item: -_sortable(item[1]))
-            row_ids.append([int(name.removeprefix("token_id:")) for name, _ in items])
-            row_values.append([None if value is None or math.isnan(value) else value for _, value in items])
-        values.append(row_values)
-        token_ids.append(row_ids)
-    return values, token_ids
-
-
-def _finite_or_minus_inf(value: float | None) -> float:
-    return -math.inf if value is None or math.isnan(value) else float(value)
-
-
-def _sortable(value: float | None) -> float:
-    return -math.inf if value is None or math.isnan(value) else value
 
 
 def same_model(served: str, expected: str) -> bool:

@@ -230,18 +230,28 @@ class VLLMBackend:
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt (its token ids, ending with an EOS unless max_new_tokens cut it) and the
         engine's log-prob of each of its tokens (NaN where it gave none). Every process calls it together."""
+        return self._generate(prompt_ids, *self.request_options(prompt_ids, params))
+
+    def request_options(self, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[dict, list[int]]:
+        """(vllm.SamplingParams arguments, one seed per row) for sampling ``prompt_ids`` with ``params``."""
         kwargs = vllm_sampling_kwargs(params, set(self.context.eos_ids))
         given = kwargs.pop("seed", None)  # generation_kwargs' seed: every call's rows from it (as TRL's n from it)
         seeds = self.row_seeds(len(prompt_ids)) if given is None else [given + i for i in range(len(prompt_ids))]
-        return self._generate(prompt_ids, kwargs, seeds)
+        return kwargs, seeds
 
     def sample(self, prompts: list, prompt_ids: list[list[int]], params: SamplingParams) -> Samples:
         """Completions and the engine's log-probs of them, each cut after its first EOS (as the policy's)."""
-        completions, logprobs = self.generate(prompt_ids, params)
+        return self.samples(prompt_ids, *self.generate(prompt_ids, params))
+
+    def samples(self, prompt_ids: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+                versions: list[list[int | None]] | None = None) -> Samples:
+        """The engine's completions (with their log-probs and, where known, each token's weight version) as
+        ``Samples``, each cut after its first EOS (as the policy's)."""
         eos_ids = set(self.context.eos_ids)
         cut = [cut_at_eos(list(ids), eos_ids, self.context.pad_id) for ids in completions]
         return Samples(prompt_ids, cut, [values[:len(ids)] for values, ids in zip(logprobs, cut)],
-                       finished=[ended(ids, eos_ids) for ids in cut])
+                       finished=[ended(ids, eos_ids) for ids in cut],
+                       versions=None if versions is None else [v[:len(ids)] for v, ids in zip(versions, cut)])
 
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int] | None
                   ) -> tuple[list[list[int]], list[list[float]]]:

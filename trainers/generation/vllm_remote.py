@@ -19,6 +19,7 @@ import torch
 from trainers.parallel import distributed as dist
 from trainers.errors import VLLMServerError
 from trainers.generation.backend import BackendInputs
+from trainers.generation.sampling import Samples
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend
 from trainers.generation.vllm_servers import ServerPool
 
@@ -51,9 +52,11 @@ def server_urls(config) -> list[str]:
 
 
 def request_completions(pool: ServerPool, prompt_ids: list[list[int]], seeds: list[int], kwargs: dict, regex: str | None,
-                        max_requests: int = MAX_CONCURRENT_REQUESTS) -> tuple[list[list[int]], list[list[float]]]:
-    """The completions of ``prompt_ids`` (row i with seed ``seeds[i]``, vllm.SamplingParams ``kwargs``) and their
-    log-probs (NaN where the server gave none), from the servers of ``pool``: a run of rows with one prompt and
+                        max_requests: int = MAX_CONCURRENT_REQUESTS, versions: bool = False
+                        ) -> tuple[list[list[int]], list[list[float]], list[list[int | None]] | None]:
+    """The completions of ``prompt_ids`` (row i with seed ``seeds[i]``, vllm.SamplingParams ``kwargs``), their
+    log-probs (NaN where the server gave none) and, with ``versions``, each token's weight version (sampled by the
+    token route, which tags them; else None), from the servers of ``pool``: a run of rows with one prompt and
     consecutive seeds (a group's completions) is one request for n completions with the first seed (vLLM seeds the
     n with s, s + 1, ...); the requests are sent together, at most ``max_requests`` in flight, each to the server
     with the fewest in flight (another if that one fails)."""
@@ -64,6 +67,10 @@ def request_completions(pool: ServerPool, prompt_ids: list[list[int]], seeds: li
 
     def send(request: tuple[list[list[int]], int, int]) -> dict:
         prompts, n, seed = request
+        if versions:  # one prompt a request on the token route
+            params = {**options, **extra} | ({} if regex is None else {"structured_outputs": {"regex": regex}})
+            return pool.request(lambda client: client.generate_tokens(prompts[0], n=n, seed=seed,
+                                                                      sampling_params=params))
         return pool.request(lambda client: client.generate(
             prompts=prompts, **{**options, "n": n}, structured_outputs_regex=regex,
             generation_kwargs={**extra, "seed": seed}))
@@ -76,7 +83,7 @@ def request_completions(pool: ServerPool, prompt_ids: list[list[int]], seeds: li
         given = out["logprobs"] or [None] * len(out["completion_ids"])  # None: the server gave none
         logprobs += [[math.nan] * len(ids) if row is None else [math.nan if top[0] is None else top[0] for top in row]
                      for ids, row in zip(out["completion_ids"], given)]
-    return completions, logprobs
+    return completions, logprobs, [row for out in outs for row in out["versions"]] if versions else None
 
 
 class VLLMRemote(VLLMBackend):
@@ -92,6 +99,8 @@ class VLLMRemote(VLLMBackend):
         self._producer_pools: list[ServerPool] = []  # this process's asynchronous producers' (producer())
         self._version: int | None = None  # the optimizer step whose weights the push under way sends
         self._closed = False  # on every process: close() ran, the next sync connects again
+        # asynchronous GRPO's weight pushes go to servers whose producers' requests are in flight (AsyncRounds)
+        self.updates_in_flight = bool(self.config.async_generation and self.config.in_flight_weight_updates)
         self._connect()
         self.sync_weights(0)  # the policy's weights before the first optimizer step
         self.context.accelerator.wait_for_everyone()
@@ -158,8 +167,8 @@ class VLLMRemote(VLLMBackend):
             for _ in batches:
                 pass
         else:
-            try:
-                self.pool.push(chunked(batches), self._version)
+            try:  # asynchronous GRPO's producers may be sampling: their requests pause for it (in flight)
+                self.pool.push(chunked(batches), self._version, pause=self.updates_in_flight)
             except Exception as caught:
                 error = caught
                 for _ in batches:  # the other processes are still gathering
@@ -189,7 +198,7 @@ class VLLMRemote(VLLMBackend):
             try:
                 answer = request_completions(self.pool, [ids for part, _ in everyone for ids in part],
                                              [seed for _, part in everyone for seed in part], kwargs,
-                                             self.config.vllm_structured_outputs_regex)
+                                             self.config.vllm_structured_outputs_regex)[:2]
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error, shared=(VLLMServerError,))  # as in _push_weights
@@ -214,10 +223,19 @@ class ServerSampler(VLLMBackend):
         super().__init__(inputs)
         self.pool = pool
 
+    def sample(self, prompts: list, prompt_ids: list[list[int]], params) -> Samples:
+        """As the trainer's backend samples, and with in-flight weight updates each token's weight version (the
+        token route's tags: a request in flight across a push has tokens of two versions)."""
+        kwargs, seeds = self.request_options(prompt_ids, params)
+        inflight = self.config.max_inflight_tasks  # -1: MAX_CONCURRENT_REQUESTS
+        return self.samples(prompt_ids, *request_completions(
+            self.pool, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex,
+            inflight if inflight > 0 else MAX_CONCURRENT_REQUESTS, versions=self.config.in_flight_weight_updates))
+
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         inflight = self.config.max_inflight_tasks  # -1: MAX_CONCURRENT_REQUESTS
         return request_completions(self.pool, prompt_ids, seeds, kwargs, self.config.vllm_structured_outputs_regex,
-                                   inflight if inflight > 0 else MAX_CONCURRENT_REQUESTS)
+                                   inflight if inflight > 0 else MAX_CONCURRENT_REQUESTS)[:2]
 
     def sync_weights(self, step: int | None = None) -> None:
         raise RuntimeError("ServerSampler.sync_weights: the trainer's VLLMRemote pushes the weights.")

@@ -8,7 +8,9 @@ TRL's ``trl vllm-serve`` options (underscores or dashes); any other flag goes to
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` console script fails with the CPU wheel) with
 ``VLLM_SERVER_DEV_MODE=1`` (the weight-update endpoints), TRL's logprob settings, and our weight-transfer engine
 (trainers/generation/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
-imports through ``--worker-extension-cls``. The trainer connects with ``VLLMClient`` (trainers/generation/vllm_client.py).
+imports through ``--worker-extension-cls``, and ``--enable-scale-out`` (vLLM's token route,
+``/inference/v1/generate``, whose answers tag each token with the weight version that sampled it: asynchronous
+GRPO samples through it, pushing weights while requests are in flight). The trainer connects with ``VLLMClient`` (trainers/generation/vllm_client.py).
 
 It listens on 127.0.0.1 unless ``--host`` says otherwise. With a key (``--api-key``, or TRAINERS_VLLM_API_KEY; one
 is generated and printed when the host is not a loopback address and none is given), every route answers 401
@@ -155,6 +157,8 @@ def build_command(args: argparse.Namespace, extra_args: list[str], key: str | No
         # them with the trainer's), and no cap on how many per token
         "--logprobs-mode", "processed_logprobs",
         "--max-logprobs", "-1",
+        # the token route (/inference/v1/generate): each token's weight version, for in-flight weight updates
+        "--enable-scale-out",
     ]
     return command + list(extra_args)
 

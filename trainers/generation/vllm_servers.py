@@ -177,10 +177,12 @@ class ServerPool:
             logger.warning(f"vLLM server {server.url} answers again: it gets this push's weights and then requests.")
         return back
 
-    def push(self, batches: Iterable[list[tuple[str, torch.Tensor]]], version: int | None) -> None:
+    def push(self, batches: Iterable[list[tuple[str, torch.Tensor]]], version: int | None,
+             pause: bool = False) -> None:
         """Every answering server's weights := ``batches`` (the policy's, gathered module by module), sent to all
         of them together; those that answer again first (``take_back``). A server that fails during the push is
-        taken out; the push fails only when none received it."""
+        taken out; the push fails only when none received it. ``pause``: each server's requests in flight are
+        paused for the update and go on with the new weights (their tokens from then on tagged ``version``)."""
         from trainers.generation.vllm_client import VLLMServerDown
 
         self.take_back()
@@ -196,10 +198,10 @@ class ServerPool:
                     elif error is not None:
                         raise error
 
-            each(lambda s: s.client.begin_weight_update(), "opening a weight update")
+            each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
             for batch in batches:
                 each(lambda s: s.client.update_named_params(batch), "receiving weights")
-            each(lambda s: s.client.end_weight_update(), "finishing a weight update")
+            each(lambda s: s.client.end_weight_update(version), "finishing a weight update")
         done = [s for s in targets if not s.out]
         if not done:
             raise self.none_left()
@@ -216,18 +218,21 @@ class ServerPool:
         return {s.url: (s.version if s in ready else False) for s in self.servers} | {"": self.version}
 
     def adopt(self, view: dict) -> None:
-        """Follow the pushing pool's ``view`` (GRPO's asynchronous producers, which sample but never push): a
-        server it has out is out here; one in service there is connected again here if it was out."""
-        self.version = view[""]
-        for server in self.servers:
+        """Follow the pushing pool's ``view`` (GRPO's asynchronous producers, which sample but never push; with
+        in-flight weight updates, while they sample): a server it has out is out here; one in service there is
+        connected again here if it was out; the versions change together, so a request never finds none."""
+        for server in self.servers:  # the network first, outside the lock
             version = view.get(server.url, False)
-            if version is False:
-                if not server.out:
-                    self.take_out(server, VLLMServerError("out of service for the trainer"), "following the trainer")
-                continue
-            if server.out and not self.reconnect(server):
-                continue
-            server.version = version
+            if version is False and not server.out:
+                self.take_out(server, VLLMServerError("out of service for the trainer"), "following the trainer")
+            elif version is not False and server.out:
+                self.reconnect(server)
+        with self.lock:
+            self.version = view[""]
+            for server in self.servers:
+                version = view.get(server.url, False)
+                if version is not False and not server.out:
+                    server.version = version
 
     # ------------------------------------------------------------------ reporting
 

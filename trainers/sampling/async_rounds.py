@@ -3,15 +3,19 @@
     trainer thread (every process together)                 producer thread (one per process, its own rows)
     -----------------------------------------------         ---------------------------------------------------
     prepare_step(t): sync_weights(t) every                   waits for a fed round the engine's weights may
-      weight_sync_steps (producers paused between              sample: version // N >= first_step(r) // N - k
-      their rounds, so no round mixes weights)               samples it (the tool loop over it) through the
+      weight_sync_steps (in flight: the engine pauses          sample: version // N >= first_step(r) // N - k
+      the producers' requests between two tokens; else         samples it (the tool loop over it) through the
+      between their rounds)
     feed(r): round r's rows, read in order          ---->      backend's producer(): its own client, no
-    take(r): waits for them, checks the bound       <----      collectives; tags it with the version it used
+    take(r): waits for them, checks the bound       <----      collectives; tags it with its oldest token's version
     the rest of the rollout stage (rewards, old log-probs, advantages) as in a synchronous round
 
-(N: weight_sync_steps; k: max_staleness; a version is the optimizer step whose weights the engine holds.) A round
-is never generated staler than the bound: the producer waits instead, so nothing is generated to be thrown away;
-``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
+(N: weight_sync_steps; k: max_staleness; a version is the optimizer step whose weights the engine holds.) With
+in_flight_weight_updates (the backend's ``updates_in_flight``) the trainer pushes while the producers sample: a
+round sampled across a push has tokens of two versions, each tagged by the backend (``Samples.versions``), and it
+counts as its oldest token's; otherwise a push waits for the round in flight. A round is never generated staler
+than the bound: the producer waits instead, so nothing is generated to be thrown away (and later tokens are only
+newer); ``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
 the step that trains on it, by the same seeds: the synchronous run, exactly. The lag is corrected by the sampler's
 log-probs (vllm_importance_sampling_correction, off_policy_mask_threshold), as for any sampler apart from the policy.
 
@@ -101,6 +105,12 @@ class AsyncRounds:
         self.tokenizer, self.eos_ids, self.sampling = tokenizer, eos_ids, sampling
         self.accelerator, self.args = accelerator, args
         self.every, self.bound = args.weight_sync_steps, args.max_staleness
+        self.in_flight = args.in_flight_weight_updates
+        if self.in_flight and not getattr(backend, "updates_in_flight", False):
+            raise GenerationError(f"async_generation with in_flight_weight_updates=True: the generation backend "
+                                  f"{type(backend).__name__} cannot take new weights while its producer samples (it "
+                                  f"has no updates_in_flight); set in_flight_weight_updates=False (each round on "
+                                  f"one version).")
         self._cond = threading.Condition()
         self._generating = threading.Lock()  # held by the producer while it samples a round
         self._thread: threading.Thread | None = None
@@ -126,27 +136,28 @@ class AsyncRounds:
         return self.backend.sample(prompts, prompt_ids, params)
 
     def sync_weights(self, step: int) -> None:
-        """The engine gets the weights of optimizer step ``step``, between the producers' rounds: each process's
-        producer finishes the round it is sampling, all processes meet, the backend pushes, the producers go on
-        with the new version."""
+        """The engine gets the weights of optimizer step ``step``: with in_flight_weight_updates while the producers
+        sample (the backend pauses their requests for it; their tokens from then on are of the new version), else
+        between their rounds (each process's producer finishes the round it is sampling first). All processes
+        meet, the backend pushes, the producers go on with the new version."""
         if self._version == step:
             return
         started = time.monotonic()
         timeout = self.args.request_timeout + self.args.weight_sync_timeout
-        paused = self._generating.acquire(timeout=timeout)
+        paused = True if self.in_flight else self._generating.acquire(timeout=timeout)
         self._sync_wait += time.monotonic() - started
         error = None if paused else GenerationError(
             f"async_generation: the producer did not finish its round within {timeout} s (request_timeout + "
             f"weight_sync_timeout), so the weights of step {step} could not be pushed.")
         try:
             dist.raise_together(self.accelerator, error, shared=(GenerationError,))
-            self.accelerator.wait_for_everyone()  # no process's producer is sampling now
+            self.accelerator.wait_for_everyone()  # every process pushes together (no producer samples, unless in flight)
             self.backend.sync_weights(step)
             with self._cond:
                 self._version = step
                 self._cond.notify_all()
         finally:
-            if paused:
+            if paused and not self.in_flight:
                 self._generating.release()
         self._sync_seconds += time.monotonic() - started
 
@@ -211,16 +222,20 @@ class AsyncRounds:
             waiting = self._waiting_rows
         self._trainer_wait += time.monotonic() - started
         dist.raise_together(self.accelerator, error, shared=(GenerationError, VLLMServerError))
-        staleness = first_step // self.every - sampled.version // self.every
+        staleness = first_step // self.every - sampled.version // self.every  # its oldest token's
+        versions = sampled.samples.versions or []
+        mixed = sum(len({v for v in row if v is not None}) > 1 for row in versions)  # sampled across a push
         acc = self.accelerator
-        total = dist.all_reduce_sum(acc, torch.tensor([float(staleness), float(waiting)], device=acc.device))
+        total = dist.all_reduce_sum(acc, torch.tensor([float(staleness), float(waiting), float(mixed),
+                                                       float(len(sampled.samples.completion_ids))], device=acc.device))
         peak = dist.all_reduce_max(acc, torch.tensor([float(staleness)], device=acc.device)).item()
         if peak > self.bound:  # the producer's gate makes this impossible: a bug, never trained on silently
             raise GenerationError(f"async_generation: round {round_index} was sampled {peak:g} weight syncs before "
                                   f"step {first_step}, beyond max_staleness={self.bound}.")
-        staleness_sum, waiting_sum = total.tolist()
+        staleness_sum, waiting_sum, mixed_sum, rows = total.tolist()
         return sampled, {"sample/staleness_mean": staleness_sum / acc.num_processes,
-                         "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum}
+                         "sample/staleness_max": peak, "sample/rollout_queue_size": waiting_sum,
+                         "sample/updated_in_flight": mixed_sum / rows if rows else 0.0}
 
     def step_metrics(self) -> dict[str, float]:
         """Since the last call, the most over processes: the trainer's wait for rounds (perf/rollout_wait_s), the
@@ -284,8 +299,8 @@ class AsyncRounds:
                         sampler.seed_position(work.first_step)
                     sampled = sample_rows(sampler, tool_loop, self.tokenizer, work.rows, work.prompt_ids,
                                           self.sampling, self.eos_ids, local)
-                with self._cond:
-                    self._done[work.round_index] = replace(sampled, version=version)
+                with self._cond:  # in flight, tokens may be newer than the round's start: the oldest one counts
+                    self._done[work.round_index] = replace(sampled, version=oldest(sampled, version))
                     self._progress = time.monotonic()
                     self._cond.notify_all()
         except BaseException as caught:  # the trainer raises it on every process, with a checkpoint
@@ -303,3 +318,10 @@ class AsyncRounds:
             sampler.close()
             if tool_loop is not None:
                 tool_loop.close()
+
+
+def oldest(sampled: Sampled, started_with: int | None) -> int | None:
+    """The version of a round's oldest token, as the backend tagged them (in-flight weight updates), else the
+    version it started with (no token is older)."""
+    tagged = [v for row in sampled.samples.versions or [] for v in row if v is not None]
+    return min(tagged) if tagged else started_with

@@ -18,7 +18,8 @@ from trainers.config.options import check_field, opt, reject_unknown_options
 
 GENERATION_ENGINES = ("auto", "lean", "hf")
 # options that only asynchronous generation reads (weight_sync_timeout and request_timeout serve server mode too)
-ASYNC_OPTIONS = ("max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s")
+ASYNC_OPTIONS = ("max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s",
+                 "in_flight_weight_updates")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 
@@ -161,6 +162,11 @@ class SamplingConfig(TrainingConfig):
     weight_sync_steps: int = opt(
         1, "async_generation: push the policy's weights to the server every this many optimizer steps (a weight "
         "sync is one version; staleness counts them).", ge=1)
+    in_flight_weight_updates: bool = opt(
+        True, "async_generation: push the weights while the producer's requests are in flight: the server pauses "
+        "them between decode steps, loads the new weights and resumes them, so the trainer never waits for a round "
+        "to finish; each completion token records the weights that sampled it (version_spans in completions.jsonl). "
+        "False: every round is sampled with one version (the push waits for the round in flight).")
     weight_sync_timeout: int = opt(
         1800, "Server mode: seconds a weight transfer to the vLLM server may wait before it is an error (the run "
         "stops with a checkpoint instead of hanging).", gt=0)

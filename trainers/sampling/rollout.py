@@ -240,9 +240,12 @@ class RolloutStage:
         metrics.update(logged_metric_means(acc, scored.logs))
         completions = None
         if args.log_completions:
-            # asynchronous GRPO: which weights sampled each completion (TRL's trace field); a reward function's
-            # own log_extra column of that name is kept instead
+            # asynchronous GRPO: which weights sampled each completion (TRL's trace field: its oldest token's) and,
+            # with in-flight weight updates, each token's; a reward function's own log_extra column of that name
+            # is kept instead
             version = {} if scored.version is None else {"model_version": [scored.version] * n}
+            if scored.samples.versions is not None:
+                version["version_spans"] = [version_spans(row) for row in scored.samples.versions]
             local = sample_records(scored.prompts, scored.completions, names, rewards_per_func[start:start + n],
                                    adv.rewards[start:start + n], advantages, {**version, **scored.logs.extra})
             completions = dist.gather_objects(acc, local)
@@ -302,6 +305,18 @@ def round_metrics(rewards: torch.Tensor, rewards_per_func: torch.Tensor, reward_
         metrics[f"rewards/{name}/mean"] = sum(float(torch.nanmean(c)) for c in columns) / len(columns)
         metrics[f"rewards/{name}/std"] = sum(float(nanstd(c)) for c in columns) / len(columns)
     return metrics
+
+
+def version_spans(versions: list[int | None]) -> list[list[int | None]]:
+    """One completion's per-token weight versions as [version, first token, end] runs, e.g. [[3, 0, 5], [4, 5, 8]]:
+    tokens 0-4 sampled with step 3's weights, 5-7 with step 4's (None: tokens the model did not write)."""
+    spans: list[list[int | None]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1][0] == version:
+            spans[-1][2] = i + 1
+        else:
+            spans.append([version, i, i + 1])
+    return spans
 
 
 def sample_records(prompts: list, completions: list, reward_names: list[str], rewards_per_func: torch.Tensor,
