@@ -27,6 +27,7 @@ class CopyEngine:
     fail_at: int | None = None
     stall_at: int | None = None
     pushes: list[int] = []
+    pushed_while_sampling: list[int] = []  # the steps whose push said a producer was sampling (requests_in_flight)
     versions: list[tuple[int, int]] = []
 
     updates_in_flight = True
@@ -51,7 +52,9 @@ class CopyEngine:
             if self.rounds == CopyEngine.stall_at:
                 time.sleep(3600)
 
-    def sync_weights(self, step: int | None = None) -> None:
+    def sync_weights(self, step: int | None = None, requests_in_flight: bool = False) -> None:
+        if requests_in_flight:
+            CopyEngine.pushed_while_sampling.append(step)
         if step is not None:
             self.seed_position(step)
         with self.lock:

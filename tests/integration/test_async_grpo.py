@@ -26,6 +26,7 @@ PROMPTS = [{"prompt": w} for w in WORDS]
 @pytest.fixture(autouse=True)
 def fresh_engine_records():
     CopyEngine.pushes, CopyEngine.versions, CopyEngine.fail_at, CopyEngine.stall_at = [], [], None, None
+    CopyEngine.pushed_while_sampling = []
     yield
     CopyEngine.fail_at = CopyEngine.stall_at = None
 
@@ -174,8 +175,12 @@ def test_in_flight_weight_updates_tag_each_token_and_keep_the_bound(tiny_model_d
         assert {r["model_version"] for r in records if r["step"] == step} == {min(min(t) for t in rows)}
     mixed = {step: sum(len(set(t)) > 1 for t in rows) / len(rows) for step, rows in by_step.items()}
     logged = {r["step"]: r["sample/updated_in_flight"] for r in step_records(trainer)}
-    print(f"\nin flight: share of completions sampled across a push, by step {mixed}")
+    print(f"\nin flight: share of completions sampled across a push, by step {mixed}; pushes while a producer "
+          f"sampled: {CopyEngine.pushed_while_sampling}")
     assert logged == pytest.approx(mixed) and sum(v > 0 for v in mixed.values()) >= 2, mixed
+    # the push said so exactly when a producer was sampling: a completion crosses only such pushes
+    crossed = {v for rows in by_step.values() for t in rows for v in sorted(set(t))[1:]}
+    assert crossed and crossed <= set(CopyEngine.pushed_while_sampling), (crossed, CopyEngine.pushed_while_sampling)
 
 
 @pytest.mark.parametrize("stream", [False, True])

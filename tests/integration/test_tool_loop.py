@@ -98,6 +98,9 @@ class ScriptedAhead(Scripted):
 
     updates_in_flight = True  # it reads nothing of the weights: a push may land while it samples
 
+    def sync_weights(self, step=None, requests_in_flight=False):
+        super().sync_weights(step)
+
     def producer(self):
         return copy.copy(self)
 

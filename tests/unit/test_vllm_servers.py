@@ -23,6 +23,7 @@ class Fleet:
         self.up = {url: True for url in urls}
         self.served = {url: [] for url in urls}  # the prompts each answered
         self.weights = {url: [] for url in urls}  # the batches each received, per push
+        self.updates = {url: [] for url in urls}  # per push: (its requests paused, the version it was tagged with)
         self.delay = delay
 
     def connect(self, url: str, wait: bool):
@@ -49,6 +50,7 @@ class Client:
     def begin_weight_update(self, pause=False):
         self._check("/start_weight_update")
         self.fleet.weights[self.url].append([])
+        self.fleet.updates[self.url].append([pause, None])
 
     def update_named_params(self, batch):
         self._check("/update_weights")
@@ -56,6 +58,7 @@ class Client:
 
     def end_weight_update(self, version=None):
         self._check("/finish_weight_update")
+        self.fleet.updates[self.url][-1][1] = version
 
     def abandon(self):
         pass
@@ -126,6 +129,14 @@ def test_a_server_that_misses_a_push_gets_no_requests_until_one_reaches_it_and_c
     pool.push(iter(BATCHES), version=4)  # taken back: it gets this push's weights, then requests
     assert fleet.weights[B][-1] == ["w1", "w2"] and [s.url for s in pool.in_service()] == [A, B]
     assert all(s.version == 4 for s in pool.servers)
+
+
+def test_a_push_pauses_the_requests_in_flight_only_when_asked_and_tags_its_version():
+    fleet = Fleet(A, B)
+    pool = ServerPool([A, B], fleet.connect)
+    pool.push(iter(BATCHES), version=1)
+    pool.push(iter(BATCHES), version=2, pause=True)  # a producer is sampling: each server pauses it for the update
+    assert fleet.updates[A] == fleet.updates[B] == [[False, 1], [True, 2]]
 
 
 def test_the_other_processes_pools_follow_the_pushing_one():

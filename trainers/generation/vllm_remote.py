@@ -99,8 +99,7 @@ class VLLMRemote(VLLMBackend):
         self._producer_pools: list[ServerPool] = []  # this process's asynchronous producers' (producer())
         self._version: int | None = None  # the optimizer step whose weights the push under way sends
         self._closed = False  # on every process: close() ran, the next sync connects again
-        # asynchronous GRPO's weight pushes go to servers whose producers' requests are in flight (AsyncRounds)
-        self.updates_in_flight = bool(self.config.async_generation and self.config.in_flight_weight_updates)
+        self._requests_in_flight = False  # the push under way: asynchronous GRPO's producers are sampling
         self._connect()
         self.sync_weights(0)  # the policy's weights before the first optimizer step
         self.context.accelerator.wait_for_everyone()
@@ -151,11 +150,16 @@ class VLLMRemote(VLLMBackend):
         self._producer_pools.append(pool)
         return ServerSampler(inputs, pool)
 
-    def sync_weights(self, step: int | None = None) -> None:
+    updates_in_flight = True  # a push may land while asynchronous GRPO's producers sample (the server pauses them)
+
+    def sync_weights(self, step: int | None = None, requests_in_flight: bool = False) -> None:
+        """The servers' weights := the policy's after ``step``; ``requests_in_flight`` (asynchronous GRPO, in
+        flight): some process's producer is sampling, so each server pauses its requests for the update (vLLM's
+        ``/pause?mode=keep``, ~25 ms more a push, so only then) and resumes them with the new weights."""
         if self._closed:  # closed at the end of a train() call, used again (evaluate, a rollout function)
             self._connect()
             self._closed, self._synced_step = False, None
-        self._version = step
+        self._version, self._requests_in_flight = step, requests_in_flight
         super().sync_weights(step)
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
@@ -167,8 +171,8 @@ class VLLMRemote(VLLMBackend):
             for _ in batches:
                 pass
         else:
-            try:  # asynchronous GRPO's producers may be sampling: their requests pause for it (in flight)
-                self.pool.push(chunked(batches), self._version, pause=self.updates_in_flight)
+            try:
+                self.pool.push(chunked(batches), self._version, pause=self._requests_in_flight)
             except Exception as caught:
                 error = caught
                 for _ in batches:  # the other processes are still gathering

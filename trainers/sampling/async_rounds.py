@@ -137,27 +137,34 @@ class AsyncRounds:
 
     def sync_weights(self, step: int) -> None:
         """The engine gets the weights of optimizer step ``step``: with in_flight_weight_updates while the producers
-        sample (the backend pauses their requests for it; their tokens from then on are of the new version), else
-        between their rounds (each process's producer finishes the round it is sampling first). All processes
-        meet, the backend pushes, the producers go on with the new version."""
+        sample (the backend pauses their requests for it, ``requests_in_flight``; their tokens from then on are of
+        the new version), else between their rounds (each process's producer finishes the round it is sampling
+        first). A producer between rounds stays there until the push is done. All processes meet, the backend
+        pushes, the producers go on with the new version."""
         if self._version == step:
             return
         started = time.monotonic()
         timeout = self.args.request_timeout + self.args.weight_sync_timeout
-        paused = True if self.in_flight else self._generating.acquire(timeout=timeout)
+        # in flight: hold a producer that is between rounds (no pause needed for it), never wait for one sampling
+        paused = self._generating.acquire(blocking=not self.in_flight, timeout=timeout if not self.in_flight else -1)
         self._sync_wait += time.monotonic() - started
-        error = None if paused else GenerationError(
+        error = None if paused or self.in_flight else GenerationError(
             f"async_generation: the producer did not finish its round within {timeout} s (request_timeout + "
             f"weight_sync_timeout), so the weights of step {step} could not be pushed.")
         try:
             dist.raise_together(self.accelerator, error, shared=(GenerationError,))
-            self.accelerator.wait_for_everyone()  # every process pushes together (no producer samples, unless in flight)
-            self.backend.sync_weights(step)
+            if self.in_flight:  # any process's producer sampling: every server pauses its requests for the push
+                acc = self.accelerator
+                sampling = dist.all_reduce_max(acc, torch.tensor([0.0 if paused else 1.0], device=acc.device))
+                self.backend.sync_weights(step, requests_in_flight=bool(sampling.item()))
+            else:
+                self.accelerator.wait_for_everyone()  # no process's producer is sampling now
+                self.backend.sync_weights(step)
             with self._cond:
                 self._version = step
                 self._cond.notify_all()
         finally:
-            if paused and not self.in_flight:
+            if paused:
                 self._generating.release()
         self._sync_seconds += time.monotonic() - started
 
