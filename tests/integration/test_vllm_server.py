@@ -266,6 +266,11 @@ def test_a_request_in_flight_goes_on_across_a_paused_weight_update(client, serve
         splits.append(split)
     print(f"\na request in flight across a push: tokens of version 1 up to {splits}, then version 2")
     assert greedy(client) == reference_greedy(second, PROMPTS, 8)
+    # a push that paused the server and failed half-way leaves it paused: the next client to connect resumes it
+    client._post("/pause", params={"mode": "keep"})
+    VLLMClient(server.url, connection_timeout=5).check_server(server.model_dir)
+    assert client._get("/is_paused") == {"is_paused": False}
+    assert greedy(client) == reference_greedy(second, PROMPTS, 8)
 
 
 def status_of(url: str, method: str, key: str | None) -> int:

@@ -170,7 +170,8 @@ class VLLMClient:
 
     def check_server(self, expected_model: str | None = None) -> None:
         """Before training: the server answers, serves ``expected_model`` (the trainer's model: a Hub id or a
-        folder) and can take weight updates. Each failure is a VLLMServerError that names the URL."""
+        folder) and can take weight updates; one left paused (an in-flight push that failed half-way, this run's or
+        a trainer's that died) is resumed. Each failure is a VLLMServerError that names the URL."""
         self.wait_for_server(0.0)
         served = self.served_model()
         if expected_model is not None and not same_model(served, expected_model):
@@ -184,6 +185,8 @@ class VLLMClient:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} has weight transfer {backend!r}, not {ENGINE_NAME!r}: the "
                 f"trainer cannot update its weights. {START_HINT[0].upper() + START_HINT[1:]}.")
+        if self._get("/is_paused").get("is_paused"):  # left paused by a push that failed half-way (in flight)
+            self._post("/resume")
 
     def get_server_info(self) -> dict:
         """The server's resolved VllmConfig (dev mode's /server_info)."""
