@@ -2,8 +2,10 @@
 launcher for 2-process CPU jobs, a runner for single-process jobs and their reports, child processes, and the
 digit-fraction rewards the GRPO tests learn."""
 
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -227,6 +229,19 @@ def rank_reports(folder, prefix: str = "report", num_processes: int = 2) -> list
         with open(os.path.join(folder, f"{prefix}-{rank}.json")) as f:
             reports.append(json.load(f))
     return reports
+
+
+@contextlib.contextmanager
+def warnings_of(name: str, caplog):
+    """caplog's warnings from logger ``name`` (which a trainer built earlier in this process stops propagating),
+    each once (a record can reach caplog by two handlers): yields a function that lists them."""
+    logger = logging.getLogger(name)
+    propagate, logger.propagate = logger.propagate, True
+    try:
+        with caplog.at_level(logging.WARNING, logger=name):
+            yield lambda: list({id(r): r for r in caplog.records}.values())
+    finally:
+        logger.propagate = propagate
 
 
 def step_records(trainer) -> list[dict]:

@@ -225,12 +225,17 @@ def test_weight_update_makes_the_server_match_a_reference(client, server):
     assert greedy(client) == expected
 
 
+def get(server, path: str) -> str:
+    """GET ``path`` with the server's key (routes beside the client's: vLLM's metrics, its pause state)."""
+    key = os.environ.get(KEY_VARIABLE)
+    request = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request) as response:
+        return response.read().decode()
+
+
 def generated_tokens(server) -> float:
     """The server's count of tokens generated so far (vLLM's /metrics)."""
-    key = os.environ.get(KEY_VARIABLE)
-    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(request) as response:
-        lines = response.read().decode().splitlines()
+    lines = get(server, "/metrics").splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
 
 
@@ -267,9 +272,10 @@ def test_a_request_in_flight_goes_on_across_a_paused_weight_update(client, serve
     print(f"\na request in flight across a push: tokens of version 1 up to {splits}, then version 2")
     assert greedy(client) == reference_greedy(second, PROMPTS, 8)
     # a push that paused the server and failed half-way leaves it paused: the next client to connect resumes it
-    client._post("/pause", params={"mode": "keep"})
+    assert status_of(server.url + "/pause?mode=keep", "POST", os.environ.get(KEY_VARIABLE)) == 200
+    assert json.loads(get(server, "/is_paused")) == {"is_paused": True}
     VLLMClient(server.url, connection_timeout=5).check_server(server.model_dir)
-    assert client._get("/is_paused") == {"is_paused": False}
+    assert json.loads(get(server, "/is_paused")) == {"is_paused": False}
     assert greedy(client) == reference_greedy(second, PROMPTS, 8)
 
 

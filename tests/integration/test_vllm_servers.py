@@ -10,8 +10,6 @@ server served 40-60% of the completions while both were up; the failovers are co
 Then B is killed too: with no server left the run stops after step 8 with a checkpoint, and the error names both
 servers. The pool's logic over stand-ins: tests/unit/test_vllm_servers.py."""
 
-import contextlib
-import logging
 import os
 import signal
 import threading
@@ -20,13 +18,26 @@ from collections import Counter
 import pytest
 from transformers import TrainerCallback
 
-from tests.conftest import digits, step_records
+from tests.conftest import digits, step_records, warnings_of
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.errors import VLLMServerError
 from trainers.generation.local_server import free_port, start_local_server
 
 PROMPTS = [{"prompt": f"{i} {i + 1}"} for i in range(16)]  # 8 steps x 2 prompts: one epoch
 STEPS = 8
+
+
+class ScoredDigits:
+    """The digits reward, counting how often each prompt was scored (``scored``)."""
+
+    __name__ = "digits"
+
+    def __init__(self):
+        self.scored = Counter()
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.scored.update(prompts)
+        return digits(completions)
 
 
 class Chaos(TrainerCallback):
@@ -79,19 +90,6 @@ def two_servers(vllm_python, tmp_path_factory):
             server.stop(grace=0)  # A still holds the connections the frozen requests left: no graceful wait
 
 
-@contextlib.contextmanager
-def warnings_of(name: str, caplog):
-    """caplog's warnings from logger ``name`` (which a trainer built earlier stops propagating), each once (a
-    record can reach caplog by two handlers): yields a function that lists them."""
-    logger = logging.getLogger(name)
-    propagate, logger.propagate = logger.propagate, True
-    try:
-        with caplog.at_level(logging.WARNING, logger=name):
-            yield lambda: list({id(r): r for r in caplog.records}.values())
-    finally:
-        logger.propagate = propagate
-
-
 def config(tmp_path, name: str, urls: list[str], **overrides) -> GRPOConfig:
     return GRPOConfig(**{**dict(
         output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
@@ -125,12 +123,7 @@ def test_asynchronous_generation_spreads_its_rounds_over_both_and_survives_a_kil
     once per completion slot, and the outage (met by both pools) is counted and warned about once."""
     model_dir, servers, _ = two_servers
     urls = [servers["B"].url, servers["C"].url]
-    scored = Counter()
-
-    def recording_digits(prompts, completions, **kwargs):
-        scored.update(prompts)
-        return digits(completions)
-
+    reward = ScoredDigits()
     class KillC(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 2:
@@ -138,14 +131,14 @@ def test_asynchronous_generation_spreads_its_rounds_over_both_and_survives_a_kil
                 servers["C"].process.wait()
 
     args = config(tmp_path, "async", urls, max_steps=4, async_generation=True, max_staleness=1)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=PROMPTS,
                           callbacks=[KillC()])
     with warnings_of("trainers", caplog) as records:
         trainer.train()
     steps = {r["step"]: r for r in step_records(trainer)}
     print(f"\nasynchronous, two servers: shares at step 2 {steps[2]['servers/share/0']:.2f} / "
           f"{steps[2]['servers/share/1']:.2f}; in service {[steps[s]['servers/in_service'] for s in steps]}")
-    assert trainer.state.global_step == 4 and scored == Counter({row["prompt"]: 4 for row in PROMPTS[:8]})
+    assert trainer.state.global_step == 4 and reward.scored == Counter({row["prompt"]: 4 for row in PROMPTS[:8]})
     assert steps[2]["servers/in_service"] == 2 and steps[2]["servers/failovers"] == 0
     assert 0.3 <= steps[2]["servers/share/0"] <= 0.7 and steps[2]["servers/share/1"] > 0
     assert steps[4]["servers/in_service"] == 1 and steps[4]["servers/failovers"] == 1
@@ -156,14 +149,9 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
                                                                                           caplog):
     model_dir, servers, restart = two_servers
     urls = [servers["A"].url, servers["B"].url]
-    scored = Counter()
-
-    def recording_digits(prompts, completions, **kwargs):
-        scored.update(prompts)
-        return digits(completions)
-
+    reward = ScoredDigits()
     args = config(tmp_path, "chaos", urls, request_timeout=12, max_steps=STEPS + 2)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=recording_digits, args=args, train_dataset=PROMPTS,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=PROMPTS,
                           callbacks=[Chaos(servers, restart)])
     with warnings_of("trainers", caplog) as logged, pytest.raises(VLLMServerError) as stopped:
         trainer.train()
@@ -175,7 +163,7 @@ def test_two_servers_share_the_rounds_and_the_run_survives_a_kill_a_restart_and_
     records = {r["step"]: r for r in step_records(trainer)}
     assert trainer.state.global_step == STEPS and sorted(records) == list(range(1, STEPS + 1))
     # every prompt of the epoch scored once per completion slot: nothing lost or doubled by the failovers
-    assert scored == Counter({row["prompt"]: 4 for row in PROMPTS})
+    assert reward.scored == Counter({row["prompt"]: 4 for row in PROMPTS})
     in_service = [records[s]["servers/in_service"] for s in range(1, STEPS + 1)]
     failovers = [records[s]["servers/failovers"] for s in range(1, STEPS + 1)]
     print(f"\ntwo servers: in service {in_service}, failovers {failovers}, shares at step 3 "

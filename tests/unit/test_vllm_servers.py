@@ -4,13 +4,13 @@ warning) while the others finish the work, one that misses a push gets no reques
 that answers again taken back at the next push, and the error when none is left. The real servers:
 tests/integration/test_vllm_servers.py."""
 
-import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.conftest import warnings_of
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_client import VLLMServerDown
 from trainers.generation.vllm_servers import ServerPool
@@ -96,19 +96,13 @@ def test_a_server_that_fails_mid_round_is_taken_out_and_the_others_finish(caplog
     pool = ServerPool([A, B, C], fleet.connect)
     killer = threading.Timer(0.03, lambda: fleet.up.__setitem__(B, False))
     killer.start()
-    logger = logging.getLogger("trainers")
-    propagate, logger.propagate = logger.propagate, True  # a trainer built earlier in this process turned it off
-    try:
-        with caplog.at_level(logging.WARNING, logger="trainers"):
-            answers = sample(pool, list(range(60)), workers=6)
-    finally:
-        logger.propagate = propagate
+    with warnings_of("trainers", caplog) as logged:
+        answers = sample(pool, list(range(60)), workers=6)
     killer.join()
     assert len(answers) == 60 and all(a["completion_ids"] == [[7]] for a in answers)
     assert sorted(fleet.served[A] + fleet.served[B] + fleet.served[C]) == list(range(60))  # none lost or doubled
     assert pool.failovers == 1 and [s.url for s in pool.in_service()] == [A, C]
-    records = {id(r): r for r in caplog.records}.values()  # a record can reach caplog by two handlers
-    warnings = [r.getMessage() for r in records if B in r.getMessage()]
+    warnings = [r.getMessage() for r in logged() if B in r.getMessage()]
     assert len(warnings) == 1 and "out of service (2 of 3 left" in warnings[0]
 
 
@@ -164,16 +158,11 @@ def test_an_outage_that_a_producer_and_the_trainer_both_meet_is_warned_about_and
     pushing.push(iter(BATCHES), version=1)
     producing.adopt(pushing.view())
     fleet.up[B] = False
-    logger = logging.getLogger("trainers")
-    propagate, logger.propagate = logger.propagate, True
-    try:
-        with caplog.at_level(logging.WARNING, logger="trainers"):
-            sample(producing, list(range(6)), workers=2)  # B fails under the producer
-            pushing.push(iter(BATCHES), version=2)  # and under the trainer's push
-            producing.adopt(pushing.view())
-    finally:
-        logger.propagate = propagate
-    warnings = [r.getMessage() for r in {id(r): r for r in caplog.records}.values() if B in r.getMessage()]
+    with warnings_of("trainers", caplog) as logged:
+        sample(producing, list(range(6)), workers=2)  # B fails under the producer
+        pushing.push(iter(BATCHES), version=2)  # and under the trainer's push
+        producing.adopt(pushing.view())
+    warnings = [r.getMessage() for r in logged() if B in r.getMessage()]
     assert len(warnings) == 1 and pushing.failovers == producing.failovers == 1
     assert pushing.metrics([producing])["servers/failovers"] == 1
     fleet.up[B] = True

@@ -145,8 +145,10 @@ class AsyncRounds:
             return
         started = time.monotonic()
         timeout = self.args.request_timeout + self.args.weight_sync_timeout
-        # in flight: hold a producer that is between rounds (no pause needed for it), never wait for one sampling
-        paused = self._generating.acquire(blocking=not self.in_flight, timeout=timeout if not self.in_flight else -1)
+        if self.in_flight:  # hold a producer that is between rounds (no pause needed for it), never wait for one
+            paused = self._generating.acquire(blocking=False)
+        else:
+            paused = self._generating.acquire(timeout=timeout)
         self._sync_wait += time.monotonic() - started
         error = None if paused or self.in_flight else GenerationError(
             f"async_generation: the producer did not finish its round within {timeout} s (request_timeout + "
