@@ -15,6 +15,8 @@ Parts, each in its own process with its own time limit, so a failure or a hang i
                forward and backward as chosen
     templates  accelerate_configs/fsdp2.yaml and single_gpu.yaml, one process, a few SFT steps each
     profile    where a GRPO step's time goes: sampling, the weight sync, the rest (scoring, backward, optimizer)
+    sync       seconds per weight sync into a vLLM server on the second GPU, NCCL against gloo (0.5B shape, bf16);
+               skipped without vLLM or a second GPU, saying which
 
 Writes OUT/gpu_check.json and OUT/gpu_check.md (a table naming the card, for docs/benchmarks.md's "GPU").
 """
@@ -31,8 +33,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("runs", "head", "rows", "templates", "profile")
-LIMITS = {"runs": 90, "head": 30, "rows": 210, "templates": 60, "profile": 90}  # seconds each: 8 minutes at most
+PARTS = ("runs", "head", "rows", "templates", "profile", "sync")
+# seconds each: 8 minutes at most where sync is skipped (no vLLM, or one GPU: it then takes no time)
+LIMITS = {"runs": 90, "head": 30, "rows": 210, "templates": 60, "profile": 90, "sync": 150}
 
 
 # ---------------------------------------------------------------------------------------------- the parts
@@ -229,6 +232,62 @@ def part_profile(device: str, out: str) -> dict:
     sample = sum(r["sample_s"] for r in after_first) / len(after_first)
     return {"ok": True, "details": {"steps": records, "step_s": step, "sampling_s": sample,
                                     "rest_s": step - sample, "sampling_share": sample / step if step else None}}
+
+
+def part_sync(device: str, out: str) -> dict:
+    """Seconds per weight sync into a `trainers vllm-serve` server on the second GPU, by transport: vLLM's NCCL
+    engine (GPU to GPU) and ours over gloo (through host memory), the same Qwen2.5-0.5B-shaped bf16 weights from
+    the first GPU, median of 3 pushes each. Needs vLLM here and two GPUs (NCCL will not put two ranks on one)."""
+    import importlib.util
+
+    import torch
+
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    missing = [why for why, lacking in (("vLLM is not installed", importlib.util.find_spec("vllm") is None),
+                                        (f"{torch.cuda.device_count()} GPU (NCCL needs the trainer and the server on "
+                                         f"a GPU each)", torch.cuda.device_count() < 2)) if lacking]
+    if missing:
+        return {"skipped": "; ".join(missing)}
+    import statistics
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from trainers.cli.tiny import save_tiny_model
+    from trainers.generation.local_server import free_port, start_local_server
+    from trainers.generation.vllm_client import VLLMClient
+    from trainers.generation.vllm_common import policy_weights
+
+    model_dir = save_tiny_model(os.path.join(out, "sync-model"), hidden_size=896, num_layers=24, num_heads=14,
+                                num_kv_heads=2, intermediate_size=4864, vocab_size=151936)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:0")
+    accelerator, details = Accelerator(), {}
+    for transport in ("nccl", "gloo"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the server's GPU (this process keeps the devices it has)
+        try:
+            server = start_local_server(model_dir, os.path.join(out, f"sync-{transport}.log"), dtype="bfloat16",
+                                        extra=("--weight_transfer", transport, "--gpu_memory_utilization", "0.3"),
+                                        timeout=150)
+        finally:
+            os.environ.pop("CUDA_VISIBLE_DEVICES") if visible is None else os.environ.update(
+                CUDA_VISIBLE_DEVICES=visible)
+        try:
+            client, seconds = VLLMClient(server.url, group_port=free_port(), connection_timeout=60), []
+            for _ in range(4):  # the first opens the group
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                with client.weight_update():
+                    for batch in policy_weights(accelerator, policy):
+                        client.update_named_params(batch)
+                seconds.append(time.perf_counter() - started)
+            client.close()
+            details[f"{transport}_s"] = statistics.median(seconds[1:])
+        finally:
+            server.stop(grace=10)
+    details["bytes"] = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    return {"ok": True, "details": details}
 
 
 # ---------------------------------------------------------------------------------------------- the driver

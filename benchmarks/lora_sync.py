@@ -1,4 +1,4 @@
-"""LoRA weight sync to a `trainers vllm-serve` server: the merged weights (what the trainer sends today: every
+"""LoRA weight sync to a `trainers vllm-serve` server: the merged weights (vllm_lora_sync="merged": every
 weight of the model, each LoRA layer merged as W + BA) against the adapter alone (vLLM's runtime LoRA loading:
 the server keeps the base weights and serves the adapter by name), on Qwen2.5-0.5B's shape with r = 16 on every
 linear layer of the decoder (random weights; the served dtype, float32 on this CPU, for both).
@@ -7,21 +7,19 @@ linear layer of the decoder (random weights; the served dtype, float32 on this C
     python benchmarks/lora_sync.py --shape tiny    # the tiny model: a quick check of the path
 
 Reported per sync: the bytes that reach the server and the seconds (merged: the push through the trainer's
-client, median of 3; adapter: writing the adapter's files plus the server loading it, which vLLM does at the first
-request naming it, median of 3 new versions), and whether greedy completions after each sync equal the policy's
+client, median of 3; adapter: the trainer's adapter sync, saving the adapter's files and the server loading them,
+median of 3 new versions), and whether greedy completions after each sync equal the policy's
 own (the PEFT model merged, in this process). The adapter path needs the server started with `--enable-lora
---max-lora-rank R` (vLLM's flags) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, and a folder the server can read
-(vLLM has no in-memory adapter API): issue 62 part 2 wires it into the trainer.
+--max-lora-rank R` (vLLM's flags; `trainers vllm-serve` then sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) and a
+folder the server can read (vLLM has no in-memory adapter API).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
@@ -29,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from trainers.cli.tiny import save_tiny_model  # noqa: E402
 from trainers.generation.local_server import free_port, start_local_server  # noqa: E402
 from trainers.generation.vllm_client import VLLMClient  # noqa: E402
+from trainers.generation.vllm_lora import AdapterFolders  # noqa: E402
 
 SHAPES = {
     "qwen05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
@@ -39,27 +38,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13]]
 
 
-def post_text(url: str, path: str, body: dict) -> str:
-    """vLLM's LoRA routes answer in plain text."""
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return response.read().decode()
-
-
 @torch.no_grad()
 def reference_greedy(model, tokens: int) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
 
 
-def served_greedy(client: VLLMClient, model_name: str, tokens: int) -> list[list[int]]:
-    served, client.model = client.model, model_name
-    try:
-        return client.generate(PROMPTS, temperature=0.0, max_tokens=tokens,
-                               generation_kwargs={"ignore_eos": True})["completion_ids"]
-    finally:
-        client.model = served
+def served_greedy(client: VLLMClient, tokens: int) -> list[list[int]]:
+    return client.generate(PROMPTS, temperature=0.0, max_tokens=tokens,
+                           generation_kwargs={"ignore_eos": True})["completion_ids"]
 
 
 def main():
@@ -84,28 +71,26 @@ def main():
             if "lora_B" in name:
                 param.normal_(0, 0.02)
     expected = reference_greedy(policy, cli.tokens)  # PEFT applies the adapter (W x + B A x)
-    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     server = start_local_server(model_dir, os.path.join(workdir, "server.log"), max_model_len=512, cores=[1],
                                 extra=("--enable-lora", "--max-lora-rank", str(cli.rank), "--max-loras", "2"))
     os.sched_setaffinity(0, {0})
     try:
         client = VLLMClient(server.url, group_port=free_port(), connection_timeout=60, request_timeout=600)
-        # the adapter alone, on the server's base weights: a new name per version (vLLM keys its caches on it)
+        # the adapter alone, on the server's base weights: the trainer's path (vllm_lora_sync, generation/vllm_lora.py),
+        # a new name per version; saving its files and loading it on the server is the sync
+        accelerator = Accelerator(cpu=True)
+        folders = AdapterFolders(os.path.join(workdir, "adapters"), keep=2)
         adapter_seconds, adapter_bytes, adapter_greedy = [], 0, None
         for version in range(1, 4):
             started = time.perf_counter()
-            folder = os.path.join(workdir, f"policy-v{version}")
-            policy.save_pretrained(folder)
-            post_text(server.url, "/v1/load_lora_adapter", {"lora_name": f"policy-v{version}", "lora_path": folder})
-            served_greedy(client, f"policy-v{version}", 1)  # vLLM reads the files at the first request naming it
+            adapter = folders.save(accelerator, policy, version)
+            client.load_adapter(adapter)  # what ServerPool.push_adapter does on every server
             adapter_seconds.append(time.perf_counter() - started)
-            adapter_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+            adapter_bytes = sum(os.path.getsize(os.path.join(adapter.path, f)) for f in os.listdir(adapter.path)
                                 if f.endswith(".safetensors"))
-            adapter_greedy = served_greedy(client, f"policy-v{version}", cli.tokens)
-            if version > 1:
-                post_text(server.url, "/v1/unload_lora_adapter", {"lora_name": f"policy-v{version - 1}"})
-        # the merged weights (the trainer's path today): every weight, each LoRA layer merged
-        accelerator = Accelerator(cpu=True)
+            adapter_greedy = served_greedy(client, cli.tokens)  # the requests name the adapter
+        client.adapter = None  # the requests name the base model again
+        # the merged weights (vllm_lora_sync="merged"): every weight, each LoRA layer merged
         merged_seconds, merged_bytes = [], 0
         for _ in range(3):
             started = time.perf_counter()
@@ -115,7 +100,7 @@ def main():
                     client.update_named_params(batch)
             merged_seconds.append(time.perf_counter() - started)
             merged_bytes = sum(t.numel() * 4 for batch in batches for _, t in batch)  # float32 on the wire
-        merged_greedy = served_greedy(client, client.model, cli.tokens)
+        merged_greedy = served_greedy(client, cli.tokens)
     finally:
         server.stop()
     parameters = sum(p.numel() for p in policy.get_base_model().parameters())

@@ -22,10 +22,11 @@ def test_a_dry_run_on_cpu_runs_the_parts_and_writes_the_report(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / "gpu_check.json") as f:
         report = json.load(f)
-    assert report["dry_run"] and list(report["parts"]) == ["runs", "head", "rows", "templates", "profile"]
+    assert report["dry_run"] and list(report["parts"]) == ["runs", "head", "rows", "templates", "profile", "sync"]
     runs = report["parts"]["runs"]["details"]
     assert runs["sft_finite"] and runs["resume_exact"] and runs["lean_equals_hf_greedy"]
-    assert report["parts"]["rows"] == {"skipped": "needs CUDA", "seconds": report["parts"]["rows"]["seconds"]}
+    for part in ("rows", "sync"):
+        assert report["parts"][part] == {"skipped": "needs CUDA", "seconds": report["parts"][part]["seconds"]}
     assert report["parts"]["templates"]["details"]["single_gpu"] == "ok"
     head = report["parts"]["head"]["details"]  # float32 products on CPU, whatever the model's dtype
     assert report["parts"]["head"]["ok"] and not head["low_precision_chosen"] and head["head_forward_backward_s"] > 0

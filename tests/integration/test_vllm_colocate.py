@@ -80,10 +80,14 @@ def test_distillation_on_the_colocated_engine(together):
 
 
 def test_lora_sigterm_resume_and_crash(tmp_path):
-    """LoRA merged into the engine (W + BA) keeps it equal to the policy; a SIGTERM stops the run with a
-    checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too."""
+    """LoRA served as an adapter by the engine (vllm_lora_sync='auto': the base weights once, then the adapter
+    alone at each sync, one loaded at a time) keeps it equal to the policy; a SIGTERM stops the run with a
+    checkpoint and the engine shut down; the resumed run starts a new engine, which an exception shuts down too.
+    (The merged path, W + BA: test_vllm_lora.py against a server.)"""
     report = job("lora", tmp_path)
     assert report["lora_b_abs_sum"] > 0  # the adapter changed the weights
+    assert all(len(r["adapters"]) == 1 for r in report["rounds"]), report["rounds"]
+    assert report["rounds"][0]["adapters"] != report["rounds"][1]["adapters"]  # step 1's sync: a new one
     # the rounds built (on_rollout_end): step 3's fails in its reward function, before it is built
     assert [r["step"] for r in report["rounds"]] == [0, 1, 2] and all(r["equal"] for r in report["rounds"])
     assert all(r["sampling/sampling_logp_difference/mean"] < IN_SYNC for r in report["records"]

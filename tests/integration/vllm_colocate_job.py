@@ -63,6 +63,7 @@ class Checks(TrainerCallback):
         engine, _ = trainer.vllm_generation.generate(self.probe_ids, greedy)
         policy = trainer.generate(self.probe_ids, greedy)  # the policy itself (the lean engine), float32
         self.rounds.append({"step": state.global_step, "equal": engine == policy, "children": child_processes(),
+                            "adapters": sorted(trainer.vllm_generation.llm.llm_engine.list_loras()),
                             "logprobs_given": not any(math.isnan(v) for row in samples.logprobs for v in row),
                             "tie_gaps": tie_gaps(trainer.unwrapped_model, self.probe_ids, engine, policy,
                                                  trainer.accelerator.mixed_precision)})
@@ -202,7 +203,7 @@ def start_failure(out, model_dir, rank) -> str | None:
 
 
 def lora(out, model_dir, threads_before):
-    """LoRA (the engine gets W + BA): a SIGTERM during step 1 stops the run after it with a checkpoint (the
+    """LoRA (the engine serves the adapter, vllm_lora_sync's 'auto'): a SIGTERM during step 1 stops the run after it with a checkpoint (the
     engine shut down); the resumed run starts a new engine, and an exception in a reward function at step 3
     shuts that one down too."""
     state = {"calls": 0}

@@ -20,7 +20,7 @@ DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 # key, asynchronous generation; and what GRPO and RLOO add (PolicyGradientConfig): the policy's forwards, dynamic sampling
 SAMPLING = {"generation_engine", "generation_backend", "tool_workers", "tool_timeout", "vllm_enforce_eager",
             "async_generation", "max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps",
-            "weight_sync_timeout", "request_timeout", "heartbeat_stale_after_s", "fork_threshold_tokens", "in_flight_weight_updates",
+            "weight_sync_timeout", "request_timeout", "heartbeat_stale_after_s", "fork_threshold_tokens", "in_flight_weight_updates", "vllm_lora_sync",
             "vllm_server_api_key"}
 POLICY_GRADIENT = {"dynamic_sampling", "padding_free", "token_budget", "skip_zero_gradient_rows"}
 ADDITIONS = {

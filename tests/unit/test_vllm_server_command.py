@@ -2,16 +2,19 @@
 needed: the real server is tests/integration/test_vllm_server.py)."""
 
 import ast
+import http.server
 import json
 import math
 import os
 import sys
+import threading
 
 import pytest
+import torch
 
 from tests.conftest import free_port
 from trainers.errors import VLLMServerError
-from trainers.generation import vllm_answers, vllm_client, vllm_server
+from trainers.generation import vllm_answers, vllm_client, vllm_server, weight_transport
 
 WORKER_FILE = os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_worker.py")
 
@@ -96,8 +99,8 @@ def test_server_side_needs_neither_the_trainers_package_nor_its_dependencies():
         body = ast.parse(f.read()).body
     worker = {node.targets[0].id: node.value.value for node in body
               if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
-    assert worker["ENGINE_NAME"] == vllm_server.ENGINE_NAME == vllm_client.ENGINE_NAME
-    assert worker["STORE_PREFIX"] == vllm_client.STORE_PREFIX
+    assert worker["ENGINE_NAME"] == vllm_server.ENGINE_NAME == weight_transport.GLOO_ENGINE
+    assert worker["STORE_PREFIX"] == weight_transport.STORE_PREFIX
 
 
 def test_unreachable_server_is_an_error_naming_the_url():
@@ -147,3 +150,49 @@ def test_same_model_compares_folders_by_path(tmp_path):
     assert vllm_client.same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B")
     assert not vllm_client.same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B")
     assert not vllm_client.same_model(str(tmp_path), str(tmp_path / "other"))
+
+
+def test_the_transport_follows_the_servers_device():
+    """--weight_transfer auto: vLLM's NCCL engine when the server's Python sees a CUDA device, else our gloo engine;
+    given, as given."""
+    args, _ = command("--model", "m")
+    assert vllm_server.resolve_transfer(args, has_cuda=lambda: True) == "nccl"
+    assert vllm_server.resolve_transfer(args, has_cuda=lambda: False) == "gloo"
+    args, cmd = command("--model", "m", "--weight_transfer", "nccl")
+    assert vllm_server.resolve_transfer(args, has_cuda=lambda: False) == "nccl"
+    assert json.loads(flag(cmd, "--weight-transfer-config")) == {"backend": "nccl"}
+    _, cmd = command("--model", "m", "--weight_transfer", "gloo")
+    assert json.loads(flag(cmd, "--weight-transfer-config")) == {"backend": weight_transport.GLOO_ENGINE}
+
+
+class EngineHandler(http.server.BaseHTTPRequestHandler):
+    """A server that answers the client's checks, its weight transfer engine ``backend``."""
+
+    backend = "nccl"
+
+    def do_GET(self):
+        answers = {"/health": {}, "/v1/models": {"data": [{"id": "m"}]}, "/is_paused": {"is_paused": False},
+                   "/server_info": {"vllm_config": {"weight_transfer_config": {"backend": self.backend}}}}
+        body = json.dumps(answers[self.path.split("?")[0]]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a trainer without a CUDA device")
+def test_a_server_taking_weights_over_nccl_is_refused_by_a_trainer_without_cuda_naming_the_way_out():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EngineHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for backend, said in (("nccl", "takes weights over NCCL .* no CUDA device.* --weight_transfer gloo"),
+                              ("other", "has weight transfer 'other', not one of")):
+            EngineHandler.backend = backend
+            with pytest.raises(VLLMServerError, match=said):
+                vllm_client.VLLMClient(url, connection_timeout=5).check_server("m")
+    finally:
+        server.shutdown()

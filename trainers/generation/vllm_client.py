@@ -20,10 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
-import socket
-import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -31,20 +27,17 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from http.client import HTTPException
 
 import torch
-import torch.distributed as dist
 
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_answers import (finite_or_minus_inf, parse_logprobs, parse_token_logprobs,
                                              token_versions)
-from trainers.generation.weight_wire import BUCKET_BYTES, host_buffer, hosted_store, plan_buckets, wire_tensor
+from trainers.generation.weight_transport import NCCL_ENGINE, TRANSPORTS, nccl_missing
+from trainers.generation.weight_wire import in_thread, local_address, wire_tensor
 
-ENGINE_NAME = "trainers_gloo"  # the server's transfer engine (trainers_vllm_worker.ENGINE_NAME)
-STORE_PREFIX = "trainers_weights"  # trainers_vllm_worker.STORE_PREFIX
 START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
 KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the server's key when none is given (vllm_server.KEY_VARIABLE)
 
@@ -56,15 +49,6 @@ class VLLMKeyError(VLLMServerError):
 class VLLMServerDown(VLLMServerError):
     """The server did not answer (refused, reset, timed out) or failed inside (HTTP 5xx): with several servers,
     the others take its requests (generation/vllm_servers.py). A request it refused (another 4xx) is not this."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What the server allocates before each tensor arrives."""
-
-    name: str
-    dtype_name: str  # "float32", "bfloat16", ...
-    shape: list[int]
 
 
 class VLLMClient:
@@ -99,11 +83,13 @@ class VLLMClient:
         self.transfer_timeout = transfer_timeout
         self.request_timeout = request_timeout
         self.api_key = api_key if api_key is not None else os.environ.get(KEY_VARIABLE) or None
-        self._group: dist.ProcessGroupGloo | None = None
-        self._store: dist.TCPStore | None = None  # kept alive with the group: it hosts the rendezvous
+        self._transport = None  # the open weight-transfer group (generation/weight_transport.py), if any
         self._in_update = False  # inside weight_update()
         self._paused = False  # begin_weight_update(pause=True) paused the server's requests; end_weight_update resumes
         self._server_dtype: torch.dtype | None | bool = None  # server_dtype(): None until read, False if unknown
+        # (name, version) of the adapter requests name (vllm_lora_sync: generation/vllm_lora.py); None: the base model
+        self.adapter: tuple[str, int | None] | None = None
+        self._adapters: list[str] = []  # the adapters this client loaded and has not unloaded, oldest first
         self.wait_for_server(connection_timeout)
         self.model = self.served_model()
 
@@ -134,7 +120,12 @@ class VLLMClient:
             reason = getattr(error, "reason", None) or error
             raise VLLMServerDown(f"The vLLM server at {self.base_url} did not answer {method} {path}: {reason}. "
                                   f"Is it still running? (its log says why it stopped)") from error
-        return json.loads(payload) if payload else {}
+        if not payload:
+            return {}
+        try:
+            return json.loads(payload)
+        except ValueError:  # vLLM's LoRA routes answer in plain text
+            return {"text": payload.decode(errors="replace")}
 
     def _get(self, path: str, params: dict | None = None) -> dict:
         return self._request("GET", path, params=params)
@@ -179,12 +170,10 @@ class VLLMClient:
                 f"The vLLM server at {self.base_url} serves {served!r}, but the trainer trains {expected_model!r}: "
                 f"restart the server with --model {expected_model} (or, for the same model under another name, "
                 f"pass vLLM's --served-model-name {expected_model}).")
-        info = self.get_server_info()
-        backend = (info.get("weight_transfer_config") or {}).get("backend")
-        if backend != ENGINE_NAME:
-            raise VLLMServerError(
-                f"The vLLM server at {self.base_url} has weight transfer {backend!r}, not {ENGINE_NAME!r}: the "
-                f"trainer cannot update its weights. {START_HINT[0].upper() + START_HINT[1:]}.")
+        if self.transfer_engine() == NCCL_ENGINE and nccl_missing():  # said now, not at the first push
+            raise VLLMServerError(f"The vLLM server at {self.base_url} takes weights over NCCL (a server on a GPU), "
+                                  f"and {nccl_missing()}. Run the trainer on a GPU with vLLM installed, or start the "
+                                  f"server with `trainers vllm-serve ... --weight_transfer gloo`.")
         if self._get("/is_paused").get("is_paused"):  # left paused by a push that failed half-way (in flight)
             self._post("/resume")
 
@@ -198,6 +187,29 @@ class VLLMClient:
                     f"The vLLM server at {self.base_url} does not expose its development endpoints (weight "
                     f"updates need VLLM_SERVER_DEV_MODE=1): {START_HINT}.") from None
             raise
+
+    def lora_config(self) -> dict | None:
+        """The server's LoRA settings (``max_lora_rank``, ``max_loras``, ...): None unless started with
+        --enable-lora."""
+        return self.get_server_info().get("lora_config")
+
+    def load_adapter(self, adapter, keep: int = 2) -> None:
+        """Serve ``adapter`` (generation/vllm_lora.py's ``Adapter``: a name, the folder of its files, its version):
+        the requests from here on name it, and their tokens carry its version; of the adapters this client loaded,
+        the newest ``keep`` stay loaded (requests in flight keep theirs in any case). Needs a server started with
+        --enable-lora, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment (`trainers vllm-serve` sets it)."""
+        try:
+            self._post("/v1/load_lora_adapter", {"lora_name": adapter.name, "lora_path": adapter.path})
+        except VLLMServerError as error:
+            if "HTTP 404" in str(error) and "load_lora_adapter" in str(error) and "Not Found" in str(error):
+                raise VLLMServerError(f"The vLLM server at {self.base_url} cannot load adapters at run time: start "
+                                      f"it with `trainers vllm-serve ... --enable-lora`, which sets "
+                                      f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.") from None
+            raise
+        self.adapter = (adapter.name, adapter.version)
+        self._adapters.append(adapter.name)
+        while len(self._adapters) > keep:
+            self._post("/v1/unload_lora_adapter", {"lora_name": self._adapters.pop(0)})
 
     def get_world_size(self) -> int:
         """The server's workers (tensor x pipeline x data parallel)."""
@@ -221,7 +233,7 @@ class VLLMClient:
         ``logprobs=None``).
         """
         body = {
-            "model": self.model, "prompt": list(prompts), "n": n, "repetition_penalty": repetition_penalty,
+            "model": self.adapter[0] if self.adapter else self.model, "prompt": list(prompts), "n": n, "repetition_penalty": repetition_penalty,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens,
             "logprobs": logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
@@ -249,10 +261,11 @@ class VLLMClient:
 
         Returns ``completion_ids``, ``logprobs`` / ``logprob_token_ids`` as ``generate`` (None without
         ``logprobs``) and ``versions`` ([row][token]: the ``version`` given to ``end_weight_update``, None before
-        any)."""
+        any; with an adapter, the adapter's, for every token)."""
         params = {**(sampling_params or {}), "n": n} | ({} if seed is None else {"seed": seed})
-        body = {"model": self.model, "token_ids": list(map(int, prompt_ids)), "sampling_params": params,
-                "output_mode": "tokens"}
+        adapter = self.adapter  # a request keeps the adapter it is sent with, whatever loads meanwhile
+        body = {"model": adapter[0] if adapter else self.model, "token_ids": list(map(int, prompt_ids)),
+                "sampling_params": params, "output_mode": "tokens"}
         try:
             answer = self._post("/inference/v1/generate", body)
         except VLLMServerError as error:
@@ -268,7 +281,8 @@ class VLLMClient:
         values, token_ids = parse_token_logprobs([choice.get("logprobs") for choice in choices])
         return {"completion_ids": [choice["token_ids"] for choice in choices], "logprobs": values,
                 "logprob_token_ids": token_ids,
-                "versions": [token_versions(choice.get("weight_versions"), len(choice["token_ids"]))
+                "versions": [[adapter[1]] * len(choice["token_ids"]) if adapter else
+                             token_versions(choice.get("weight_versions"), len(choice["token_ids"]))
                              for choice in choices]}
 
     def get_sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 100,
@@ -306,29 +320,27 @@ class VLLMClient:
     # ---- weights ----
 
     def init_communicator(self, device: torch.device | str | int | None = None) -> None:
-        """Open the weight-transfer group with the server's workers (done by the first update if not before).
-        ``device`` is accepted for TRL's signature: tensors travel through host memory whatever their device."""
-        if self._group is not None:
+        """Open the weight-transfer group with the server's workers (done by the first update if not before), over
+        the transport the server's engine names (generation/weight_transport.py: gloo on a CPU server, NCCL on a
+        GPU one). ``device`` is accepted for TRL's signature: NCCL sends from the current CUDA device."""
+        if self._transport is not None:
             return
         world_size = self.get_world_size() + 1  # this process is rank 0
         address = local_address(self.host, self.server_port)  # where the server's workers reach this process
-        timeout = timedelta(seconds=self.transfer_timeout)
-        store = hosted_store(address, self.group_port, timeout, self.base_url)
-        group_key = secrets.token_hex(16)  # only the servers this (authenticated) call reaches can join the group
-        init_info = {"master_address": address, "master_port": self.group_port, "world_size": world_size,
-                     "rank_offset": 1, "timeout_s": self.transfer_timeout, "group_key": group_key}
-        request = _in_thread(lambda: self._post("/init_weight_transfer_engine", {"init_info": init_info}))
+        transport = TRANSPORTS[self.transfer_engine()](address, self.group_port, world_size,
+                                                       timedelta(seconds=self.transfer_timeout), self.base_url)
+        self._transport = transport  # dropped again if the group does not open
+        request = in_thread(lambda: self._post("/init_weight_transfer_engine", {"init_info": transport.init_info}))
+        self._raise_first_error(request, in_thread(transport.join), "opening the weight-transfer group")
 
-        def join():  # blocks until every worker has joined
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-            return dist.ProcessGroupGloo(dist.PrefixStore(f"{STORE_PREFIX}/{group_key}", store), 0, world_size,
-                                         options)
-
-        group = _in_thread(join)
-        self._raise_first_error(request, group, "opening the weight-transfer group")
-        self._store, self._group = store, group.result()
+    def transfer_engine(self) -> str:
+        """The server's weight-transfer engine (its --weight-transfer-config backend): one of TRANSPORTS."""
+        backend = (self.get_server_info().get("weight_transfer_config") or {}).get("backend")
+        if backend not in TRANSPORTS:
+            raise VLLMServerError(
+                f"The vLLM server at {self.base_url} has weight transfer {backend!r}, not one of {sorted(TRANSPORTS)}: "
+                f"the trainer cannot update its weights. {START_HINT[0].upper() + START_HINT[1:]}.")
+        return backend
 
     @contextmanager
     def weight_update(self) -> Iterator[None]:
@@ -383,19 +395,10 @@ class VLLMClient:
         tensors = [(name, wire_tensor(tensor.detach(), server_dtype)) for name, tensor in named_tensors]
         if not tensors:
             return
-        metas = [TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors]
-        buckets = plan_buckets([t for _, t in tensors], BUCKET_BYTES)
-        update_info = {"names": [m.name for m in metas], "dtype_names": [m.dtype_name for m in metas],
-                       "shapes": [m.shape for m in metas], "bucket_sizes": [len(b) for b in buckets]}
-        group = self._group
-        # the server receives inside its /update_weights request, so the request and the broadcasts run together
-        request = _in_thread(lambda: self._post("/update_weights", {"update_info": update_info}))
-
-        def broadcast():
-            for bucket in buckets:  # one bucket in host memory at a time (a GPU's weights are copied here)
-                group.broadcast(host_buffer([tensors[i][1] for i in bucket]), 0).wait()
-
-        self._raise_first_error(request, _in_thread(broadcast), f"sending {len(tensors)} tensors")
+        update_info, send = self._transport.plan(tensors)
+        # the server receives inside its /update_weights request, so the request and the sending run together
+        request = in_thread(lambda: self._post("/update_weights", {"update_info": update_info}))
+        self._raise_first_error(request, in_thread(send), f"sending {len(tensors)} tensors")
 
     def server_dtype(self) -> torch.dtype | None:
         """The dtype of the server's weights (its --dtype as resolved), read once from /server_info; None if the
@@ -434,16 +437,13 @@ class VLLMClient:
                               f"{error}") from error
 
     def _drop_group(self) -> None:
-        group, self._group, self._store = self._group, None, None
-        if group is not None:
-            try:
-                group.abort()
-            except RuntimeError as error:  # already broken: nothing left to release
-                print(f"[trainers] closing the weight-transfer group: {error}", file=sys.stderr)
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.drop()
 
     def close_communicator(self) -> None:
         """Close the weight-transfer group (the server keeps serving)."""
-        if self._group is None:
+        if self._transport is None:
             return
         try:
             self._post("/shutdown_weight_transfer_engine")
@@ -467,24 +467,3 @@ def same_model(served: str, expected: str) -> bool:
         return os.path.realpath(name) if os.path.isdir(name) else name.rstrip("/")
 
     return normal(served) == normal(expected)
-
-
-def local_address(peer_host: str, peer_port: int) -> str:
-    """This host's address on the route to the peer (a UDP 'connect' sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((peer_host, peer_port))
-        return probe.getsockname()[0]
-
-
-def _in_thread(function) -> Future:
-    """Run ``function`` in a daemon thread (one blocked in a transfer must not keep the process alive)."""
-    future: Future = Future()
-
-    def run():
-        try:
-            future.set_result(function())
-        except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
-            future.set_exception(error)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future

@@ -36,8 +36,10 @@ from trainers.generation.vllm_common import (
     REASON_CHARS,
     VLLMBackend,
     keep_default_process_group,
+    policy_weights,
     sampled_logprobs,
 )
+from trainers.generation.vllm_lora import AdapterFolders, adapter_rank, lora_sync_choice, served_rank
 from trainers.parallel.host import allow_amx_tiles
 from trainers.logs import logger
 from trainers.model.modeling import context_length
@@ -92,6 +94,9 @@ class VLLMColocate(VLLMBackend):
         if self.config.vllm_enable_sleep_mode and self.on_cpu:
             raise ConfigError("GRPOConfig: `vllm_enable_sleep_mode=True` needs a GPU: vLLM has no sleep mode on "
                               "CPU. Leave it False.")
+        # a LoRA policy: the engine serves its adapter, and syncs send the adapter alone (generation/vllm_lora.py)
+        self._adapter_sync = lora_sync_choice(self.config.vllm_lora_sync, inputs.policy, None)
+        self._lora = None  # the vllm LoRARequest of the adapter the engine serves
         self.start()
         self._synced_step = 0  # it holds the policy's weights before the first optimizer step
         acc.wait_for_everyone()
@@ -124,6 +129,8 @@ class VLLMColocate(VLLMBackend):
                                f"round's sequences (docs/grpo.md, 'Generation with vLLM').")
         else:
             options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        if self._adapter_sync:  # one adapter at a time: a sync replaces it
+            options.update(enable_lora=True, max_lora_rank=served_rank(adapter_rank(model)), max_loras=1)
         if acc.is_main_process:
             logger.info(f"colocated vLLM engine on {acc.device.type}: dtype {settings['dtype']}, "
                         f"max_num_batched_tokens {settings['max_num_batched_tokens']}, "
@@ -208,7 +215,9 @@ class VLLMColocate(VLLMBackend):
         # every process raises, the others with its message, instead of waiting for it in the first weight sync
         # until the NCCL timeout; the engines that did start are shut down first.
         self._raise_together(failure)
-        super().sync_weights(None)
+        if self._adapter_sync:  # each process's engine reads the adapter from its own folder
+            self.adapters = AdapterFolders(os.path.join(self._model_dir, "adapters"), keep=2)
+        self._load_policy()
         if self.config.vllm_enable_sleep_mode:
             self.sleep_mode = SleepMode(self.llm)
             self.sleep_mode.sleep()
@@ -251,6 +260,24 @@ class VLLMColocate(VLLMBackend):
             self._synced_step = step
         super().sync_weights(step)
 
+    def _load_policy(self) -> None:
+        """The engine's weights := the policy's: every weight (each LoRA layer merged), or with adapter sync the
+        base weights and then the adapter."""
+        acc = self.context.accelerator
+        self._push_weights(policy_weights(acc, self.inputs.policy, merge_lora=self.adapters is None))
+        if self.adapters is not None:
+            self._push_adapter(None)
+
+    def _push_adapter(self, step: int | None) -> None:
+        """The policy's adapter saved by this process and loaded into its engine in place of the one before."""
+        from vllm.lora.request import LoRARequest
+
+        adapter = self.adapters.save(self.context.accelerator, self.inputs.policy, step)
+        previous, self._lora = self._lora, LoRARequest(adapter.name, adapter.number, adapter.path)
+        self.llm.llm_engine.add_lora(self._lora)  # read now: a bad adapter fails at the sync, not in a round
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         if self.sleep_mode is not None:
             self.sleep_mode.wake_weights()
@@ -269,10 +296,10 @@ class VLLMColocate(VLLMBackend):
 
             kwargs["structured_outputs"] = StructuredOutputsParams(regex=regex)
         if self.sleep_mode is not None:
-            self.sleep_mode.wake_for_round(lambda: super(VLLMColocate, self).sync_weights(None))
+            self.sleep_mode.wake_for_round(self._load_policy)
         params = [VLLMSamplingParams(**kwargs, seed=seed) for seed in seeds]  # one per row: its own seed
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
-                                    use_tqdm=False)
+                                    lora_request=self._lora, use_tqdm=False)
         if self.sleep_mode is not None:
             self.sleep_mode.sleep()
         completions = [list(out.outputs[0].token_ids) for out in outputs]
@@ -298,6 +325,7 @@ class VLLMColocate(VLLMBackend):
                 torch.set_num_threads = self._restore_set_num_threads
             self._remove_model_folder()
             self.sleep_mode = None
+            self.adapters, self._lora = None, None  # their folder was in the model folder
 
     def _remove_model_folder(self) -> None:
         if self._model_dir is not None:

@@ -5,7 +5,8 @@ engine in the training process; ``VLLMRemote`` (generation/vllm_remote.py) is th
 server. Either is ``trainer.vllm_generation``, as in TRL 1.16 (``.llm`` colocated, ``.vllm_client`` as a server).
 
 Weights are sent whole (the full state dict: a tied output head is not among ``named_parameters()``); LoRA as
-W + BA computed per module (the policy's weights are not touched); under ZeRO-3 one module gathered at a time.
+W + BA computed per module (the policy's weights are not touched), or the adapter alone where the engine serves
+it (vllm_lora_sync: generation/vllm_lora.py); under ZeRO-3 one module gathered at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos, ended
+from trainers.generation.vllm_lora import AdapterFolders
 
 MAX_NUM_BATCHED_TOKENS = 4096  # TRL's: vLLM's memory profiler is misled by its default of 32768
 KV_BLOCK_TOKENS = 128  # each sequence's KV cache rounded up to this many tokens (vLLM allocates in blocks)
@@ -78,11 +80,13 @@ def _active_copy(module: torch.nn.Module) -> torch.nn.Module:
     return module.modules_to_save[adapters[0]] if adapters else module.original_module
 
 
-def policy_weights(accelerator, model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def policy_weights(accelerator, model: torch.nn.Module, merge_lora: bool = True
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The policy's full weights under the checkpoint's names (``model.layers.0.mlp.up_proj.weight``), one
     module at a time: its own parameters and persistent buffers, as ``state_dict()`` holds them, so a tied
     output head is there too (it is not among ``named_parameters()``). A PEFT model gives its base model's names
-    with each LoRA layer merged (W + BA) and a ``modules_to_save`` copy in place of the original. Under ZeRO-3 each
+    with each LoRA layer merged (W + BA; ``merge_lora=False``: its base layer's weights alone, for an engine that
+    serves the adapter itself) and a ``modules_to_save`` copy in place of the original. Under ZeRO-3 each
     module is gathered in turn (the tensors are copies, made while it is gathered); every process must iterate
     together. ``model``: the unwrapped policy."""
     is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")  # a PeftModel
@@ -102,7 +106,11 @@ def policy_weights(accelerator, model: torch.nn.Module) -> Iterator[list[tuple[s
         if isinstance(module, tuner_layer):
             done = name
             with dist.gathered_parameters(accelerator, module), torch.no_grad():
-                yield _lora_merged(name, module)
+                if merge_lora:
+                    yield _lora_merged(name, module)
+                else:
+                    yield [(f"{name}.{key}", value.detach().clone())
+                           for key, value in module.get_base_layer().named_parameters()]
             continue
         if isinstance(module, modules_to_save):
             done = name
@@ -175,6 +183,9 @@ class VLLMBackend:
         self.inputs = inputs
         self.context, self.config = inputs.context, inputs.config
         self._synced_step: int | None = None  # the optimizer step whose weights the engine holds
+        # a subclass that syncs a LoRA policy's adapter alone sets this (generation/vllm_lora.py): then a sync saves
+        # the adapter and ``_push_adapter`` gives it to the engine, instead of ``_push_weights``
+        self.adapters: AdapterFolders | None = None
         # where sampling is in the run, for its seeds (row_seeds): the optimizer step the last sync was for, and the
         # generate calls since
         self._step, self._calls = 0, 0
@@ -206,7 +217,10 @@ class VLLMBackend:
         if step is not None:
             self.seed_position(step)
         if step is None or step != self._synced_step:
-            self._push_weights(policy_weights(self.context.accelerator, self.inputs.policy))
+            if self.adapters is None:
+                self._push_weights(policy_weights(self.context.accelerator, self.inputs.policy))
+            else:
+                self._push_adapter(step)
             self._synced_step = step
 
     def seed_position(self, step: int) -> None:
@@ -260,6 +274,10 @@ class VLLMBackend:
         raise NotImplementedError
 
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        raise NotImplementedError
+
+    def _push_adapter(self, step: int | None) -> None:
+        """Save the policy's adapter as it is after ``step`` (``self.adapters``) and give it to the engine."""
         raise NotImplementedError
 
     def close(self) -> None:

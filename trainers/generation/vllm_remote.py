@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from trainers.parallel import distributed as dist
-from trainers.errors import VLLMServerError
+from trainers.errors import ConfigError, VLLMServerError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend
+from trainers.generation.vllm_lora import AdapterFolders, is_peft, lora_sync_choice
 from trainers.generation.vllm_servers import ServerPool
 
 
@@ -100,7 +102,9 @@ class VLLMRemote(VLLMBackend):
         self._version: int | None = None  # the optimizer step whose weights the push under way sends
         self._closed = False  # on every process: close() ran, the next sync connects again
         self._requests_in_flight = False  # the push under way: asynchronous GRPO's producers are sampling
+        self._view: dict | None = None  # the servers as the last push left them (ServerPool.view), on every process
         self._connect()
+        self._choose_lora_sync()
         self.sync_weights(0)  # the policy's weights before the first optimizer step
         self.context.accelerator.wait_for_everyone()
 
@@ -113,6 +117,24 @@ class VLLMRemote(VLLMBackend):
             except Exception as caught:
                 error = caught
         dist.raise_together(acc, error)
+
+    def _choose_lora_sync(self) -> None:
+        """With a LoRA policy and servers that serve adapters, syncs send the adapter alone (vllm_lora_sync:
+        generation/vllm_lora.py), saved under output_dir/.vllm_lora, which the servers must be able to read (this
+        machine, or a shared filesystem). Every process calls it."""
+        acc, config, choice, error = self.context.accelerator, self.config, None, None
+        if acc.is_main_process:
+            try:
+                wanted = is_peft(self.inputs.policy) and config.vllm_lora_sync != "merged"
+                choice = lora_sync_choice(config.vllm_lora_sync, self.inputs.policy,
+                                          self.pool.lora_configs() if wanted else None)
+            except Exception as caught:
+                error = caught
+        dist.raise_together(acc, error, shared=(ConfigError, VLLMServerError))
+        if dist.broadcast_object(acc, choice):
+            # requests in flight may name any adapter within the staleness bound: its files stay that long
+            keep = config.max_staleness + 2 if config.async_generation else 2
+            self.adapters = AdapterFolders(os.path.join(config.output_dir, ".vllm_lora"), keep)
 
     @property
     def vllm_client(self):
@@ -147,6 +169,8 @@ class VLLMRemote(VLLMBackend):
         inputs = dataclasses.replace(self.inputs, context=dataclasses.replace(
             self.context, accelerator=dist.ThisProcess(self.context.accelerator)))
         pool = ServerPool(self.urls, self._new_client, self.pool.outages if self.pool is not None else None)
+        if self._view is not None:  # the weights (the adapter) the servers hold now
+            pool.adopt(self._view)
         self._producer_pools.append(pool)
         return ServerSampler(inputs, pool)
 
@@ -166,7 +190,7 @@ class VLLMRemote(VLLMBackend):
         """The main process sends the weights to every server together, in requests of about WEIGHT_BATCH_BYTES;
         the others take part in the gathers. Then every process's asynchronous producers learn which servers hold
         them."""
-        acc, error = self.context.accelerator, None
+        error = None
         if self.pool is None:
             for _ in batches:
                 pass
@@ -177,11 +201,29 @@ class VLLMRemote(VLLMBackend):
                 error = caught
                 for _ in batches:  # the other processes are still gathering
                     pass
-        # every process gets the VLLMServerError: the trainer answers it with a checkpoint, written together
+        self._after_push(error)
+
+    def _push_adapter(self, step: int | None) -> None:
+        """The policy's adapter after ``step``, saved by the main process (every process takes part in the
+        gathers), loaded by every server; the requests from then on name it (those in flight keep theirs, so no
+        pause is needed). Then every process's asynchronous producers learn which servers hold it."""
+        acc, error = self.context.accelerator, None
+        adapter = self.adapters.save(acc, self.inputs.policy, step, write=acc.is_main_process)
+        if self.pool is not None:
+            try:
+                self.pool.push_adapter(adapter, keep=2)
+            except Exception as caught:
+                error = caught
+        self._after_push(error)
+
+    def _after_push(self, error: Exception | None) -> None:
+        """Every process raises the push's VLLMServerError (the trainer answers it with a checkpoint, written
+        together); otherwise every process's asynchronous producers adopt the main process's view of the servers."""
+        acc = self.context.accelerator
         dist.raise_together(acc, error, shared=(VLLMServerError,))
-        view = dist.broadcast_object(acc, self.pool.view() if acc.is_main_process else None)
+        self._view = dist.broadcast_object(acc, self.pool.view() if acc.is_main_process else None)
         for pool in self._producer_pools:
-            pool.adopt(view)
+            pool.adopt(self._view)
 
     def step_metrics(self) -> dict[str, float]:
         """With several servers, what the main process's pools report (servers in service, failovers, each one's

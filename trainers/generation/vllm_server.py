@@ -8,9 +8,11 @@ TRL's ``trl vllm-serve`` options (underscores or dashes); any other flag goes to
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` console script fails with the CPU wheel) with
 ``VLLM_SERVER_DEV_MODE=1`` (the weight-update endpoints), TRL's logprob settings, and our weight-transfer engine
 (trainers/generation/vllm_worker/trainers_vllm_worker.py: gloo over TCP, so it works on CPU as on GPU), which vLLM's worker
-imports through ``--worker-extension-cls``, and ``--enable-scale-out`` (vLLM's token route,
+imports through ``--worker-extension-cls`` (on a GPU, vLLM's own NCCL engine instead: ``--weight_transfer``), and ``--enable-scale-out`` (vLLM's token route,
 ``/inference/v1/generate``, whose answers tag each token with the weight version that sampled it: asynchronous
 GRPO samples through it, pushing weights while requests are in flight). The trainer connects with ``VLLMClient`` (trainers/generation/vllm_client.py).
+With vLLM's ``--enable-lora --max-lora-rank R`` (passed through) it also sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1:
+a LoRA policy's trainer then sends its adapter alone at each sync (vllm_lora_sync; generation/vllm_lora.py).
 
 It listens on 127.0.0.1 unless ``--host`` says otherwise. With a key (``--api-key``, or TRAINERS_VLLM_API_KEY; one
 is generated and printed when the host is not a loopback address and none is given), every route answers 401
@@ -30,6 +32,7 @@ import json
 import os
 import secrets
 import shlex
+import subprocess
 import sys
 
 WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")  # holds only the worker module
@@ -75,6 +78,10 @@ def build_parser(prog: str = "trainers vllm-serve") -> argparse.ArgumentParser:
     add("vllm_model_impl", default="vllm", choices=["vllm", "transformers", "auto"], help="Model implementation.")
     add("distributed_executor_backend", default=None, help="ray for multi-node tensor parallelism.")
     add("speculative_config", default=None, help="JSON for vLLM's --speculative-config.")
+    add("weight_transfer", default="auto", choices=["auto", "gloo", "nccl"],
+        help="How the trainer's weights reach the server: nccl (vLLM's own engine, GPU to GPU: the trainer needs a GPU "
+             "of its own and vLLM), gloo (ours, through host memory: CPU, or a trainer without vLLM). auto: nccl when "
+             "the server's Python sees a CUDA device, else gloo.")
     add("python", default=sys.executable,
         help="The Python that runs the server: one whose environment has vLLM (default: this one).")
     return parser
@@ -118,8 +125,22 @@ def resolve_key(args: argparse.Namespace, environ: dict[str, str] | None = None)
     return key, False
 
 
+def resolve_transfer(args: argparse.Namespace, has_cuda=None) -> str:
+    """--weight_transfer, with auto resolved: nccl when the server's Python sees a CUDA device (``has_cuda()``,
+    default: asked of that Python), else gloo."""
+    if args.weight_transfer != "auto":
+        return args.weight_transfer
+    if has_cuda is None:
+        def has_cuda() -> bool:
+            probe = subprocess.run([args.python, "-c", "import torch; print(torch.cuda.is_available())"],
+                                   capture_output=True, text=True)
+            return probe.stdout.strip() == "True"
+    return "nccl" if has_cuda() else "gloo"
+
+
 def build_command(args: argparse.Namespace, extra_args: list[str], key: str | None = None) -> list[str]:
-    """The server's command line, starting with the Python that runs it."""
+    """The server's command line, starting with the Python that runs it (--weight_transfer resolved: auto is gloo
+    here)."""
     command = [
         args.python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", resolve_model(args.model),
@@ -152,7 +173,7 @@ def build_command(args: argparse.Namespace, extra_args: list[str], key: str | No
     command += [
         # our transfer engine, registered by the worker module that vLLM's worker imports
         "--worker-extension-cls", WORKER_EXTENSION,
-        "--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
+        "--weight-transfer-config", json.dumps({"backend": "nccl" if args.weight_transfer == "nccl" else ENGINE_NAME}),
         # as TRL: log-probs after temperature/top-k processing (the importance-sampling correction compares
         # them with the trainer's), and no cap on how many per token
         "--logprobs-mode", "processed_logprobs",
@@ -163,9 +184,11 @@ def build_command(args: argparse.Namespace, extra_args: list[str], key: str | No
     return command + list(extra_args)
 
 
-def build_env(args: argparse.Namespace, base: dict[str, str] | None = None, key: str | None = None
-              ) -> dict[str, str]:
+def build_env(args: argparse.Namespace, base: dict[str, str] | None = None, key: str | None = None,
+              extra_args: list[str] = ()) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    if "--enable-lora" in extra_args or "--enable_lora" in extra_args:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter: the trainer's adapter at each sync
     env.pop(KEY_VARIABLE, None)
     if key is not None:
         env[KEY_VARIABLE] = key  # read by the middleware (KEY_MIDDLEWARE)
@@ -179,16 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     args, extra_args = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     if not os.path.isfile(args.python):
         raise SystemExit(f"trainers vllm-serve: error: --python {args.python!r}: no such file.")
+    args.weight_transfer = resolve_transfer(args)
     key, generated = resolve_key(args)
     command = build_command(args, extra_args, key)
-    env = build_env(args, key=key)
+    env = build_env(args, key=key, extra_args=extra_args)
     if generated:
         print(f"[trainers vllm-serve] {args.host} is reachable from other machines and no key was given: every "
               f"request must carry this one. Give it to the trainer as vllm_server_api_key or {KEY_VARIABLE}:\n"
               f"{KEY_VARIABLE}={key}", flush=True)
     elif key is None:
         print(f"[trainers vllm-serve] no key: only this machine can reach {args.host}.", flush=True)
-    print("[trainers vllm-serve] VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE="
+    lora = " VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" if "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in env else ""
+    print(f"[trainers vllm-serve] VLLM_SERVER_DEV_MODE=1{lora} VLLM_CPU_KVCACHE_SPACE="
           f"{env['VLLM_CPU_KVCACHE_SPACE']} PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {shlex.join(command)}",
           flush=True)
     # the server replaces this process: signals reach it directly and nothing is left behind when it exits

@@ -6,7 +6,8 @@ the others finish the round.
   service with the fewest requests in flight (ties: the first listed). Seeds stay per row, so which server
   samples a row does not choose its seed; whether it samples the same tokens as another server would is a
   matter of the engines' batching (docs/grpo.md, "Several servers").
-- **Versions.** Each server is tagged with the optimizer step whose weights it holds. Only servers holding the
+- **Versions.** Each server is tagged with the optimizer step whose weights (or LoRA adapter: ``push_adapter``) it
+  holds. Only servers holding the
   latest weights get requests: a server that missed a push gets none until a push reaches it.
 - **Failover.** A server that does not answer (refused, reset, past ``request_timeout``) or fails inside
   (HTTP 5xx) while sampling or receiving weights is taken out, with one warning naming it, and counted
@@ -83,6 +84,7 @@ class ServerPool:
         self.connect = connect
         self.servers = [Server(url, connect(url, True)) for url in urls]
         self.version: int | None = None  # the weights the servers in service hold
+        self.adapter: tuple[str, int | None] | None = None  # (name, version) of the adapter they serve, if any
         self.outages = outages if outages is not None else Outages()
         self.last_error: Exception | None = None  # the last failure that took a server out
         self.lock = threading.Lock()  # requests run in threads (a round's requests, GRPO's producers)
@@ -183,6 +185,25 @@ class ServerPool:
         of them together; those that answer again first (``take_back``). A server that fails during the push is
         taken out; the push fails only when none received it. ``pause``: each server's requests in flight are
         paused for the update and go on with the new weights (their tokens from then on tagged ``version``)."""
+        def send(each: Callable[[Callable[[Server], None], str], None]) -> None:
+            each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
+            for batch in batches:
+                each(lambda s: s.client.update_named_params(batch), "receiving weights")
+            each(lambda s: s.client.end_weight_update(version), "finishing a weight update")
+
+        self._to_every_server(send, version)
+
+    def push_adapter(self, adapter, keep: int = 2) -> None:
+        """Every answering server serves ``adapter`` (generation/vllm_lora.py's ``Adapter``) from now on, with the
+        base weights it has; each keeps the newest ``keep`` adapters loaded. As ``push``: those that answer again
+        first, one that fails is taken out, an error only when none has it."""
+        self._to_every_server(lambda each: each(lambda s: s.client.load_adapter(adapter, keep), "loading an adapter"),
+                              adapter.version)
+        self.adapter = (adapter.name, adapter.version)
+
+    def _to_every_server(self, send: Callable[[Callable], None], version: int | None) -> None:
+        """``send(each)`` once, where ``each(call, doing)`` runs ``call(server)`` on every server in the push at once
+        (those that answer again first); then those that took every call hold ``version``."""
         from trainers.generation.vllm_client import VLLMServerDown
 
         self.take_back()
@@ -198,10 +219,7 @@ class ServerPool:
                     elif error is not None:
                         raise error
 
-            each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
-            for batch in batches:
-                each(lambda s: s.client.update_named_params(batch), "receiving weights")
-            each(lambda s: s.client.end_weight_update(version), "finishing a weight update")
+            send(each)
         done = [s for s in targets if not s.out]
         if not done:
             raise self.none_left()
@@ -209,13 +227,18 @@ class ServerPool:
             server.version = version
         self.version = version
 
+    def lora_configs(self) -> dict[str, dict | None]:
+        """Each server's LoRA settings (None: started without --enable-lora), by URL."""
+        return {s.url: s.client.lora_config() for s in self.servers if s.client is not None}
+
     # ------------------------------------------------------------------ another process's pool
 
     def view(self) -> dict[str, int | None | bool]:
         """Which servers are in service and the weights they hold, as the pool that pushes them sees it: url ->
         the version, or False when it is out or stale. Sent to the other processes' pools after each push."""
         ready = self.in_service()
-        return {s.url: (s.version if s in ready else False) for s in self.servers} | {"": self.version}
+        return {s.url: (s.version if s in ready else False) for s in self.servers} | {"": self.version,
+                                                                                       "adapter": self.adapter}
 
     def adopt(self, view: dict) -> None:
         """Follow the pushing pool's ``view`` (GRPO's asynchronous producers, which sample but never push; with
@@ -228,11 +251,12 @@ class ServerPool:
             elif version is not False and server.out:
                 self.reconnect(server)
         with self.lock:
-            self.version = view[""]
+            self.version, self.adapter = view[""], view.get("adapter")
             for server in self.servers:
                 version = view.get(server.url, False)
                 if version is not False and not server.out:
                     server.version = version
+                    server.client.adapter = self.adapter
 
     # ------------------------------------------------------------------ reporting
 

@@ -4,7 +4,9 @@ dtype, through host memory). Torch and the standard library only."""
 
 from __future__ import annotations
 
+import socket
 import threading
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -74,3 +76,24 @@ def host_buffer(tensors: list[torch.Tensor]) -> torch.Tensor:
     if on_gpu:
         torch.cuda.synchronize()  # the pinned copies are asynchronous: complete before gloo reads the buffer
     return flat
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """This host's address on the route to the peer (a UDP 'connect' sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, peer_port))
+        return probe.getsockname()[0]
+
+
+def in_thread(function) -> Future:
+    """Run ``function`` in a daemon thread (one blocked in a transfer must not keep the process alive)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(function())
+        except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future

@@ -22,6 +22,7 @@ ASYNC_OPTIONS = ("max_staleness", "max_inflight_tasks", "queue_maxsize", "weight
                  "in_flight_weight_updates")
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
+LORA_SYNC_CHOICES = ("auto", "adapter", "merged")  # vllm_lora_sync (generation/vllm_lora.py)
 
 
 @reject_unknown_options
@@ -113,6 +114,12 @@ class SamplingConfig(TrainingConfig):
         None, "Colocate: run the engine without compiling it (vLLM's enforce_eager). None: eager on CPU, where "
         "compiling takes 20-70 s of every start for a few % of speed; compiled (CUDA graphs) on a GPU. The engine "
         "starts again at each train() call: True saves that start-up on a GPU where rounds are short.")
+    vllm_lora_sync: str = opt(
+        "auto", "With a PEFT LoRA policy, what a weight sync sends: 'adapter' the adapter alone (the engine keeps the "
+        "base weights and serves the adapter: ~1% of the bytes), 'merged' every weight with each LoRA layer merged "
+        "(W + BA), 'auto' the adapter wherever the engine can serve it (a colocated engine; a server started with "
+        "--enable-lora) and vLLM's adapter format holds it (no modules_to_save, DoRA or trained biases), else merged "
+        "with a warning saying why. 'adapter' makes each of those reasons an error.", choices=LORA_SYNC_CHOICES)
     vllm_structured_outputs_regex: str | None = opt(
         None, "Constrain every completion to this regular expression (vLLM's structured outputs). None: free text.")
     vllm_server_base_url: str | list[str] | None = opt(
