@@ -1,11 +1,13 @@
 """The prepared GPU check (benchmarks/gpu_check.py), its CPU-runnable half: a dry run on CPU runs each part in its
-own process, skips the GPU-only ones with the reason, and writes the report (JSON and the Markdown table); without
---dry-run and without CUDA it refuses to start, naming why. So the one GPU call is not spent on a typo."""
+own process, skips the GPU-only ones with the reason, and writes the report (JSON, the Markdown table and the parts'
+log, nothing else in --out); a part past its limit is killed with everything it started; without --dry-run and
+without CUDA it refuses to start, naming why. So the one GPU call is not spent on a typo."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,8 +25,11 @@ def test_a_dry_run_on_cpu_runs_the_parts_and_writes_the_report(tmp_path):
     with open(tmp_path / "gpu_check.json") as f:
         report = json.load(f)
     assert report["dry_run"] and list(report["parts"]) == ["runs", "head", "rows", "templates", "profile", "sync"]
+    # the report alone comes back from the device machine: 8 files at most (the parts' files go to --work)
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.md", "parts.log"]
     runs = report["parts"]["runs"]["details"]
     assert runs["sft_finite"] and runs["resume_exact"] and runs["lean_equals_hf_greedy"]
+    assert runs["resume_max_abs_diff"] == 0.0 and runs["lean_hf_equal_prompts"] == "3/3"
     for part in ("rows", "sync"):
         assert report["parts"][part] == {"skipped": "needs CUDA", "seconds": report["parts"][part]["seconds"]}
     assert report["parts"]["templates"]["details"]["single_gpu"] == "ok"
@@ -41,3 +46,26 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path):
     result = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path)], capture_output=True, text=True,
                             timeout=120, cwd=REPO)
     assert result.returncode == 2 and "no CUDA device here: run on the GPU machine, or pass --dry-run" in result.stderr
+
+
+def test_a_part_past_its_limit_is_killed_with_everything_it_started(tmp_path):
+    """The templates part launches `accelerate launch` (a launcher and its worker): stopped at 8 s, the report says
+    so and neither is left running to share the GPU with the next part."""
+    os.makedirs(tmp_path / "work")
+    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path), "--work",
+                             str(tmp_path / "work"), "--parts", "templates", "--limit", "8"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    with open(tmp_path / "gpu_check.json") as f:
+        part = json.load(f)["parts"]["templates"]
+    assert result.returncode == 1 and part["error"] == "timed out after 8 s" and part["seconds"] < 20, part
+    time.sleep(1)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in cmdline(pid)]
+    assert left == [], [cmdline(pid) for pid in left]
+
+
+def cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -300,7 +300,8 @@ def test_every_route_refuses_a_caller_without_the_key_and_changes_nothing(client
     # the weight transfer and vLLM's development routes among them, and paths outside the schema
     assert {"/init_weight_transfer_engine", "/update_weights", "/pause", "/resume", "/health",
             "/v1/completions", "/inference/v1/generate"} <= {path for path, _ in routes}
-    routes += [("/metrics", "GET"), ("/docs", "GET"), ("/no/such/route", "POST")]
+    routes += [("/metrics", "GET"), ("/docs", "GET"), ("/no/such/route", "POST"),
+               ("/trainers/begin_update", "POST"), ("/trainers/end_update", "POST")]  # ours (trainers_vllm_routes.py)
     answered = {(path, method): [status_of(server.url + path, method, wrong) for wrong in (None, "not-the-key")]
                 for path, method in routes}
     assert {route: codes for route, codes in answered.items() if codes != [401, 401]} == {}
@@ -448,7 +449,7 @@ def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):
     report = job(tmp_path, "die", server.url, server.model_dir, free_port(), server.process.pid)
     print(f"\nserver killed after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
     message = report["error"]
-    assert f"The vLLM server at {server.url} did not answer POST /start_weight_update" in message, message
+    assert f"The vLLM server at {server.url} did not answer POST /trainers/begin_update" in message, message
     assert "Training stopped after step 2; checkpoint written to" in message and "checkpoint-2" in message
     assert report["steps_done"] == 2 and [r["step"] for r in report["rounds"]] == [0, 1]
     assert [c for c in report["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-2"]

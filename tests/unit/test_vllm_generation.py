@@ -48,7 +48,13 @@ def test_lora_is_sent_merged_without_touching_the_policy():
                 parameter.normal_()
     before = {name: p.clone() for name, p in model.named_parameters()}
     sent = _sent(model)
+    # an engine that serves the adapter itself gets the base weights under the same names (vllm_lora_sync)
+    base_only = {name: t for batch in policy_weights(Accelerator(cpu=True), model, merge_lora=False)
+                 for name, t in batch}
+    assert torch.equal(base_only["model.layers.0.self_attn.q_proj.weight"],
+                       before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
     merged = model.merge_and_unload().state_dict()  # peft's own merge, for reference (after _sent)
+    assert sorted(base_only) == sorted(merged)
     assert sorted(sent) == sorted(merged)
     assert all(torch.allclose(sent[name], merged[name], atol=1e-6) for name in merged)
     assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],

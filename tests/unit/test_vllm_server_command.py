@@ -53,7 +53,7 @@ def test_environment_exposes_only_the_worker_module(tmp_path):
     assert env["PYTHONPATH"].split(os.pathsep) == [vllm_server.WORKER_DIR, "/elsewhere"]
     # the folder on the server's path holds modules with unique names, never the trainers package
     assert sorted(n for n in os.listdir(vllm_server.WORKER_DIR) if n.endswith(".py")) == [
-        "trainers_vllm_auth.py", "trainers_vllm_worker.py"]
+        "trainers_vllm_auth.py", "trainers_vllm_routes.py", "trainers_vllm_worker.py"]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU: 1 GiB of KV cache, not a fraction of host RAM
     args, _ = command("--model", str(tmp_path), "--cpu_kvcache_space", "3")
     assert vllm_server.build_env(args, base={})["VLLM_CPU_KVCACHE_SPACE"] == "3"
@@ -94,6 +94,7 @@ def test_server_side_needs_neither_the_trainers_package_nor_its_dependencies():
     assert imported_modules(vllm_server.__file__) <= stdlib
     assert imported_modules(WORKER_FILE) <= stdlib | {"torch", "vllm"}
     assert imported_modules(os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_auth.py")) <= stdlib
+    assert imported_modules(os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_routes.py")) <= stdlib
     # the names both sides must agree on
     with open(WORKER_FILE) as f:
         body = ast.parse(f.read()).body

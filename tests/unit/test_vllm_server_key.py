@@ -46,12 +46,16 @@ def test_the_server_listens_on_loopback_unless_told_and_needs_a_key_when_others_
 def test_a_key_puts_every_route_behind_the_middleware_and_travels_in_the_environment():
     args, extra = vllm_server.build_parser().parse_known_args(["--model", "m", "--api-key", "secret-1"])
     command = vllm_server.build_command(args, extra, "secret-1")
-    assert command[command.index("--middleware") + 1] == "trainers_vllm_auth.RequireKey"
+    # the key's middleware last, so it wraps every other (vLLM adds each outside the ones before)
+    middleware = [command[i + 1] for i, flag in enumerate(command) if flag == "--middleware"]
+    assert middleware == ["trainers_vllm_routes.WeightRoutes", "trainers_vllm_auth.RequireKey"]
     assert "secret-1" not in " ".join(command)  # never on the command line (ps shows it)
     assert "--api-key" not in command  # vLLM's own guards only /v1: ours replaces it
     env = vllm_server.build_env(args, base={"TRAINERS_VLLM_API_KEY": "stale"}, key="secret-1")
     assert env["TRAINERS_VLLM_API_KEY"] == "secret-1"
-    assert "--middleware" not in vllm_server.build_command(args, extra, None)
+    unkeyed = vllm_server.build_command(args, extra, None)
+    assert [unkeyed[i + 1] for i, flag in enumerate(unkeyed) if flag == "--middleware"] == [
+        "trainers_vllm_routes.WeightRoutes"]
     assert "TRAINERS_VLLM_API_KEY" not in vllm_server.build_env(args, base={"TRAINERS_VLLM_API_KEY": "x"}, key=None)
 
 

@@ -355,32 +355,32 @@ class VLLMClient:
 
     def begin_weight_update(self, pause: bool = False) -> None:
         """Open the server's weight update (``weight_update()`` in two calls, for several servers updated
-        together): the transfer group if not open, then the update. One left open by a transfer that failed
-        half-way (this run's, or a trainer that died mid-transfer) is closed first, its partial weights to be
-        overwritten by this update. ``pause``: requests in flight are paused between decode steps first (vLLM's
+        together): the transfer group if not open, then the update, in one request (``/trainers/begin_update``,
+        generation/vllm_worker/trainers_vllm_routes.py). One left open by a transfer that failed half-way (this
+        run's, or a trainer that died mid-transfer) is closed first, its partial weights to be overwritten by this
+        update. ``pause``: requests in flight are paused between decode steps first (as vLLM's
         ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them."""
         self.init_communicator()
-        if pause:
-            self._post("/pause", params={"mode": "keep"})
-            self._paused = True
-        try:
-            self._post("/start_weight_update")
-        except VLLMServerError as error:
-            if "weight update is already active" not in str(error):
-                raise
-            self._post("/finish_weight_update")
-            self._post("/start_weight_update")
-        self._in_update = True
+        self._weight_route("/trainers/begin_update", {"pause": pause})
+        self._paused, self._in_update = pause, True
 
     def end_weight_update(self, version: int | None = None) -> None:
-        """Finish the update ``begin_weight_update`` opened: the server reloads (tagging the tokens it samples from
-        here on with ``version``, when given), drops its prefix cache and resumes the requests it paused."""
+        """Finish the update ``begin_weight_update`` opened, in one request: the server reloads (tagging the tokens
+        it samples from here on with ``version``, when given), drops its prefix cache and resumes the requests it
+        paused."""
         self._in_update = False
-        self._post("/finish_weight_update", {} if version is None else {"weight_version": str(version)})
-        self.reset_prefix_cache()
-        if self._paused:
-            self._post("/resume")
-            self._paused = False
+        self._weight_route("/trainers/end_update", {"weight_version": None if version is None else str(version),
+                                                    "resume": self._paused})
+        self._paused = False
+
+    def _weight_route(self, path: str, body: dict) -> None:
+        try:
+            self._post(path, body)
+        except VLLMServerError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            raise VLLMServerError(f"The vLLM server at {self.base_url} does not serve {path}: restart it with this "
+                                  f"version's `trainers vllm-serve`.") from None
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's

@@ -40,6 +40,7 @@ WORKER_EXTENSION = "trainers_vllm_worker.TrainersWorkerExtension"
 ENGINE_NAME = "trainers_gloo"  # the worker module's ENGINE_NAME
 KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the key, for the server (and the trainer) when --api-key is not given
 KEY_MIDDLEWARE = "trainers_vllm_auth.RequireKey"  # in WORKER_DIR: every route behind the key
+ROUTES_MIDDLEWARE = "trainers_vllm_routes.WeightRoutes"  # in WORKER_DIR: a weight update opened and closed in one call
 
 
 def build_parser(prog: str = "trainers vllm-serve") -> argparse.ArgumentParser:
@@ -168,6 +169,8 @@ def build_command(args: argparse.Namespace, extra_args: list[str], key: str | No
         command += ["--distributed-executor-backend", args.distributed_executor_backend]
     if args.speculative_config is not None:
         command += ["--speculative-config", args.speculative_config]
+    # a weight push in four requests (trainers_vllm_routes.py); added first, so the key's middleware wraps it
+    command += ["--middleware", ROUTES_MIDDLEWARE]
     if key is not None:  # every route behind the key (the key itself travels in the environment: build_env)
         command += ["--middleware", KEY_MIDDLEWARE]
     command += [

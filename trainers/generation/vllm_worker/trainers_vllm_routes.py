@@ -1,0 +1,73 @@
+"""Two routes of our own on a ``trainers vllm-serve`` server, so that a weight push is four requests instead of
+seven: an ASGI middleware that vLLM's API server loads with ``--middleware trainers_vllm_routes.WeightRoutes``
+(this folder is on the server's PYTHONPATH; the key's middleware, when there is one, wraps it).
+
+- ``POST /trainers/begin_update`` ``{"pause": bool}``: with ``pause``, the scheduler stops between two decode steps
+  keeping its requests (vLLM's ``/pause?mode=keep`` without the 20 ms ``asyncio.sleep`` its ``pause_generation``
+  adds after it, which only orders output events for the caller's convenience); then ``start_weight_update``
+  (one left open by a push that failed half-way is finished first).
+- ``POST /trainers/end_update`` ``{"weight_version": str | None, "resume": bool}``: ``finish_weight_update`` (tagging
+  the tokens sampled from here on), the prefix cache dropped (its KV was computed with the old weights) and, with
+  ``resume``, the paused requests resumed.
+
+Each answers ``{"ok": true}``, or HTTP 500 with ``{"error": ...}``. Every other request goes to vLLM unchanged.
+Standard library only (and the engine the application holds): it runs in vLLM's environment.
+"""
+
+from __future__ import annotations
+
+import json
+
+BEGIN, END = "/trainers/begin_update", "/trainers/end_update"
+
+
+class WeightRoutes:
+    """ASGI middleware: ``BEGIN`` and ``END`` (module docstring) answered here, from the application's engine."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (BEGIN, END):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        engine = scope["app"].state.engine_client
+        try:
+            given = json.loads(body or b"{}")
+            if scope["path"] == BEGIN:
+                await begin(engine, bool(given.get("pause")))
+            else:
+                await end(engine, given.get("weight_version"), bool(given.get("resume")))
+            status, answer = 200, {"ok": True}
+        except Exception as error:  # the trainer's client raises it, naming the server
+            status, answer = 500, {"error": f"{scope['path']}: {type(error).__name__}: {error}"}
+        payload = json.dumps(answer).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def begin(engine, pause: bool) -> None:
+    if pause:
+        await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    try:
+        await engine.start_weight_update()
+    except Exception as error:
+        if "already active" not in str(error):
+            raise
+        await engine.finish_weight_update(None)  # a push that failed half-way: its partial weights are overwritten
+        await engine.start_weight_update()
+
+
+async def end(engine, version: str | None, resume: bool) -> None:
+    await engine.finish_weight_update(None if version is None else str(version))
+    await engine.reset_prefix_cache()
+    if resume:
+        await engine.resume_generation()
