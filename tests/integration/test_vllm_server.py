@@ -252,15 +252,20 @@ def test_a_request_in_flight_goes_on_across_a_paused_weight_update(client, serve
         client.end_weight_update(version)
 
     push(first, 1, pause=False)
-    answer: dict = {}
-    request = threading.Thread(target=lambda: answer.update(client.generate_tokens(
-        PROMPTS[0], n=1, seed=0, sampling_params={"max_tokens": 1000, "temperature": 1.0, "ignore_eos": True,
-                                                  "logprobs": 0})))
-    before = generated_tokens(server)
-    request.start()
-    deadline = time.monotonic() + 60
-    while generated_tokens(server) < before + 20 and time.monotonic() < deadline:  # it is decoding
-        time.sleep(0.05)
+    for attempt in range(3):  # a request that ended before the push (vLLM's /metrics lag) is sent again
+        answer: dict = {}
+        request = threading.Thread(target=lambda: answer.update(client.generate_tokens(
+            PROMPTS[0], n=1, seed=attempt, sampling_params={"max_tokens": 1000, "temperature": 1.0,
+                                                            "ignore_eos": True, "logprobs": 0})))
+        before = generated_tokens(server)
+        request.start()
+        deadline = time.monotonic() + 60
+        while generated_tokens(server) < before + 20 and time.monotonic() < deadline:  # it is decoding
+            time.sleep(0.05)
+        if request.is_alive():
+            break
+        request.join()
+    assert request.is_alive(), "the request ended before the push three times"
     push(second, 2, pause=True)
     request.join(timeout=120)
     splits = []

@@ -62,8 +62,9 @@ class Checks(TrainerCallback):
         greedy = SamplingParams(max_new_tokens=8, do_sample=False)
         engine, _ = trainer.vllm_generation.generate(self.probe_ids, greedy)
         policy = trainer.generate(self.probe_ids, greedy)  # the policy itself (the lean engine), float32
+        core = trainer.vllm_generation.llm.llm_engine  # the adapters it holds, where it serves LoRA
         self.rounds.append({"step": state.global_step, "equal": engine == policy, "children": child_processes(),
-                            "adapters": sorted(trainer.vllm_generation.llm.llm_engine.list_loras()),
+                            "adapters": sorted(core.list_loras()) if core.vllm_config.lora_config else None,
                             "logprobs_given": not any(math.isnan(v) for row in samples.logprobs for v in row),
                             "tie_gaps": tie_gaps(trainer.unwrapped_model, self.probe_ids, engine, policy,
                                                  trainer.accelerator.mixed_precision)})
