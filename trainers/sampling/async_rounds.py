@@ -223,7 +223,9 @@ class AsyncRounds:
                         f"{stale_after:g}); the engine holds the weights of step {self._version}.")
                     break
                 self._cond.wait(timeout=POLL_SECONDS)
-            error = self._error
+            # a round that is ready is trained on, whatever a later round met (the producer may have run ahead
+            # and failed on the next one already): the error stops the run at the round it concerns
+            error = self._error if round_index not in self._done else None
             if error is None:
                 sampled = self._done.pop(round_index)
                 self._fed.discard(round_index)
