@@ -35,7 +35,7 @@ import torch
 from trainers.errors import VLLMServerError
 from trainers.generation.vllm_answers import (finite_or_minus_inf, parse_logprobs, parse_token_logprobs,
                                              token_versions)
-from trainers.generation.weight_transport import NCCL_ENGINE, TRANSPORTS, nccl_missing
+from trainers.generation.weight_transport import NCCL_ENGINE, TRANSPORTS, nccl_refusal
 from trainers.generation.weight_wire import in_thread, local_address, wire_tensor
 
 START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
@@ -170,10 +170,9 @@ class VLLMClient:
                 f"The vLLM server at {self.base_url} serves {served!r}, but the trainer trains {expected_model!r}: "
                 f"restart the server with --model {expected_model} (or, for the same model under another name, "
                 f"pass vLLM's --served-model-name {expected_model}).")
-        if self.transfer_engine() == NCCL_ENGINE and nccl_missing():  # said now, not at the first push
-            raise VLLMServerError(f"The vLLM server at {self.base_url} takes weights over NCCL (a server on a GPU), "
-                                  f"and {nccl_missing()}. Run the trainer on a GPU with vLLM installed, or start the "
-                                  f"server with `trainers vllm-serve ... --weight_transfer gloo`.")
+        refusal = nccl_refusal(self.base_url) if self.transfer_engine() == NCCL_ENGINE else None
+        if refusal is not None:  # said now, not at the first push
+            raise refusal
         if self._get("/is_paused").get("is_paused"):  # left paused by a push that failed half-way (in flight)
             self._post("/resume")
 

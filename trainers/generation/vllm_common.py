@@ -22,7 +22,7 @@ from trainers.parallel import distributed as dist
 from trainers.errors import ConfigError
 from trainers.generation.backend import BackendInputs
 from trainers.generation.sampling import Samples, SamplingParams, cut_at_eos, ended
-from trainers.generation.vllm_lora import AdapterFolders
+from trainers.generation.vllm_lora import AdapterFolders, is_peft
 
 MAX_NUM_BATCHED_TOKENS = 4096  # TRL's: vLLM's memory profiler is misled by its default of 32768
 KV_BLOCK_TOKENS = 128  # each sequence's KV cache rounded up to this many tokens (vLLM allocates in blocks)
@@ -89,10 +89,10 @@ def policy_weights(accelerator, model: torch.nn.Module, merge_lora: bool = True
     serves the adapter itself) and a ``modules_to_save`` copy in place of the original. Under ZeRO-3 each
     module is gathered in turn (the tensors are copies, made while it is gathered); every process must iterate
     together. ``model``: the unwrapped policy."""
-    is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")  # a PeftModel
-    root = model.get_base_model() if is_peft else model
+    peft = is_peft(model)
+    root = model.get_base_model() if peft else model
     tuner_layer = modules_to_save = ()
-    if is_peft:
+    if peft:
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import ModulesToSaveWrapper
 

@@ -106,6 +106,16 @@ def nccl_missing() -> str | None:
     return None
 
 
+def nccl_refusal(server_url: str) -> VLLMServerError | None:
+    """The error for a server that takes weights over NCCL when this process cannot join it (None: it can)."""
+    missing = nccl_missing()
+    if missing is None:
+        return None
+    return VLLMServerError(f"The vLLM server at {server_url} takes weights over NCCL (a server on a GPU), and "
+                           f"{missing}. Run the trainer on a GPU with vLLM installed, or start the server with "
+                           f"`trainers vllm-serve ... --weight_transfer gloo`.")
+
+
 class NCCLTransport:
     """vLLM's NCCL engine: this process rank 0 of a group with the server's workers, the tensors broadcast from this
     process's CUDA device (one at a time, unpacked: the server decodes as ``init_info`` says)."""
@@ -113,11 +123,9 @@ class NCCLTransport:
     engine = NCCL_ENGINE
 
     def __init__(self, address: str, port: int, world_size: int, timeout: timedelta, server_url: str):
-        missing = nccl_missing()
-        if missing:
-            raise VLLMServerError(f"The vLLM server at {server_url} takes weights over NCCL (a server on a GPU), and "
-                                  f"{missing}. Run the trainer on a GPU with vLLM installed, or start the server "
-                                  f"with `trainers vllm-serve ... --weight_transfer gloo`.")
+        refusal = nccl_refusal(server_url)
+        if refusal is not None:
+            raise refusal
         self.port = nccl_port(port, server_url)
         self.rendezvous = {"master_address": address, "master_port": self.port, "world_size": world_size}
         self.init_info = self.rendezvous | {"rank_offset": 1, "packed": False}
