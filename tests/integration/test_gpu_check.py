@@ -5,6 +5,7 @@ without CUDA it refuses to start, naming why. So the one GPU call is not spent o
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,15 +50,26 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path):
 
 
 def test_a_part_past_its_limit_is_killed_with_everything_it_started(tmp_path):
-    """The templates part launches `accelerate launch` (a launcher and its worker): stopped at 8 s, the report says
-    so and neither is left running to share the GPU with the next part."""
+    """The templates part launches `accelerate launch` (a launcher and its worker). The test stops the worker as
+    soon as it appears (SIGSTOP: the part can no longer finish, however fast the host), so the part runs past its
+    limit: the report says so and neither the launcher nor the stopped worker is left to share the GPU."""
     os.makedirs(tmp_path / "work")
-    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path), "--work",
-                             str(tmp_path / "work"), "--parts", "templates", "--limit", "8"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    process = subprocess.Popen([sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path), "--work",
+                                str(tmp_path / "work"), "--parts", "templates", "--limit", "30"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    stopped = []
+    while process.poll() is None and not stopped:
+        for pid in os.listdir("/proc"):
+            line = cmdline(pid) if pid.isdigit() else ""
+            if str(tmp_path) in line and "sft.py" in line and "accelerate" not in line:
+                os.kill(int(pid), signal.SIGSTOP)
+                stopped.append(pid)
+        time.sleep(0.05)
+    output, _ = process.communicate(timeout=120)
     with open(tmp_path / "gpu_check.json") as f:
         part = json.load(f)["parts"]["templates"]
-    assert result.returncode == 1 and part["error"] == "timed out after 8 s" and part["seconds"] < 20, part
+    assert stopped, output[-3000:]  # the worker was seen (and held) before the part ended
+    assert process.returncode == 1 and part["error"] == "timed out after 30 s" and part["seconds"] < 45, part
     time.sleep(1)
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in cmdline(pid)]
     assert left == [], [cmdline(pid) for pid in left]
