@@ -50,3 +50,9 @@ class NonFiniteError(TrainersError):
 
 class DistributedError(TrainersError):
     """Another process failed; raised on every process so none waits forever in a collective."""
+
+
+class RemoteServiceError(RewardFunctionError):
+    """A reward server (``trainers reward-serve``) or remote code executor (``trainers sandbox-serve``) could not
+    be reached, timed out, refused the key or failed; the message names its URL. The trainer stops with a
+    checkpoint, as for a dead vLLM server."""

@@ -1,10 +1,12 @@
 """The ``trainers`` command: ``sft``, ``grpo``, ``rloo``, ``distill``, ``dpo``, ``reward``, ``kto``, ``vllm-serve``,
-``plan``, ``report`` and ``env``.
+``sandbox-serve``, ``reward-serve``, ``plan``, ``report`` and ``env``.
 
     trainers grpo --config examples/grpo.yaml                        # one process, here
     trainers grpo --config grpo.yaml --learning_rate 1e-6            # a flag overrides the YAML
     trainers grpo --config grpo.yaml --accelerate_config zero3 --num_processes 8   # through accelerate launch
     trainers vllm-serve --model Qwen/Qwen2.5-0.5B --port 8000               # GRPO's vllm_mode="server"
+    trainers sandbox-serve --port 8100                                     # code_execution's programs, run here
+    trainers reward-serve --model outputs/reward --port 8200               # reward_funcs="http://127.0.0.1:8200"
     trainers plan --model-size 7B --method grpo --num-gpus 8 --gpu-memory 80
     trainers report outputs/grpo-tiny
     trainers env
@@ -40,8 +42,9 @@ RUN_KEYS = {
     "num_processes": "Processes to launch (through `accelerate launch`; with no accelerate_config: multi_gpu).",
     "main_process_port": "Port of the launched processes' rendezvous (default: accelerate's).",
 }
-GRPO_RUN_KEYS = {"reward_funcs": "Built-in reward names (accuracy, format, overlong), module:function, or "
-                                 "reward models (folders or Hub ids). Default: accuracy."}
+GRPO_RUN_KEYS = {"reward_funcs": "Built-in reward names (accuracy, format, overlong, code_execution), "
+                                 "module:function, a reward server's URL (trainers reward-serve), or reward models "
+                                 "(folders or Hub ids). Default: accuracy."}
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "main_process_port")
 LAUNCHED_ENV = "TRAINERS_CLI_LAUNCHED"  # set in the processes `accelerate launch` starts, so they train
 
@@ -237,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     report = subparsers.add_parser("report", help="Plots and an HTML page from a run's output_dir.")
     report.add_argument("output_dir", help="The run's output_dir (it holds metrics.jsonl).")
     report.add_argument("--out", default=None, help="Where to write the report (default: OUTPUT_DIR/report).")
+    from trainers.services import reward_server, sandbox_server
+
+    sandbox = subparsers.add_parser("sandbox-serve", help="Runs code_execution rewards' programs for trainers "
+                                    "elsewhere.", description=sandbox_server.__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    sandbox_server.add_arguments(sandbox)
+    rewards = subparsers.add_parser("reward-serve", help="Serves a reward model: reward_funcs='http://HOST:PORT'.",
+                                    description=reward_server.__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    reward_server.add_arguments(rewards)
     environment = subparsers.add_parser("env", help="Versions, devices and the distributed set-up.")
     environment.add_argument("--accelerate_config", default=None,
                              help="Also show what this shipped template (name) or config file (path) sets.")
@@ -248,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             return planner.run(cli)
         if cli.command == "report":
             return cmd_report(cli)
+        if cli.command == "sandbox-serve":
+            return sandbox_server.run(cli)
+        if cli.command == "reward-serve":
+            return reward_server.run(cli)
         from trainers.cli.environment import describe
 
         print(describe(cli.accelerate_config))

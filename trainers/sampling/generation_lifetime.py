@@ -5,7 +5,7 @@ producer with a checkpoint). A mixin of SamplingTrainer (sampling/trainer.py), a
 
 from __future__ import annotations
 
-from trainers.errors import GenerationError, VLLMServerError
+from trainers.errors import GenerationError, RemoteServiceError, VLLMServerError
 from trainers.generation.backend import Backend, BackendInputs, PolicyBackend, build_backend
 from trainers.generation.sampling import GenerationContext
 from trainers.generation.user_rollout import RolloutFuncBackend
@@ -78,12 +78,12 @@ class GenerationLifetime:
         signal (a vLLM engine starts again if generation is needed later: evaluate, a rollout function)."""
         try:
             return super().train(resume_from_checkpoint)
-        except (VLLMServerError, GenerationError) as error:  # on every process (raise_together's shared): together
+        except (VLLMServerError, GenerationError, RemoteServiceError) as error:  # on every process (raise_together's shared): together
             raise self._stopped_by_server(error) from error
         finally:
             self.close_generation()
 
-    def _stopped_by_server(self, error: VLLMServerError | GenerationError) -> VLLMServerError | GenerationError:
+    def _stopped_by_server(self, error: Exception) -> Exception:
         """The vLLM server failed mid-run (it died, or stopped answering), or asynchronous generation did: a
         resumable checkpoint of the last optimizer step (the failed round's prompts are not counted as read, see
         prepare_step; rounds generated ahead neither, see ReadAhead), and the error to raise, which says where it

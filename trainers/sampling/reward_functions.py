@@ -200,7 +200,7 @@ def soft_overlong_penalty(max_completion_length: int, soft_cache_length: int | N
     return overlong
 
 
-BUILTIN_REWARDS = {"accuracy", "format", "overlong"}
+BUILTIN_REWARDS = {"accuracy", "format", "overlong", "code_execution"}
 
 
 # TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.

@@ -148,8 +148,8 @@ class Reward:
 def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
                    chat_template_kwargs: dict | None = None, model_init_kwargs: dict | None = None,
                    trust_remote_code: bool = False) -> Reward:
-    """A callable, a built-in name, ``module:function``, a reward model (a folder or Hub id, as TRL loads any other
-    string), or a model instance -> Reward."""
+    """A callable, a built-in name, ``module:function``, a reward server's URL (``trainers reward-serve``), a reward
+    model (a folder or Hub id, as TRL loads any other string), or a model instance -> Reward."""
     from transformers import PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
@@ -162,6 +162,13 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
             return Reward("format", format_reward)
         if spec == "overlong":
             return Reward("overlong", soft_overlong_penalty(max_completion_length))
+        if spec == "code_execution":  # runs code in a sandbox: imported only when asked for
+            from trainers.execution.reward import code_execution_reward
+            return Reward("code_execution", code_execution_reward())
+        if spec.startswith(("http://", "https://")):  # trainers reward-serve
+            from trainers.services.reward_server import RemoteRewardModel
+            remote = RemoteRewardModel(spec)
+            return Reward(remote.__name__, remote)
         if ":" in spec and not os.path.isdir(spec):  # a Hub id has no ':'; a folder may
             module_name, _, attr = spec.partition(":")
             try:

@@ -39,6 +39,7 @@ import torch
 
 from trainers.agents.tool_loop import Episode, ToolLoop, tool_metrics
 from trainers.data.formats import is_conversational
+from trainers.errors import RemoteServiceError
 from trainers.generation.backend import Backend, PolicyBackend
 from trainers.generation.sampling import Samples, SamplingParams
 from trainers.parallel import distributed as dist
@@ -148,7 +149,8 @@ class RolloutStage:
                 error = caught
         if episode is not None and self.tool_loop is not None:
             self.tool_loop.give_back(episode)  # scored: its environments may serve another round
-        dist.raise_together(acc, error)
+        # a reward server's or sandbox server's failure is answered like the vLLM server's: a checkpoint, together
+        dist.raise_together(acc, error, shared=(RemoteServiceError,))
         return dataclasses.replace(sampled, rewards_per_func=rewards, logs=logs)
 
     def score_completions(self, rows: list[dict], prompts: list, completions: list, samples: Samples,

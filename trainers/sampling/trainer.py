@@ -28,7 +28,7 @@ from trainers.parallel import distributed as dist
 from trainers.loop import health
 from trainers.agents.tool_loop import ToolLoop, ToolOptions
 from trainers.loop.base import BaseTrainer
-from trainers.errors import ConfigError, GenerationError, VLLMServerError
+from trainers.errors import ConfigError, GenerationError, RemoteServiceError, VLLMServerError
 from trainers.generation.backend import BACKENDS, Backend, PolicyBackend
 from trainers.generation.sampling import SamplingParams
 from trainers.generation.vllm_common import check_vllm_here
@@ -223,7 +223,7 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
                 if index not in self._rounds:
                     self._rounds[index] = self.build_round(index)
                     built.append(index)
-        except (VLLMServerError, GenerationError):
+        except (VLLMServerError, GenerationError, RemoteServiceError):
             # the run stops with a checkpoint of the step before (train()): its data position must not count
             # this step's prompts as read, or the resumed run would skip them (a stream is read in order)
             self._rounds = {index: rollout for index, rollout in self._rounds.items() if index not in built}

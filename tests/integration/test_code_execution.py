@@ -1,0 +1,203 @@
+"""The code_execution reward against real sandboxes: adversarial programs contained and scored as failures with
+the right outcome (the trainer unharmed, nothing left running, nothing reached outside), a table of right and wrong
+solutions, the reward's contract (log_extra, metrics, scores), and the "processes" fallback."""
+
+import os
+import socket
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from trainers.errors import RewardFunctionError
+from trainers.execution import ExecutionLimits, LocalExecutor, code_execution_reward
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux's")
+
+LIMITS = ExecutionLimits(cpu_seconds=2, wall_seconds=3, memory_mb=256, max_processes=16,
+                         max_output_bytes=1 << 16)
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution:\n```python\n{code}\n```\n"
+
+
+def slot_processes() -> list[str]:
+    """Processes of the sandbox's users (200000 and up) or running its files: none may outlive a run."""
+    left = []
+    for pid in os.listdir("/proc"):
+        try:
+            uid = os.stat(f"/proc/{pid}").st_uid
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue
+        if uid >= 200000 or "harness.py" in cmdline or "execution/jail.py" in cmdline:
+            left.append(f"{pid} uid {uid}: {cmdline[:120]}")
+    return left
+
+
+@pytest.fixture(scope="module")
+def executor():
+    executor = LocalExecutor(LIMITS, max_workers=2)
+    yield executor
+    executor.close()
+
+
+def score(executor, completions, tests, **options):
+    """Scores and the logged outcomes, through the reward function's public contract."""
+    reward = code_execution_reward(executor=executor, **options)
+    logged, metrics = {}, {}
+    scores = reward(completions=completions, tests=tests, log_extra=logged.__setitem__,
+                    log_metric=metrics.__setitem__)
+    return scores, logged["code_execution"], metrics
+
+
+BOMB = """
+import os, time
+def spawn():
+    children = 0
+    for _ in range(3000):  # bounded: a containment bug fails the test instead of the machine
+        try:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            children += 1
+        except OSError:
+            break
+    return children
+"""
+
+MEMORY = """
+def hoard():
+    kept = []
+    for _ in range(48):  # at most 3 GB
+        kept.append(bytearray(64 << 20))
+    return len(kept)
+"""
+
+FAKE_PASS = """
+import builtins, os, sys
+builtins.AssertionError = type("Never", (Exception,), {})
+builtins.exec = lambda *args, **kwargs: None
+builtins.exit = sys.exit = lambda *args: None
+print("R 1")
+try:
+    os.write(3, b"0123456789abcdef0123456789abcdef R 1\\n")
+except OSError:
+    pass
+"""
+
+
+def test_adversarial_programs_are_contained_and_fail_with_their_outcome(executor, tmp_path):
+    secret = tmp_path / "trainer_secret.txt"
+    secret.write_text("the trainer's secret\n")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    outside = tmp_path / "written_from_the_sandbox"
+    with open("/etc/passwd") as f:
+        passwd = f.read()
+    stdio = lambda expected: [{"input": "", "output": expected}]  # noqa: E731
+    cases = {  # name: (code, tests, expected outcome)
+        "infinite loop": ("def f():\n    while True:\n        pass", "assert f() == 1", "timeout"),
+        "sleep past the limit": ("import time\ndef f():\n    time.sleep(60)\n    return 1", "assert f() == 1",
+                                 "timeout"),
+        "fork bomb": (BOMB, "assert spawn() == 3000", "failed"),
+        "memory bomb": (MEMORY, "assert hoard() == 48", "memory"),
+        "huge print": ("for _ in range(100):\n    print('x' * (1 << 20))", stdio("x"), "crashed"),
+        "read /etc/passwd": ("print(open('/etc/passwd').read(), end='')", stdio(passwd), "failed"),
+        "read the trainer's file": (f"print(open({str(secret)!r}).read(), end='')", stdio(secret.read_text()),
+                                    "failed"),
+        "read the repository": (f"print(open({os.path.join(REPO, 'pyproject.toml')!r}).read()[:20], end='')",
+                                stdio(open(os.path.join(REPO, "pyproject.toml")).read()[:20]), "failed"),
+        "write outside": (f"open({str(outside)!r}, 'w').write('x')\nopen('/usr/pwned', 'w').write('x')\n"
+                          f"print('written')", stdio("written"), "failed"),
+        "open a socket": (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                          f"s.sendall(b'pwned')\nprint('connected')", stdio("connected"), "failed"),
+        "kill the parent": (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, 1):\n"
+                            f"    os.kill(pid, signal.SIGKILL)\nprint('killed')", stdio("killed"), "failed"),
+        "os._exit(0) before the tests": ("import os\nos._exit(0)", "assert False", "crashed"),
+        "fake a pass": (FAKE_PASS, "assert add(1, 2) == 3", "failed"),
+        "walk the harness's frames": ("import sys\nframe = sys._getframe(1)\nprint(frame.f_locals)",
+                                      "assert True", "crashed"),
+    }
+    names = list(cases)
+    completions = [fenced(cases[name][0]) for name in names]
+    tests = [cases[name][1] for name in names]
+    scores, outcomes, metrics = score(executor, completions, tests)
+    got = dict(zip(names, outcomes))
+    assert got == {name: cases[name][2] for name in names}
+    assert scores == [0.0] * len(names)
+    assert metrics["code_execution/passed"] == 0.0
+    assert metrics["code_execution/timeout"] == pytest.approx(2 / len(names))
+    # nothing reached outside, nothing is left, the trainer (this process) is alive
+    assert not outside.exists() and not os.path.exists("/usr/pwned")
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+    assert slot_processes() == []
+
+
+def test_right_and_wrong_solutions_on_a_table(executor):
+    problems = [  # (right, wrong, tests)
+        ("def add(a, b):\n    return a + b", "def add(a, b):\n    return a - b",
+         "assert add(1, 2) == 3\nassert add(-1, 1) == 0"),
+        ("def rev(s):\n    return s[::-1]", "def rev(s):\n    return s",
+         ["assert rev('abc') == 'cba'", "assert rev('') == ''"]),
+        ("def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)", "def fact(n):\n    return n",
+         "assert fact(5) == 120\nassert fact(0) == 1"),
+        ("def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
+         "def is_prime(n):\n    return n % 2 == 1", "assert is_prime(7)\nassert not is_prime(9)\nassert is_prime(2)"),
+        ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+         "def fib(n):\n    return n", "assert fib(10) == 55\nassert fib(1) == 1"),
+        ("import math\ndef gcd(a, b):\n    return math.gcd(a, b)", "def gcd(a, b):\n    return min(a, b)",
+         "assert gcd(12, 18) == 6"),
+        ("def uniq(xs):\n    return sorted(set(xs))", "def uniq(xs):\n    return xs",
+         "assert uniq([3, 1, 3, 2]) == [1, 2, 3]"),
+        ("print(sum(map(int, input().split())))", "print(0)",
+         [{"input": "1 2 3", "output": "6"}, {"input": "10 -4", "output": "6"}]),
+        ("n = int(input())\nprint('\\n'.join(str(i * i) for i in range(n)))",
+         "n = int(input())\nprint(n * n)", {"inputs": ["3", "1"], "outputs": ["0\n1\n4", "0"]}),
+        ("import sys\nwords = sys.stdin.read().split()\nprint(len(words))", "print(1)",
+         '[{"input": "a b c", "output": "3"}, {"input": "x", "output": "1"}]'),
+        ("s = input()\nprint(s.upper())", "s = input()\nprint(s)", [{"stdin": "abc", "stdout": "ABC\n"}]),
+    ]
+    completions = [fenced(code) for right, wrong, _ in problems for code in (right, wrong)]
+    tests = [t for _, _, t in problems for _ in range(2)]
+    assert len(completions) >= 20
+    scores, outcomes, _ = score(executor, completions, tests, score="all_or_nothing")
+    assert outcomes == ["passed", "failed"] * len(problems)
+    assert scores == [1.0, 0.0] * len(problems)
+
+
+def test_the_reward_scores_fractions_names_the_column_and_finds_the_code(executor):
+    completions = [fenced("def add(a, b):\n    return 3"), "no code at all",
+                   "def add(a, b):\n    return a + b\n", fenced("def add(a, b):\n    return a + b")]
+    tests = ["assert add(1, 2) == 3\nassert add(2, 2) == 4"] * 4
+    scores, outcomes, metrics = score(executor, completions, tests, function="add")
+    assert outcomes == ["failed", "no code", "passed", "passed"] and scores == [0.5, 0.0, 1.0, 1.0]
+    assert metrics["code_execution/no_code"] == 0.25 and metrics["code_execution/passed"] == 0.5
+    _, outcomes, _ = score(executor, [fenced("def plus(a, b):\n    return a + b")], tests[:1], function="add")
+    assert outcomes == ["no code"]
+    with pytest.raises(RewardFunctionError, match="column 'tests'.*lacks"):
+        code_execution_reward(executor=executor)(completions=["x"], answers=["1"])
+    with pytest.raises(RewardFunctionError, match="column 'unit_tests' of row 0"):
+        code_execution_reward("unit_tests", executor=executor)(completions=["x"], unit_tests=[42])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an unprivileged user for the program needs root")
+def test_without_namespaces_the_limits_and_the_user_still_contain_it(tmp_path):
+    executor = LocalExecutor(LIMITS, max_workers=2, isolation="processes")
+    cases = [(fenced("def f():\n    while True:\n        pass"), "assert f()", "timeout"),
+             (fenced(BOMB), "assert spawn() == 3000", "failed"),
+             (fenced(MEMORY), "assert hoard() == 48", "memory"),
+             (fenced("import os, time\nif os.fork() == 0:  # a daemon: out of the session\n    os.setsid()\n"
+                     "    time.sleep(60)\n    os._exit(0)"), "assert True", "passed"),
+             (fenced("def add(a, b):\n    return a + b"), "assert add(2, 2) == 4", "passed")]
+    scores, outcomes, _ = score(executor, [c for c, _, _ in cases], [t for _, t, _ in cases])
+    executor.close()
+    assert outcomes == [o for _, _, o in cases] and scores == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert slot_processes() == []  # the daemon that left the session too
