@@ -107,7 +107,7 @@ def test_rewards_of_the_wrong_length_or_type(tiny_model_dir, tmp_path, bad, mess
 
 
 def test_an_unknown_reward_name(tiny_model_dir, tmp_path):
-    with pytest.raises(RewardFunctionError, match=r"'acuracy' is neither a built-in \(\['accuracy', 'format', 'overlong'\]\)"):
+    with pytest.raises(RewardFunctionError, match=r"'acuracy' is neither a built-in \(\['accuracy', 'code_execution', 'format', 'overlong'\]\)"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs="acuracy", args=GRPOConfig(
             output_dir=str(tmp_path), per_device_train_batch_size=8), train_dataset=[{"prompt": "a"}])
 

@@ -116,7 +116,7 @@ def test_a_string_that_is_no_reward_says_what_was_tried(tiny_model_dir, tmp_path
         with pytest.raises(RewardFunctionError) as caught:
             GRPOTrainer(model=tiny_model_dir, reward_funcs=spec, train_dataset=PROMPTS, args=grpo_args(tmp_path))
         message = str(caught.value)
-        for tried in ("built-in (['accuracy', 'format', 'overlong'])", "'module:function'",
+        for tried in ("built-in (['accuracy', 'code_execution', 'format', 'overlong'])", "'module:function'",
                       "AutoModelForSequenceClassification", "local folder",
                       "Hub id in the local Hugging Face cache (HF_HUB_OFFLINE=1"):
             assert tried in message, (spec, message)

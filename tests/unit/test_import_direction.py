@@ -39,15 +39,17 @@ FACADES = {"trainers", "trainers.rewards"}
 # what every room may use, at the package's root: the errors and the logger
 ROOT = {"trainers.errors", "trainers.logs"}
 
-# The rooms, lower first. The core: optim < config; parallel < model; data; loop over all of them. Then generation <
+# The rooms, lower first. The core: optim < config; parallel < model; data; loop over all of them. Beside it the
+# JSON-over-HTTP layer (services) < running code in sandboxes (execution), both used by sampling's rewards. Then generation <
 # agents < sampling (the base of the trainers that learn from their own samples) and preference (the base of DPO,
 # KTO and the reward trainer) < the algorithms, siblings that never import each other < cli.
 CORE = {"root", "optim", "config", "parallel", "model", "data", "loop"}
-SAMPLING = CORE | {"generation", "agents", "sampling"}
+SAMPLING = CORE | {"services", "execution", "generation", "agents", "sampling"}
 ALLOWED = {
     "root": {"root"}, "optim": {"root", "optim"}, "config": {"root", "optim", "config"},
     "parallel": {"root", "parallel"}, "model": {"root", "parallel", "model"},
     "data": {"root", "config", "parallel", "data"}, "loop": CORE,
+    "services": {"root", "services"}, "execution": {"root", "services", "execution"},
     "generation": CORE | {"generation"}, "agents": CORE | {"generation", "agents"}, "sampling": SAMPLING,
     "preference": CORE | {"preference"},
     "grpo": SAMPLING | {"grpo"}, "rloo": SAMPLING | {"rloo"}, "distillation": SAMPLING | {"distillation"},

@@ -240,16 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     report = subparsers.add_parser("report", help="Plots and an HTML page from a run's output_dir.")
     report.add_argument("output_dir", help="The run's output_dir (it holds metrics.jsonl).")
     report.add_argument("--out", default=None, help="Where to write the report (default: OUTPUT_DIR/report).")
-    from trainers.services import reward_server, sandbox_server
+    from trainers.cli import reward_serve, sandbox_serve
 
     sandbox = subparsers.add_parser("sandbox-serve", help="Runs code_execution rewards' programs for trainers "
-                                    "elsewhere.", description=sandbox_server.__doc__,
+                                    "elsewhere.", description=sandbox_serve.__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sandbox_server.add_arguments(sandbox)
+    sandbox_serve.add_arguments(sandbox)
     rewards = subparsers.add_parser("reward-serve", help="Serves a reward model: reward_funcs='http://HOST:PORT'.",
-                                    description=reward_server.__doc__,
+                                    description=reward_serve.__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    reward_server.add_arguments(rewards)
+    reward_serve.add_arguments(rewards)
     environment = subparsers.add_parser("env", help="Versions, devices and the distributed set-up.")
     environment.add_argument("--accelerate_config", default=None,
                              help="Also show what this shipped template (name) or config file (path) sets.")
@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         if cli.command == "report":
             return cmd_report(cli)
         if cli.command == "sandbox-serve":
-            return sandbox_server.run(cli)
+            return sandbox_serve.run(cli)
         if cli.command == "reward-serve":
-            return reward_server.run(cli)
+            return reward_serve.run(cli)
         from trainers.cli.environment import describe
 
         print(describe(cli.accelerate_config))

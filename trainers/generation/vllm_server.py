@@ -27,14 +27,13 @@ starts needs only vLLM plus the worker module's folder on PYTHONPATH, never the 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import secrets
 import shlex
 import subprocess
 import sys
-
-from trainers.services.http import is_loopback
 
 WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker")  # holds only the worker module
 WORKER_EXTENSION = "trainers_vllm_worker.TrainersWorkerExtension"
@@ -105,6 +104,16 @@ def resolve_model(model: str) -> str:
     if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
         raise SystemExit(f"trainers vllm-serve: error: --model {model!r}: no such folder (and not a Hub id).")
     return model  # a Hub id
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
 
 
 def resolve_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[str | None, bool]:

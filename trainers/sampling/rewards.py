@@ -166,7 +166,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
             from trainers.execution.reward import code_execution_reward
             return Reward("code_execution", code_execution_reward())
         if spec.startswith(("http://", "https://")):  # trainers reward-serve
-            from trainers.services.reward_server import RemoteRewardModel
+            from trainers.sampling.remote_reward import RemoteRewardModel
             remote = RemoteRewardModel(spec)
             return Reward(remote.__name__, remote)
         if ":" in spec and not os.path.isdir(spec):  # a Hub id has no ':'; a folder may

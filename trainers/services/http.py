@@ -1,4 +1,5 @@
-"""The small JSON-over-HTTP layer under ``trainers sandbox-serve`` and ``trainers reward-serve``, and their client.
+"""The small JSON-over-HTTP layer under ``trainers sandbox-serve`` and ``trainers reward-serve`` (trainers/cli/), and
+their client (the remote executor, the remote reward model).
 
 Server: ``POST <route>`` with a JSON body, a JSON answer; ``GET /health``. With a key, every request (``/health``
 too) must carry ``Authorization: Bearer KEY`` or gets 401. Loopback (127.0.0.1) unless told otherwise. Threaded:
@@ -107,12 +108,11 @@ class JsonServer:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine alone."""
-    if host == "localhost":
-        return True
+    """Whether ``host`` is reachable from this machine alone (a host name other than localhost: assume not). As
+    trainers/generation/vllm_server.py's, which must stay free of the package (it runs in vLLM's environment)."""
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
 
 

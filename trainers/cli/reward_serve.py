@@ -1,5 +1,5 @@
 """``trainers reward-serve``: a reward model (one ``RewardTrainer`` saved, or any sequence classifier with one label)
-served over HTTP, and ``RemoteRewardModel``, the reward function that asks it.
+served over HTTP, for ``RemoteRewardModel`` (trainers/sampling/remote_reward.py), the reward function that asks it.
 
     trainers reward-serve --model outputs/reward-model --port 8200
     GRPOTrainer(model, reward_funcs="http://127.0.0.1:8200", ...)    # a URL in reward_funcs is a reward server
@@ -13,40 +13,10 @@ and EOS), in batches of ``--batch-size``, one request's batch at a time.
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 
-from trainers.errors import RemoteServiceError
-from trainers.services.http import JsonServer, add_server_arguments, post_json, serve
-
-REWARD_KEY_VARIABLE = "TRAINERS_REWARD_API_KEY"  # the reward server's key, for the server and the trainer
-
-
-class RemoteRewardModel:
-    """A reward function (TRL's contract) whose scores come from ``trainers reward-serve`` at ``url``. ``api_key``:
-    the server's key (None: TRAINERS_REWARD_API_KEY). ``timeout``: seconds a batch may take. Named after the
-    server's model (``rewards/<name>/mean``), asked once on first use. A server that fails, times out or refuses
-    the key stops the run with a checkpoint (``RemoteServiceError``)."""
-
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0):
-        if not url.startswith(("http://", "https://")):
-            raise RemoteServiceError(f"a reward server's URL starts with http:// or https://, got {url!r}.")
-        self.url, self.timeout = url.rstrip("/"), timeout
-        self.api_key = api_key if api_key is not None else os.environ.get(REWARD_KEY_VARIABLE) or None
-        self.__name__ = self.model_name()
-
-    def model_name(self) -> str:
-        answer = post_json(self.url, "/info", {}, self.api_key, self.timeout, "reward server")
-        return str(answer.get("model") or "reward_server")
-
-    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
-        answer = post_json(self.url, "/score", {"prompts": prompts, "completions": completions}, self.api_key,
-                           self.timeout, "reward server")
-        rewards = answer.get("rewards")
-        if not isinstance(rewards, list) or len(rewards) != len(completions):
-            raise RemoteServiceError(f"The reward server at {self.url} answered /score without one reward per "
-                                     f"completion ({len(completions)}): {str(answer)[:300]}")
-        return [float(r) for r in rewards]
+from trainers.sampling.remote_reward import REWARD_KEY_VARIABLE
+from trainers.services.http import JsonServer, add_server_arguments, serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
