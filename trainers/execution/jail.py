@@ -209,9 +209,10 @@ def run_case(job: dict, stdin_text: str) -> dict:
             break
         if status is not None and not selector.get_map():
             break
-    for key in list(selector.get_map().values()):  # what is left in the pipes after the kill
-        while len(captured[key.data]) <= cap:
-            data = os.read(key.fd, 65536) if selector.select(timeout=0) else b""
+    for key in list(selector.get_map().values()):  # what is left in the pipes after the kill (never waiting: a
+        while len(captured[key.data]) <= cap:      # process this one could not kill may still hold a pipe open)
+            ready = {ready_key.fd for ready_key, _ in selector.select(timeout=0)}
+            data = os.read(key.fd, 65536) if key.fd in ready else b""
             if not data:
                 break
             captured[key.data] += data
