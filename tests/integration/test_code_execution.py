@@ -182,6 +182,9 @@ def test_the_reward_scores_fractions_names_the_column_and_finds_the_code(executo
     assert metrics["code_execution/no_code"] == 0.25 and metrics["code_execution/passed"] == 0.5
     _, outcomes, _ = score(executor, [fenced("def plus(a, b):\n    return a + b")], tests[:1], function="add")
     assert outcomes == ["no code"]
+    scores, outcomes, _ = score(executor, ["17+25", "42", "4 2", ""], [[{"input": "", "output": "42"}]] * 4,
+                                template="print({completion})")
+    assert outcomes == ["passed", "passed", "failed", "no code"] and scores == [1.0, 1.0, 0.0, 0.0]  # print(4 2)
     with pytest.raises(RewardFunctionError, match="column 'tests'.*lacks"):
         code_execution_reward(executor=executor)(completions=["x"], answers=["1"])
     with pytest.raises(RewardFunctionError, match="column 'unit_tests' of row 0"):

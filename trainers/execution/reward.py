@@ -27,7 +27,7 @@ def _text(completion) -> str:
 
 def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction", function: str | None = None,
                           executor=None, limits: ExecutionLimits | None = None, max_workers: int | None = None,
-                          isolation: str = "auto", api_key: str | None = None):
+                          isolation: str = "auto", api_key: str | None = None, template: str | None = None):
     """A reward function that runs each completion's code against the tests in ``tests_column``.
 
     Args:
@@ -36,6 +36,8 @@ def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction
         score: "fraction" (tests passed / tests) or "all_or_nothing" (1.0 only when every test passes).
         function: a function the code must define (its absence is "no code"); a completion without a fenced block
             is then taken whole when it defines it.
+        template: the program is this with ``{completion}`` replaced by the whole completion, stripped (no code
+            block is looked for): ``"print({completion})"`` when completions are Python expressions.
         executor: None (a ``LocalExecutor`` with ``limits``, ``max_workers``, ``isolation``), a URL of a sandbox
             server (``trainers sandbox-serve``; ``api_key`` or TRAINERS_SANDBOX_API_KEY), or any object with
             ``run(list[Program]) -> list[Outcome]``.
@@ -49,7 +51,15 @@ def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction
     elif not callable(getattr(executor, "run", None)):
         raise ConfigError(f"code_execution_reward: executor must be None, a URL or an object with run(programs); "
                           f"got {type(executor).__name__}.")
+    if template is not None and "{completion}" not in template:
+        raise ConfigError(f"code_execution_reward: template must contain {{completion}}, got {template!r}.")
     all_or_nothing = score == "all_or_nothing"
+
+    def program_of(completion) -> str | None:
+        text = _text(completion)
+        if template is None:
+            return extract_code(text, function)
+        return template.replace("{completion}", text.strip()) if text.strip() else None
 
     def code_execution(completions: list, log_extra=None, log_metric=None, **columns) -> list[float]:
         if tests_column not in columns:
@@ -63,7 +73,7 @@ def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction
                 parsed = parse_tests(tests, tests_column, row)
             except ValueError as error:
                 raise RewardFunctionError(f"code_execution: {error}") from error
-            programs.append(Program(extract_code(_text(completion), function), parsed, function))
+            programs.append(Program(program_of(completion), parsed, function))
         outcomes = executor.run(programs)
         if log_extra is not None:
             log_extra("code_execution", [o.status for o in outcomes])
