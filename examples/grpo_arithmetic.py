@@ -44,13 +44,18 @@ def exact_answer(completions, answer, **kwargs):
     return [1.0 if completion.strip() == expected else 0.0 for completion, expected in zip(completions, answer)]
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+def greedy_texts(model, tokenizer, rows: list[dict], max_new_tokens: int = 5) -> list[str]:
+    """The model's greedy completion of each row's prompt (in eval mode; its mode is restored)."""
     was_training = model.training
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    outputs = hf_generate(model.eval(), prompts, SamplingParams(max_new_tokens=5, do_sample=False),
+    outputs = hf_generate(model.eval(), prompts, SamplingParams(max_new_tokens=max_new_tokens, do_sample=False),
                           tokenizer.pad_token_id, {tokenizer.eos_token_id})
     model.train(was_training)
-    texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
+    return tokenizer.batch_decode(outputs, skip_special_tokens=True)
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    texts = greedy_texts(model, tokenizer, rows)
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
 

@@ -76,6 +76,15 @@ def test_the_demo_learns_what_the_readme_says(arithmetic_warm_start, tmp_path):
     assert os.path.isfile(tmp_path / "final" / "model.safetensors")
 
 
+@pytest.mark.slow
+def test_the_execution_demo_learns_through_code_execution_alone(tmp_path):
+    """examples/grpo_execution.py as the docs run it (~90 s): seeds 0-2 went from 47-54% to 88-100% held out, every
+    answer an expression Python evaluates; the bounds leave room for another machine's rounding."""
+    before, after = load_example("grpo_execution").main(["--output_dir", str(tmp_path)])
+    assert after >= 0.75 and after - before >= 0.2, (before, after)
+    assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
 def test_the_distillation_demo_meets_its_mark(arithmetic_warm_start, tmp_path):
     """examples/distill_arithmetic.py from the GRPO demo's start (~52%) with a quicker teacher (300 SFT steps: ~91%
     held out): the student reaches 80% of the teacher's accuracy by distillation alone (~50 s on 2 cores)."""

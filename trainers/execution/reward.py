@@ -9,6 +9,8 @@ column ``code_execution`` of the logged completions (``log_extra``) and the shar
 
 from __future__ import annotations
 
+import json
+
 from trainers.errors import ConfigError, RewardFunctionError
 from trainers.execution.executors import LocalExecutor, Program, RemoteExecutor
 from trainers.execution.programs import OUTCOMES, extract_code, parse_tests
@@ -74,7 +76,13 @@ def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction
             except ValueError as error:
                 raise RewardFunctionError(f"code_execution: {error}") from error
             programs.append(Program(program_of(completion), parsed, function))
-        outcomes = executor.run(programs)
+        # the same program against the same tests (frequent within a group) runs once and shares its outcome
+        keys = [json.dumps([p.code, p.tests.to_json(), p.function]) for p in programs]
+        unique = {}
+        for key, program in zip(keys, programs):
+            unique.setdefault(key, program)
+        ran = dict(zip(unique, executor.run(list(unique.values()))))
+        outcomes = [ran[key] for key in keys]
         if log_extra is not None:
             log_extra("code_execution", [o.status for o in outcomes])
         if log_metric is not None and outcomes:
