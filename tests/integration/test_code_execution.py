@@ -23,16 +23,20 @@ def fenced(code: str) -> str:
 
 
 def slot_processes() -> list[str]:
-    """Processes of the sandbox's users (200000 and up) or running its files: none may outlive a run."""
+    """Processes of this test process's sandbox users (200000 + (pid % 100000) * 64 + slot, sandbox.py), or its
+    own sandboxes' jails: none may outlive a run. (Another test worker's sandboxes are not this one's.)"""
+    first = 200000 + (os.getpid() % 100000) * 64
     left = []
     for pid in os.listdir("/proc"):
         try:
             uid = os.stat(f"/proc/{pid}").st_uid
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, ValueError, IndexError):
             continue
-        if uid >= 200000 or "harness.py" in cmdline or "execution/jail.py" in cmdline:
+        if first <= uid < first + 64 or parent == os.getpid() and "execution/jail.py" in cmdline:
             left.append(f"{pid} uid {uid}: {cmdline[:120]}")
     return left
 
@@ -89,7 +93,20 @@ except OSError:
 """
 
 
-def test_adversarial_programs_are_contained_and_fail_with_their_outcome(executor, tmp_path):
+ADVERSARIAL = {  # name: expected outcome; the programs are built by the fixture below (they name its paths)
+    "infinite loop": "timeout", "sleep past the limit": "timeout", "fork bomb": "failed", "memory bomb": "memory",
+    "huge print": "crashed", "read /etc/passwd": "failed", "read the trainer's file": "failed",
+    "read the repository": "failed", "write outside": "failed", "open a socket": "failed",
+    "kill the parent": "failed", "os._exit(0) before the tests": "crashed", "fake a pass": "failed",
+    "walk the harness's frames": "crashed",
+}
+
+
+@pytest.fixture(scope="module")
+def adversarial(executor, tmp_path_factory):
+    """Every adversarial program run once, together (a round's worth): {name: (outcome, score)}, the round's metrics,
+    and what the test can check outside afterwards (the file it must not find, the listener nothing reached)."""
+    tmp_path = tmp_path_factory.mktemp("adversarial")
     secret = tmp_path / "trainer_secret.txt"
     secret.write_text("the trainer's secret\n")
     listener = socket.socket()
@@ -101,44 +118,49 @@ def test_adversarial_programs_are_contained_and_fail_with_their_outcome(executor
     with open("/etc/passwd") as f:
         passwd = f.read()
     stdio = lambda expected: [{"input": "", "output": expected}]  # noqa: E731
-    cases = {  # name: (code, tests, expected outcome)
-        "infinite loop": ("def f():\n    while True:\n        pass", "assert f() == 1", "timeout"),
-        "sleep past the limit": ("import time\ndef f():\n    time.sleep(60)\n    return 1", "assert f() == 1",
-                                 "timeout"),
-        "fork bomb": (BOMB, "assert spawn() == 3000", "failed"),
-        "memory bomb": (MEMORY, "assert hoard() == 48", "memory"),
-        "huge print": ("for _ in range(100):\n    print('x' * (1 << 20))", stdio("x"), "crashed"),
-        "read /etc/passwd": ("print(open('/etc/passwd').read(), end='')", stdio(passwd), "failed"),
-        "read the trainer's file": (f"print(open({str(secret)!r}).read(), end='')", stdio(secret.read_text()),
-                                    "failed"),
+    programs = {  # name: (code, tests)
+        "infinite loop": ("def f():\n    while True:\n        pass", "assert f() == 1"),
+        "sleep past the limit": ("import time\ndef f():\n    time.sleep(60)\n    return 1", "assert f() == 1"),
+        "fork bomb": (BOMB, "assert spawn() == 3000"),
+        "memory bomb": (MEMORY, "assert hoard() == 48"),
+        "huge print": ("for _ in range(100):\n    print('x' * (1 << 20))", stdio("x")),
+        "read /etc/passwd": ("print(open('/etc/passwd').read(), end='')", stdio(passwd)),
+        "read the trainer's file": (f"print(open({str(secret)!r}).read(), end='')", stdio(secret.read_text())),
         "read the repository": (f"print(open({os.path.join(REPO, 'pyproject.toml')!r}).read()[:20], end='')",
-                                stdio(open(os.path.join(REPO, "pyproject.toml")).read()[:20]), "failed"),
+                                stdio(open(os.path.join(REPO, "pyproject.toml")).read()[:20])),
         "write outside": (f"open({str(outside)!r}, 'w').write('x')\nopen('/usr/pwned', 'w').write('x')\n"
-                          f"print('written')", stdio("written"), "failed"),
+                          f"print('written')", stdio("written")),
         "open a socket": (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                          f"s.sendall(b'pwned')\nprint('connected')", stdio("connected"), "failed"),
+                          f"s.sendall(b'pwned')\nprint('connected')", stdio("connected")),
         "kill the parent": (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, 1):\n"
-                            f"    os.kill(pid, signal.SIGKILL)\nprint('killed')", stdio("killed"), "failed"),
-        "os._exit(0) before the tests": ("import os\nos._exit(0)", "assert False", "crashed"),
-        "fake a pass": (FAKE_PASS, "assert add(1, 2) == 3", "failed"),
-        "walk the harness's frames": ("import sys\nframe = sys._getframe(1)\nprint(frame.f_locals)",
-                                      "assert True", "crashed"),
+                            f"    os.kill(pid, signal.SIGKILL)\nprint('killed')", stdio("killed")),
+        "os._exit(0) before the tests": ("import os\nos._exit(0)", "assert False"),
+        "fake a pass": (FAKE_PASS, "assert add(1, 2) == 3"),
+        "walk the harness's frames": ("import sys\nframe = sys._getframe(1)\nprint(frame.f_locals)", "assert True"),
     }
-    names = list(cases)
-    completions = [fenced(cases[name][0]) for name in names]
-    tests = [cases[name][1] for name in names]
-    scores, outcomes, metrics = score(executor, completions, tests)
-    got = dict(zip(names, outcomes))
-    assert got == {name: cases[name][2] for name in names}
-    assert scores == [0.0] * len(names)
-    assert metrics["code_execution/passed"] == 0.0
-    assert metrics["code_execution/timeout"] == pytest.approx(2 / len(names))
-    # nothing reached outside, nothing is left, the trainer (this process) is alive
-    assert not outside.exists() and not os.path.exists("/usr/pwned")
-    with pytest.raises(BlockingIOError):
-        listener.accept()
+    assert list(programs) == list(ADVERSARIAL)
+    scores, outcomes, metrics = score(executor, [fenced(code) for code, _ in programs.values()],
+                                      [tests for _, tests in programs.values()])
+    yield {"results": dict(zip(programs, zip(outcomes, scores))), "metrics": metrics, "outside": outside,
+           "listener": listener}
     listener.close()
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_an_adversarial_program_fails_with_its_outcome(adversarial, name):
+    assert adversarial["results"][name] == (ADVERSARIAL[name], 0.0)
+
+
+def test_adversarial_programs_reach_nothing_and_leave_nothing(adversarial):
+    """After the round: nothing written outside, nothing connected to the test's listener, no process of the
+    sandbox's users left, the trainer (this process) alive; the round's metrics count the outcomes."""
+    assert not adversarial["outside"].exists() and not os.path.exists("/usr/pwned")
+    with pytest.raises(BlockingIOError):
+        adversarial["listener"].accept()
     assert slot_processes() == []
+    metrics = adversarial["metrics"]
+    assert metrics["code_execution/passed"] == 0.0
+    assert metrics["code_execution/timeout"] == pytest.approx(2 / len(ADVERSARIAL))
 
 
 def test_right_and_wrong_solutions_on_a_table(executor):
