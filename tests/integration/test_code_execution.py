@@ -146,20 +146,27 @@ def adversarial(executor, tmp_path_factory):
     listener.close()
 
 
+# what only namespaces contain (docs/rewards.md: the "processes" fallback leaves the network and readable files)
+NEEDS_NAMESPACES = {"read /etc/passwd", "read the repository", "open a socket"}
+
+
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
-def test_an_adversarial_program_fails_with_its_outcome(adversarial, name):
+def test_an_adversarial_program_fails_with_its_outcome(adversarial, executor, name):
+    if name in NEEDS_NAMESPACES and executor.isolation != "namespaces":
+        pytest.skip("this kernel refuses namespaces: the fallback does not contain this (docs/rewards.md)")
     assert adversarial["results"][name] == (ADVERSARIAL[name], 0.0)
 
 
-def test_adversarial_programs_reach_nothing_and_leave_nothing(adversarial):
+def test_adversarial_programs_reach_nothing_and_leave_nothing(adversarial, executor):
     """After the round: nothing written outside, nothing connected to the test's listener, no process of the
     sandbox's users left, the trainer (this process) alive; the round's metrics count the outcomes."""
     assert not adversarial["outside"].exists() and not os.path.exists("/usr/pwned")
-    with pytest.raises(BlockingIOError):
-        adversarial["listener"].accept()
+    if executor.isolation == "namespaces":
+        with pytest.raises(BlockingIOError):
+            adversarial["listener"].accept()
+        assert adversarial["metrics"]["code_execution/passed"] == 0.0
     assert slot_processes() == []
     metrics = adversarial["metrics"]
-    assert metrics["code_execution/passed"] == 0.0
     assert metrics["code_execution/timeout"] == pytest.approx(2 / len(ADVERSARIAL))
 
 
