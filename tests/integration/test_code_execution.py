@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO
 from trainers.errors import RewardFunctionError
-from trainers.execution import ExecutionLimits, LocalExecutor, code_execution_reward
+from trainers.execution import ExecutionLimits, LocalExecutor, Program, code_execution_reward, parse_tests
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux's")
 
@@ -214,6 +214,9 @@ def test_the_reward_scores_fractions_names_the_column_and_finds_the_code(executo
     scores, outcomes, _ = score(executor, ["17+25", "42", "4 2", ""], [[{"input": "", "output": "42"}]] * 4,
                                 template="print({completion})")
     assert outcomes == ["passed", "passed", "failed", "no code"] and scores == [1.0, 1.0, 0.0, 0.0]  # print(4 2)
+    fractional = LocalExecutor(ExecutionLimits(cpu_seconds=0.5, memory_mb=300.5), max_workers=1)  # rounded up
+    assert [o.status for o in fractional.run([Program("def add(a, b):\n    return a + b", parse_tests(
+        tests[0], "tests", 0))])] == ["passed"]
     with pytest.raises(RewardFunctionError, match="column 'tests'.*lacks"):
         code_execution_reward(executor=executor)(completions=["x"], answers=["1"])
     with pytest.raises(RewardFunctionError, match="column 'unit_tests' of row 0"):

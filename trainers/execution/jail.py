@@ -23,6 +23,7 @@ killed.
 
 import ctypes
 import json
+import math
 import os
 import selectors
 import signal
@@ -69,7 +70,7 @@ def build_root(root: str, job: dict) -> None:
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)  # this PID namespace's processes only
     os.makedirs(root + "/work")
-    _mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['limits']['disk_mb']}m,mode=1777")
+    _mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(job['limits']['disk_mb'])}m,mode=1777")
     os.makedirs(root + "/tmp")
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")
     _mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -98,11 +99,11 @@ def _child(job: dict, stdin_fd: int, job_fd: int, out_w: int, err_w: int, verdic
             os.setsid()  # its own process group, killed whole after the case
             os.chdir(job["workdir"])
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # the trainer keeps the CPU it needs
-        cpu = int(limits["cpu_seconds"])
-        resource_limits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", limits["memory_mb"] << 20, None),
-                           ("RLIMIT_NPROC", limits["max_processes"], None),
-                           ("RLIMIT_NOFILE", limits["max_open_files"], None),
-                           ("RLIMIT_FSIZE", limits["max_file_bytes"], None), ("RLIMIT_CORE", 0, None)]
+        cpu = max(1, math.ceil(limits["cpu_seconds"]))  # whole seconds: RLIMIT_CPU 0 would mean none at all
+        resource_limits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", int(limits["memory_mb"]) << 20, None),
+                           ("RLIMIT_NPROC", int(limits["max_processes"]), None),
+                           ("RLIMIT_NOFILE", int(limits["max_open_files"]), None),
+                           ("RLIMIT_FSIZE", int(limits["max_file_bytes"]), None), ("RLIMIT_CORE", 0, None)]
         import resource
         for name, soft, hard in resource_limits:
             resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
@@ -171,7 +172,7 @@ def _kill_user(uid: int) -> None:
 def run_case(job: dict, stdin_text: str) -> dict:
     """One run of the program; its exit, what it printed (capped) and whether it ran out of time or output."""
     limits = job["limits"]
-    cap = limits["max_output_bytes"]
+    cap = int(limits["max_output_bytes"])
     pipes = {name: os.pipe() for name in ("stdout", "stderr", "verdict")}
     stdin_fd = _memfd("stdin", stdin_text.encode())
     job_fd = _memfd("job", json.dumps(job["program"]).encode())
