@@ -5,6 +5,7 @@ solutions, the reward's contract (log_extra, metrics, scores), and the "processe
 import os
 import socket
 import sys
+import time
 
 import pytest
 
@@ -214,6 +215,10 @@ def test_the_reward_scores_fractions_names_the_column_and_finds_the_code(executo
     scores, outcomes, _ = score(executor, ["17+25", "42", "4 2", ""], [[{"input": "", "output": "42"}]] * 4,
                                 template="print({completion})")
     assert outcomes == ["passed", "passed", "failed", "no code"] and scores == [1.0, 1.0, 0.0, 0.0]  # print(4 2)
+    started = time.monotonic()  # after a case runs out of time, the program's other cases are not run
+    _, outcomes, _ = score(executor, [fenced("while True:\n    pass")], [[{"input": str(i), "output": ""}
+                                                                        for i in range(4)]])
+    assert outcomes == ["timeout"] and time.monotonic() - started < 2 * LIMITS.wall_seconds
     fractional = LocalExecutor(ExecutionLimits(cpu_seconds=0.5, memory_mb=300.5), max_workers=1)  # rounded up
     assert [o.status for o in fractional.run([Program("def add(a, b):\n    return a + b", parse_tests(
         tests[0], "tests", 0))])] == ["passed"]

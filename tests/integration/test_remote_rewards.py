@@ -105,9 +105,14 @@ def test_the_reward_server_scores_as_the_model_does_and_its_death_stops_the_run_
         assert remote.name == "rm"
         got, expected = remote.func(prompts, completions), local(prompts, completions)
         assert got == pytest.approx(expected, abs=1e-5) and len(set(got)) > 1
-        chat = [[{"role": "user", "content": "hi"}]]
-        assert remote.func(chat, [[{"role": "assistant", "content": "yo"}]]) == pytest.approx(
-            local(chat, [[{"role": "assistant", "content": "yo"}]]), abs=1e-5)
+        chat, answer = [[{"role": "user", "content": "hi"}]] * 2, [[{"role": "assistant", "content": "yo"}]] * 2
+        assert remote.func(chat, answer) == pytest.approx(local(chat, answer), abs=1e-5)
+        # the trainer's chat_template_kwargs reach the server's template, as the in-process model's
+        kwargs = {"add_generation_prompt": True}
+        with_kwargs = resolve_reward(url, 8, chat_template_kwargs=kwargs).func(chat, answer)
+        in_process = load_reward_model(str(tmp_path / "rm"), chat_template_kwargs=kwargs)(chat, answer)
+        assert with_kwargs == pytest.approx(in_process, abs=1e-5)
+        assert with_kwargs != pytest.approx(remote.func(chat, answer), abs=1e-5)  # they changed what was scored
         with pytest.raises(RemoteServiceError, match="HTTP 401"):
             post_json(url, "/score", {"prompts": ["a"], "completions": ["b"]}, None, 10, "reward server")
 

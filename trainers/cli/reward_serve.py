@@ -4,9 +4,9 @@ served over HTTP, for ``RemoteRewardModel`` (trainers/sampling/remote_reward.py)
     trainers reward-serve --model outputs/reward-model --port 8200
     GRPOTrainer(model, reward_funcs="http://127.0.0.1:8200", ...)    # a URL in reward_funcs is a reward server
 
-``POST /score`` ``{"prompts": [...], "completions": [...]}`` (strings, or lists of messages) ->
-``{"rewards": [float, ...]}``; ``GET /health``; ``POST /info`` -> ``{"model": name}``. The server scores exactly as
-the in-process reward model does (trainers/sampling/rewards.py, ``RewardModel``: the same tokenizer, chat template
+``POST /score`` ``{"prompts": [...], "completions": [...], "chat_template_kwargs": {...}}`` (strings, or lists of
+messages; the trainer's template arguments) -> ``{"rewards": [float, ...]}``; ``GET /health``; ``POST /info`` ->
+``{"model": name}``. The server scores exactly as the in-process reward model does (trainers/sampling/rewards.py, ``RewardModel``: the same tokenizer, chat template
 and EOS), in batches of ``--batch-size``, one request's batch at a time.
 """
 
@@ -47,8 +47,12 @@ def build_server(cli: argparse.Namespace, key: str | None) -> JsonServer:
         if not isinstance(prompts, list) or not isinstance(completions, list) or len(prompts) != len(completions):
             raise ValueError("POST /score takes {\"prompts\": [...], \"completions\": [...]}, one prompt per "
                              "completion")
+        template_kwargs = payload.get("chat_template_kwargs") or {}
+        if not isinstance(template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be an object")
         rewards = []
         with lock:
+            reward.chat_template_kwargs = template_kwargs  # the asking trainer's (its GRPOConfig's)
             for start in range(0, len(completions), cli.batch_size):
                 rewards += reward(prompts[start:start + cli.batch_size], completions[start:start + cli.batch_size])
         return {"rewards": rewards}

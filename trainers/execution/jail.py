@@ -228,8 +228,17 @@ def run_case(job: dict, stdin_text: str) -> dict:
 
 
 def run_cases(job: dict) -> None:
+    """Each case in turn; after one that ran out of time the others are not run (each reported as timed out
+    without running), so a program that loops costs one wall_seconds, not one per case."""
+    timed_out = False
     for stdin_text in job["cases"]:
-        print(json.dumps(run_case(job, stdin_text)), flush=True)
+        if timed_out:
+            result = {"exit": None, "signal": None, "timeout": True, "output_over": False, "seconds": 0.0,
+                      "stdout": "", "stderr": "", "verdict": "", "skipped": True}
+        else:
+            result = run_case(job, stdin_text)
+            timed_out = result["timeout"] or result["signal"] == signal.SIGXCPU
+        print(json.dumps(result), flush=True)
 
 
 def main() -> None:

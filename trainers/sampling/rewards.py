@@ -167,7 +167,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
             return Reward("code_execution", code_execution_reward())
         if spec.startswith(("http://", "https://")):  # trainers reward-serve
             from trainers.sampling.remote_reward import RemoteRewardModel
-            remote = RemoteRewardModel(spec)
+            remote = RemoteRewardModel(spec, chat_template_kwargs=chat_template_kwargs)
             return Reward(remote.__name__, remote)
         if ":" in spec and not os.path.isdir(spec):  # a Hub id has no ':'; a folder may
             module_name, _, attr = spec.partition(":")
