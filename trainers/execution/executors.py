@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from trainers.errors import ConfigError
 from trainers.execution.programs import OUTCOMES, Outcome, Tests, judge
-from trainers.execution.sandbox import _SLOT_USERS, ExecutionLimits, Sandbox, Slots, probe_isolation
+from trainers.execution.sandbox import SLOT_USERS, ExecutionLimits, Sandbox, Slots, probe_isolation
 from trainers.services.http import post_json
 
 SANDBOX_KEY_VARIABLE = "TRAINERS_SANDBOX_API_KEY"  # the sandbox server's key, for the server and the trainer
@@ -57,8 +57,8 @@ class LocalExecutor:
                  isolation: str = "auto"):
         self.limits = limits or ExecutionLimits()
         self.max_workers = default_workers() if max_workers is None else max_workers
-        if not 1 <= self.max_workers <= _SLOT_USERS:
-            raise ConfigError(f"max_workers must be between 1 and {_SLOT_USERS}, got {max_workers}.")
+        if not 1 <= self.max_workers <= SLOT_USERS:
+            raise ConfigError(f"max_workers must be between 1 and {SLOT_USERS}, got {max_workers}.")
         self.requested_isolation = isolation
         self._sandbox: Sandbox | None = None
         self._slots = Slots(self.max_workers)
