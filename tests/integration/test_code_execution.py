@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import REPO
 from trainers.errors import ConfigError, RewardFunctionError
-from trainers.execution import ExecutionLimits, LocalExecutor, Program, code_execution_reward, parse_tests
+from trainers.execution import ExecutionLimits, LocalExecutor, Program, parse_tests
+from trainers.rewards import code_execution_reward
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux's")
 

@@ -6,8 +6,9 @@ served over HTTP, for ``RemoteRewardModel`` (trainers/sampling/remote_reward.py)
 
 ``POST /score`` ``{"prompts": [...], "completions": [...], "chat_template_kwargs": {...}}`` (strings, or lists of
 messages; the trainer's template arguments) -> ``{"rewards": [float, ...]}``; ``GET /health``; ``POST /info`` ->
-``{"model": name}``. The server scores exactly as the in-process reward model does (trainers/sampling/rewards.py, ``RewardModel``: the same tokenizer, chat template
-and EOS), in batches of ``--batch-size``, one request's batch at a time.
+``{"model": name}``. The server scores exactly as the in-process reward model does (trainers/sampling/rewards.py,
+``RewardModel``: the same tokenizer, chat template and EOS), in batches of ``--batch-size``, one request's batch at
+a time.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, RemoteServiceError
 from trainers.execution.programs import OUTCOMES, Outcome, Tests, judge
 from trainers.execution.sandbox import SLOT_USERS, ExecutionLimits, Sandbox, Slots, probe_isolation
 from trainers.services.http import post_json
@@ -113,7 +113,6 @@ class RemoteExecutor:
                            self.timeout, "sandbox server")
         outcomes = answer.get("outcomes")
         if not isinstance(outcomes, list) or len(outcomes) != len(programs):
-            from trainers.errors import RemoteServiceError
             raise RemoteServiceError(f"The sandbox server at {self.url} answered /run without one outcome per "
                                      f"program ({len(programs)}): {str(answer)[:300]}")
         return [Outcome(o["status"] if o.get("status") in OUTCOMES else "crashed", int(o.get("passed", 0)),

@@ -2,7 +2,7 @@
 by trainers/execution/jail.py with the job on fd 4 and the verdict pipe on fd 3). Standard library only.
 
 Mode "stdio": the program runs as ``__main__`` with the case on stdin; its stdout is judged outside, by the
-trainer, so nothing here can fake a pass. A MemoryError exits with code 102 so the judge can tell it apart.
+trainer, so nothing here can fake a pass. A MemoryError exits with MEMORY_ERROR_EXIT so the judge can tell it apart.
 
 Mode "assert": the program runs, then each test (assert statements, or any code that raises on failure) in the
 program's namespace; one verdict line goes to fd 3, ``<nonce> R <bits>`` (1 = the test ran without raising) or
@@ -15,6 +15,8 @@ the process is made non-dumpable.
 """
 
 import sys
+
+MEMORY_ERROR_EXIT = 102  # stdio mode's exit code for a MemoryError (the judge, trainers/execution/programs.py)
 
 
 def _harden() -> None:
@@ -71,7 +73,7 @@ def run_stdio(program: dict) -> None:
         exec(compile(code, "solution.py", "exec"), namespace)
     except MemoryError:
         os.write(2, b"MemoryError\n")
-        os._exit(102)
+        os._exit(MEMORY_ERROR_EXIT)
     sys.stdout.flush()
 
 

@@ -33,7 +33,6 @@ import time
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-MEMORY_ERROR_EXIT = 102  # the harness's exit code for a MemoryError (trainers/execution/harness.py)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -19,7 +19,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from trainers.execution.jail import MEMORY_ERROR_EXIT
+from trainers.execution.harness import MEMORY_ERROR_EXIT
 
 # Every completion gets exactly one of these; "rewards/code_execution/<status>" counts them
 OUTCOMES = ("passed", "failed", "timeout", "memory", "crashed", "no code")

@@ -78,16 +78,17 @@ class GenerationLifetime:
         signal (a vLLM engine starts again if generation is needed later: evaluate, a rollout function)."""
         try:
             return super().train(resume_from_checkpoint)
-        except (VLLMServerError, GenerationError, RemoteServiceError) as error:  # on every process (raise_together's shared): together
+        except (VLLMServerError, GenerationError, RemoteServiceError) as error:
+            # raised on every process together (raise_together shares these types)
             raise self._stopped_by_server(error) from error
         finally:
             self.close_generation()
 
     def _stopped_by_server(self, error: Exception) -> Exception:
-        """The vLLM server failed mid-run (it died, or stopped answering), or asynchronous generation did: a
-        resumable checkpoint of the last optimizer step (the failed round's prompts are not counted as read, see
-        prepare_step; rounds generated ahead neither, see ReadAhead), and the error to raise, which says where it
-        is. No checkpoint before the first step: there is nothing to resume."""
+        """The vLLM server, a reward server or a sandbox server failed mid-run (it died, or stopped answering), or
+        asynchronous generation did: a resumable checkpoint of the last optimizer step (the failed round's prompts
+        are not counted as read, see prepare_step; rounds generated ahead neither, see ReadAhead), and the error to
+        raise, which says where it is. No checkpoint before the first step: there is nothing to resume."""
         self.run_log.close()
         if self.async_rounds is not None:  # no round is sampled while the checkpoint is written
             self.async_rounds.close()

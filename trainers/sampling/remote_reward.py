@@ -15,7 +15,7 @@ REWARD_KEY_VARIABLE = "TRAINERS_REWARD_API_KEY"  # the reward server's key, for 
 class RemoteRewardModel:
     """A reward function (TRL's contract) whose scores come from ``trainers reward-serve`` at ``url``. ``api_key``:
     the server's key (None: TRAINERS_REWARD_API_KEY). ``timeout``: seconds a batch may take. Named after the
-    server's model (``rewards/<name>/mean``), asked once on first use. A server that fails, times out or refuses
+    server's model (``rewards/<name>/mean``), asked once, when it is made. A server that fails, times out or refuses
     the key stops the run with a checkpoint (``RemoteServiceError``). ``chat_template_kwargs``: the trainer's, for
     conversations, applied by the server as the in-process model applies them."""
 

@@ -1,6 +1,6 @@
-"""The built-in reward functions: what the names 'accuracy', 'format' and 'overlong' resolve to, and TRL's own
-built-ins by TRL's names (``think_format_reward``, ``get_soft_overlong_punishment``; trainers/rewards.py re-exports
-them at TRL's ``trl.rewards`` path).
+"""The built-in reward functions: what the names 'accuracy', 'format', 'overlong' and 'code_execution' resolve to,
+and TRL's own built-ins by TRL's names (``think_format_reward``, ``get_soft_overlong_punishment``; trainers/rewards.py
+re-exports them at TRL's ``trl.rewards`` path).
 
 Each follows the reward-function contract (trainers/sampling/rewards.py, which resolves names to these and calls
 them): ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``. Kept apart from that
@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 import re
 import threading
 from typing import Any, Callable
 
-from trainers.errors import RewardFunctionError
+from trainers.errors import ConfigError, RewardFunctionError
+from trainers.execution import ExecutionLimits, LocalExecutor, Program, RemoteExecutor
+from trainers.execution.programs import OUTCOMES, extract_code, parse_tests
 
 
 def completion_text(completion: Any) -> str:
@@ -201,6 +204,86 @@ def soft_overlong_penalty(max_completion_length: int, soft_cache_length: int | N
 
 
 BUILTIN_REWARDS = {"accuracy", "format", "overlong", "code_execution"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Code run against tests
+# ----------------------------------------------------------------------------------------------------------------
+
+CODE_EXECUTION_SCORES = ("fraction", "all_or_nothing")
+
+
+def code_execution_reward(tests_column: str = "tests", *, score: str = "fraction", function: str | None = None,
+                          executor=None, limits: ExecutionLimits | None = None, max_workers: int | None = None,
+                          isolation: str = "auto", api_key: str | None = None, template: str | None = None):
+    """The ``code_execution`` reward: a reward function that runs each completion's program against the tests in
+    ``tests_column``, in a sandbox (trainers/execution/, docs/rewards.md). Each completion gets one outcome
+    (``passed``, ``failed``, ``timeout``, ``memory``, ``crashed``, ``no code``): the column ``code_execution`` of the
+    logged completions (``log_extra``) and the share of each per round (``log_metric("code_execution/<outcome>")``),
+    so a run shows what its policy's programs do, not just a mean. The name ``"code_execution"`` is this with the
+    defaults.
+
+    Args:
+        tests_column: the dataset column holding each row's tests (trainers/execution/programs.py, ``parse_tests``:
+            assert code, a list of asserts, input/output cases, or APPS-style ``{"inputs", "outputs"}``).
+        score: "fraction" (tests passed / tests) or "all_or_nothing" (1.0 only when every test passes).
+        function: a function the code must define (its absence is "no code"); a completion without a fenced block
+            is then taken whole when it defines it.
+        template: the program is this with ``{completion}`` replaced by the whole completion, stripped (no code
+            block is looked for): ``"print({completion})"`` when completions are Python expressions.
+        executor: None (a ``LocalExecutor`` with ``limits``, an ``ExecutionLimits``, ``max_workers`` and
+            ``isolation``), a URL of a sandbox server (``trainers sandbox-serve``; ``api_key`` or
+            TRAINERS_SANDBOX_API_KEY), or any object with ``run(list[Program]) -> list[Outcome]``.
+    """
+    if score not in CODE_EXECUTION_SCORES:
+        raise ConfigError(f"code_execution_reward: score must be one of {CODE_EXECUTION_SCORES}, got {score!r}.")
+    if executor is None:
+        executor = LocalExecutor(limits, max_workers, isolation)
+    elif isinstance(executor, str):
+        executor = RemoteExecutor(executor, api_key)
+    elif not callable(getattr(executor, "run", None)):
+        raise ConfigError(f"code_execution_reward: executor must be None, a URL or an object with run(programs); "
+                          f"got {type(executor).__name__}.")
+    if template is not None and "{completion}" not in template:
+        raise ConfigError(f"code_execution_reward: template must contain {{completion}}, got {template!r}.")
+    all_or_nothing = score == "all_or_nothing"
+
+    def program_of(completion) -> str | None:
+        text = completion_text(completion)
+        if template is None:
+            return extract_code(text, function)
+        return template.replace("{completion}", text.strip()) if text.strip() else None
+
+    def code_execution(completions: list, log_extra=None, log_metric=None, **columns) -> list[float]:
+        if tests_column not in columns:
+            raise RewardFunctionError(
+                f"code_execution needs the tests of each row in the dataset column {tests_column!r}, which this "
+                f"dataset lacks (columns: {sorted(k for k in columns if k != 'trainer_state')}); name another with "
+                f"code_execution_reward(tests_column=...).")
+        programs = []
+        for row, (completion, tests) in enumerate(zip(completions, columns[tests_column])):
+            try:
+                parsed = parse_tests(tests, tests_column, row)
+            except ValueError as error:
+                raise RewardFunctionError(f"code_execution: {error}") from error
+            programs.append(Program(program_of(completion), parsed, function))
+        # the same program against the same tests (frequent within a group) runs once and shares its outcome
+        keys = [json.dumps([p.code, p.tests.to_json(), p.function]) for p in programs]
+        unique = {}
+        for key, program in zip(keys, programs):
+            unique.setdefault(key, program)
+        ran = dict(zip(unique, executor.run(list(unique.values()))))
+        outcomes = [ran[key] for key in keys]
+        if log_extra is not None:
+            log_extra("code_execution", [o.status for o in outcomes])
+        if log_metric is not None and outcomes:
+            for status in OUTCOMES:
+                log_metric(f"code_execution/{status.replace(' ', '_')}",
+                           sum(o.status == status for o in outcomes) / len(outcomes))
+        return [o.score(all_or_nothing) for o in outcomes]
+
+    code_execution.executor = executor  # for a caller that wants to close it or read its isolation
+    return code_execution
 
 
 # TRL's names (``from trl.rewards import ...``), so a TRL script ports by changing its import.

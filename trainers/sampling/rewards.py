@@ -31,6 +31,7 @@ from trainers.model.modeling import check_model_path
 from trainers.sampling.reward_functions import (
     BUILTIN_REWARDS,
     accuracy_reward,
+    code_execution_reward,
     format_reward,
     soft_overlong_penalty,
 )
@@ -162,8 +163,7 @@ def resolve_reward(spec: Any, max_completion_length: int, processing_class=None,
             return Reward("format", format_reward)
         if spec == "overlong":
             return Reward("overlong", soft_overlong_penalty(max_completion_length))
-        if spec == "code_execution":  # runs code in a sandbox: imported only when asked for
-            from trainers.execution.reward import code_execution_reward
+        if spec == "code_execution":
             return Reward("code_execution", code_execution_reward())
         if spec.startswith(("http://", "https://")):  # trainers reward-serve
             from trainers.sampling.remote_reward import RemoteRewardModel

@@ -17,7 +17,6 @@ import ipaddress
 import json
 import os
 import secrets
-import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,7 +37,6 @@ class JsonServer:
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self._thread: threading.Thread | None = None
 
     def _handler(self):
         server = self
@@ -94,17 +92,11 @@ class JsonServer:
         return Handler
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
-
-    def start(self) -> "JsonServer":
-        """Serve from a thread (tests, and a trainer that hosts its own)."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name=f"{self.name}-http", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Serve until interrupted; the socket is closed when it stops."""
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self.httpd.server_close()
 
 
 def is_loopback(host: str) -> bool:
