@@ -187,6 +187,22 @@ def test_generate_contract(client, server):
     assert len(out["completion_ids"]) == 2
 
 
+def test_the_token_route_samples_as_the_completions_route_and_keeps_stop_strings(client):
+    """The token route (in-flight updates sample through it; the client asks it not to detokenize) gives the
+    completions route's tokens and log-probs for one seed; with stop strings it detokenizes (vLLM refuses them
+    otherwise)."""
+    for prompt in PROMPTS[:2]:
+        texts = client.generate([prompt], n=3, max_tokens=6, temperature=1.0, logprobs=0,
+                                generation_kwargs={"seed": 11, "ignore_eos": True})
+        tokens = client.generate_tokens(prompt, n=3, seed=11, sampling_params={
+            "max_tokens": 6, "temperature": 1.0, "logprobs": 0, "ignore_eos": True})
+        assert tokens["completion_ids"] == texts["completion_ids"]
+        for ours, theirs in zip(tokens["logprobs"], texts["logprobs"]):
+            assert [v[0] for v in ours] == pytest.approx([v[0] for v in theirs], abs=1e-5)
+    stopped = client.generate_tokens(PROMPTS[0], n=1, seed=12, sampling_params={"max_tokens": 4, "stop": ["\x00zz"]})
+    assert 1 <= len(stopped["completion_ids"][0]) <= 4
+
+
 def test_weight_update_makes_the_server_match_a_reference(client, server):
     model = reference_model(server.model_dir, seed=0)
     expected = reference_greedy(model, PROMPTS, 8)
@@ -306,7 +322,7 @@ def test_every_route_refuses_a_caller_without_the_key_and_changes_nothing(client
     assert {"/init_weight_transfer_engine", "/update_weights", "/pause", "/resume", "/health",
             "/v1/completions", "/inference/v1/generate"} <= {path for path, _ in routes}
     routes += [("/metrics", "GET"), ("/docs", "GET"), ("/no/such/route", "POST"),
-               ("/trainers/begin_update", "POST"), ("/trainers/end_update", "POST")]  # ours (trainers_vllm_routes.py)
+               ("/trainers/weight_update", "POST")]  # ours (trainers_vllm_routes.py)
     answered = {(path, method): [status_of(server.url + path, method, wrong) for wrong in (None, "not-the-key")]
                 for path, method in routes}
     assert {route: codes for route, codes in answered.items() if codes != [401, 401]} == {}
@@ -454,7 +470,7 @@ def test_server_dying_mid_training_stops_with_a_checkpoint(server, tmp_path):
     report = job(tmp_path, "die", server.url, server.model_dir, free_port(), server.process.pid)
     print(f"\nserver killed after step 2: the run stopped {report['seconds_to_stop']:.1f} s after it started")
     message = report["error"]
-    assert f"The vLLM server at {server.url} did not answer POST /trainers/begin_update" in message, message
+    assert f"The vLLM server at {server.url} did not answer POST /trainers/weight_update" in message, message
     assert "Training stopped after step 2; checkpoint written to" in message and "checkpoint-2" in message
     assert report["steps_done"] == 2 and [r["step"] for r in report["rounds"]] == [0, 1]
     assert [c for c in report["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-2"]

@@ -94,14 +94,21 @@ def test_server_side_needs_neither_the_trainers_package_nor_its_dependencies():
     assert imported_modules(vllm_server.__file__) <= stdlib
     assert imported_modules(WORKER_FILE) <= stdlib | {"torch", "vllm"}
     assert imported_modules(os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_auth.py")) <= stdlib
-    assert imported_modules(os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_routes.py")) <= stdlib
+    routes_file = os.path.join(vllm_server.WORKER_DIR, "trainers_vllm_routes.py")
+    assert imported_modules(routes_file) <= stdlib | {"vllm"}
     # the names both sides must agree on
-    with open(WORKER_FILE) as f:
-        body = ast.parse(f.read()).body
-    worker = {node.targets[0].id: node.value.value for node in body
-              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    worker, routes = constants(WORKER_FILE), constants(routes_file)
     assert worker["ENGINE_NAME"] == vllm_server.ENGINE_NAME == weight_transport.GLOO_ENGINE
     assert worker["STORE_PREFIX"] == weight_transport.STORE_PREFIX
+    assert routes["ROUTE"] == vllm_client.WEIGHT_ROUTE
+
+
+def constants(path: str) -> dict:
+    """A module's top-level NAME = constant assignments, read without importing it (it needs vLLM)."""
+    with open(path) as f:
+        body = ast.parse(f.read()).body
+    return {node.targets[0].id: node.value.value for node in body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
 
 
 def test_unreachable_server_is_an_error_naming_the_url():

@@ -39,6 +39,7 @@ from trainers.generation.weight_transport import NCCL_ENGINE, TRANSPORTS, nccl_r
 from trainers.generation.weight_wire import in_thread, local_address, wire_tensor
 
 START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
+WEIGHT_ROUTE = "/trainers/weight_update"  # trainers_vllm_routes.ROUTE, `trainers vllm-serve`'s own
 KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the server's key when none is given (vllm_server.KEY_VARIABLE)
 
 
@@ -262,6 +263,10 @@ class VLLMClient:
         ``logprobs``) and ``versions`` ([row][token]: the ``version`` given to ``end_weight_update``, None before
         any; with an adapter, the adapter's, for every token)."""
         params = {**(sampling_params or {}), "n": n} | ({} if seed is None else {"seed": seed})
+        if not params.get("stop"):  # stop strings are matched on text: only they need the server's detokenizer
+            # we read token ids alone: the server skips detokenizing each token and each log-prob's token (7-9% of
+            # a round of the GRPO demo: benchmarks/token_route.py)
+            params.setdefault("detokenize", False)
         adapter = self.adapter  # a request keeps the adapter it is sent with, whatever loads meanwhile
         body = {"model": adapter[0] if adapter else self.model, "token_ids": list(map(int, prompt_ids)),
                 "sampling_params": params, "output_mode": "tokens"}
@@ -354,50 +359,62 @@ class VLLMClient:
 
     def begin_weight_update(self, pause: bool = False) -> None:
         """Open the server's weight update (``weight_update()`` in two calls, for several servers updated
-        together): the transfer group if not open, then the update, in one request (``/trainers/begin_update``,
-        generation/vllm_worker/trainers_vllm_routes.py). One left open by a transfer that failed half-way (this
-        run's, or a trainer that died mid-transfer) is closed first, its partial weights to be overwritten by this
-        update. ``pause``: requests in flight are paused between decode steps first (as vLLM's
-        ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them."""
-        self.init_communicator()
-        self._weight_route("/trainers/begin_update", {"pause": pause})
-        self._paused, self._in_update = pause, True
+        together): the transfer group if not open, then the update, in one request. One left open by a transfer
+        that failed half-way (this run's, or a trainer that died mid-transfer) is closed first, its partial weights
+        to be overwritten by this update. ``pause``: requests in flight are paused between decode steps first (as
+        vLLM's ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them."""
+        self.update_weights_part([], begin=True, pause=pause)
 
     def end_weight_update(self, version: int | None = None) -> None:
         """Finish the update ``begin_weight_update`` opened, in one request: the server reloads (tagging the tokens
         it samples from here on with ``version``, when given), drops its prefix cache and resumes the requests it
         paused."""
-        self._in_update = False
-        self._weight_route("/trainers/end_update", {"weight_version": None if version is None else str(version),
-                                                    "resume": self._paused})
-        self._paused = False
-
-    def _weight_route(self, path: str, body: dict) -> None:
-        try:
-            self._post(path, body)
-        except VLLMServerError as error:
-            if "HTTP 404" not in str(error):
-                raise
-            raise VLLMServerError(f"The vLLM server at {self.base_url} does not serve {path}: restart it with this "
-                                  f"version's `trainers vllm-serve`.") from None
+        self.update_weights_part([], end=True, version=version)
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
-        model; inside ``weight_update()`` they join its update, else they are an update of their own."""
-        if not self._in_update:
-            with self.weight_update():
-                self.update_named_params(named_tensors)
-            return
+        model; inside ``weight_update()`` they join its update, else they are an update of their own (one
+        request)."""
+        self.update_weights_part(named_tensors, begin=not self._in_update, end=not self._in_update)
+
+    def update_weights_part(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, begin: bool = False,
+                            end: bool = False, pause: bool = False, version: int | None = None) -> None:
+        """One request to the server's weight route (``/trainers/weight_update``,
+        generation/vllm_worker/trainers_vllm_routes.py), which does in order: with ``begin``, open an update (as
+        ``begin_weight_update(pause)``); load ``named_tensors``, sent meanwhile; with ``end``, finish it (as
+        ``end_weight_update(version)``). A pool's push (generation/vllm_servers.py) begins with its first chunk
+        and ends with one more request; ``update_named_params`` outside an update is all three in one."""
+        if begin:
+            self.init_communicator()
         # references, not copies, unless the server holds a narrower dtype: then cast here (on the tensor's device),
         # so half the bytes cross host memory and the wire; the server's loader would round them the same way
         server_dtype = self.server_dtype()
         tensors = [(name, wire_tensor(tensor.detach(), server_dtype)) for name, tensor in named_tensors]
+        body = {"begin": begin, "pause": pause, "update_info": None, "end": end,
+                "weight_version": None if version is None else str(version),
+                "resume": pause if begin else self._paused}  # the requests this update paused
+        if end:
+            self._in_update = False
         if not tensors:
-            return
-        update_info, send = self._transport.plan(tensors)
-        # the server receives inside its /update_weights request, so the request and the sending run together
-        request = in_thread(lambda: self._post("/update_weights", {"update_info": update_info}))
-        self._raise_first_error(request, in_thread(send), f"sending {len(tensors)} tensors")
+            self._weight_route(body)
+        else:
+            body["update_info"], send = self._transport.plan(tensors)
+            # the server receives inside this request, so the request and the sending run together
+            self._raise_first_error(in_thread(lambda: self._weight_route(body)), in_thread(send),
+                                    f"sending {len(tensors)} tensors")
+        if end:
+            self._paused = False
+        elif begin:
+            self._paused, self._in_update = pause, True
+
+    def _weight_route(self, body: dict) -> None:
+        try:
+            self._post(WEIGHT_ROUTE, body)
+        except VLLMServerError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            raise VLLMServerError(f"The vLLM server at {self.base_url} does not serve {WEIGHT_ROUTE}: restart it "
+                                  f"with this version's `trainers vllm-serve`.") from None
 
     def server_dtype(self) -> torch.dtype | None:
         """The dtype of the server's weights (its --dtype as resolved), read once from /server_info; None if the
@@ -428,7 +445,9 @@ class VLLMClient:
         failed = [f for f in (request, transfer) if f in done and f.exception() is not None]
         if not failed:
             return
-        self._drop_group()  # the other side may still wait in it: a new update opens a new one
+        self._drop_group()  # wakes a transfer still waiting in the group; a new update opens a new one
+        # and waits for it: a thread left inside gloo when the process exits aborts the process (std::terminate)
+        wait([request, transfer], timeout=self.transfer_timeout)
         error = failed[0].exception()
         if isinstance(error, VLLMServerError):
             raise error

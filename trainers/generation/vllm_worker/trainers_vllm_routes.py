@@ -1,34 +1,43 @@
-"""Two routes of our own on a ``trainers vllm-serve`` server, so that a weight push is four requests instead of
-seven: an ASGI middleware that vLLM's API server loads with ``--middleware trainers_vllm_routes.WeightRoutes``
-(this folder is on the server's PYTHONPATH; the key's middleware, when there is one, wraps it).
+"""A route of our own on a ``trainers vllm-serve`` server, so that a weight push is a request per chunk and one
+more, in place of seven of vLLM's: an ASGI middleware that vLLM's API server loads with ``--middleware
+trainers_vllm_routes.WeightRoutes`` (this folder is on the server's PYTHONPATH; the key's middleware, when there is
+one, wraps it).
 
-- ``POST /trainers/begin_update`` ``{"pause": bool}``: with ``pause``, the scheduler stops between two decode steps
-  keeping its requests (vLLM's ``/pause?mode=keep`` without the 20 ms ``asyncio.sleep`` its ``pause_generation``
-  adds after it, which only orders output events for the caller's convenience); then ``start_weight_update``
-  (one left open by a push that failed half-way is finished first).
-- ``POST /trainers/end_update`` ``{"weight_version": str | None, "resume": bool}``: ``finish_weight_update`` (tagging
-  the tokens sampled from here on), the prefix cache dropped (its KV was computed with the old weights) and, with
-  ``resume``, the paused requests resumed.
+``POST /trainers/weight_update`` ``{"begin": bool, "pause": bool, "update_info": dict | None, "end": bool,
+"weight_version": str | None, "resume": bool}`` does, in this order, the parts it is given:
 
-Each answers ``{"ok": true}``, or HTTP 500 with ``{"error": ...}``. Every other request goes to vLLM unchanged.
-Standard library only (and the engine the application holds): it runs in vLLM's environment.
+- ``begin``: with ``pause``, the scheduler stops between two decode steps keeping its requests (vLLM's
+  ``/pause?mode=keep`` without the 20 ms ``asyncio.sleep`` its ``pause_generation`` adds after it, which only
+  orders output events for the caller's convenience); then ``start_weight_update`` (one left open by a push that
+  failed half-way is finished first);
+- ``update_info``: vLLM's ``update_weights`` with it (the transfer engine receives the tensors the trainer is
+  sending meanwhile), as vLLM's own ``/update_weights``;
+- ``end``: ``finish_weight_update`` (tagging the tokens sampled from here on with ``weight_version``), the prefix
+  cache dropped (its KV was computed with the old weights) and, with ``resume``, the paused requests resumed.
+
+The trainer's push opens the update with its first chunk and finishes it with one more request (an update of one
+call, ``VLLMClient.update_named_params``, is all three in one). It answers ``{"ok": true}``, or HTTP 500 with
+``{"error": ...}`` (the parts after the one that failed are not done). Every other request goes to vLLM unchanged.
+Standard library and vLLM only (and the engine the application holds): it runs in vLLM's environment.
 """
 
 from __future__ import annotations
 
 import json
 
-BEGIN, END = "/trainers/begin_update", "/trainers/end_update"
+from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+ROUTE = "/trainers/weight_update"
 
 
 class WeightRoutes:
-    """ASGI middleware: ``BEGIN`` and ``END`` (module docstring) answered here, from the application's engine."""
+    """ASGI middleware: ``ROUTE`` (module docstring) answered here, from the application's engine."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (BEGIN, END):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != ROUTE:
             await self.app(scope, receive, send)
             return
         body = b""
@@ -40,9 +49,11 @@ class WeightRoutes:
         engine = scope["app"].state.engine_client
         try:
             given = json.loads(body or b"{}")
-            if scope["path"] == BEGIN:
+            if given.get("begin"):
                 await begin(engine, bool(given.get("pause")))
-            else:
+            if given.get("update_info") is not None:
+                await update(engine, given["update_info"])
+            if given.get("end"):
                 await end(engine, given.get("weight_version"), bool(given.get("resume")))
             status, answer = 200, {"ok": True}
         except Exception as error:  # the trainer's client raises it, naming the server
@@ -64,6 +75,10 @@ async def begin(engine, pause: bool) -> None:
             raise
         await engine.finish_weight_update(None)  # a push that failed half-way: its partial weights are overwritten
         await engine.start_weight_update()
+
+
+async def update(engine, update_info: dict) -> None:
+    await engine.update_weights(request=WeightTransferUpdateRequest(update_info=update_info))
 
 
 async def end(engine, version: str | None, resume: bool) -> None:
