@@ -24,7 +24,6 @@ class Fleet:
         self.served = {url: [] for url in urls}  # the prompts each answered
         self.weights = {url: [] for url in urls}  # the batches each received, per push
         self.updates = {url: [] for url in urls}  # per push: (its requests paused, the version it was tagged with)
-        self.requests = {url: 0 for url in urls}  # weight requests each answered
         self.delay = delay
 
     def connect(self, url: str, wait: bool):
@@ -48,15 +47,18 @@ class Client:
         self.fleet.served[self.url] += prompts
         return {"prompt_ids": prompts, "completion_ids": [[7]] * (n * len(prompts))}
 
-    def update_weights_part(self, batch, begin=False, end=False, pause=False, version=None):
-        self._check("/trainers/weight_update")
-        if begin:
-            self.fleet.weights[self.url].append([])
-            self.fleet.updates[self.url].append([pause, None])
+    def begin_weight_update(self, pause=False):
+        self._check("/start_weight_update")
+        self.fleet.weights[self.url].append([])
+        self.fleet.updates[self.url].append([pause, None])
+
+    def update_named_params(self, batch):
+        self._check("/update_weights")
         self.fleet.weights[self.url][-1] += [name for name, _ in batch]
-        if end:
-            self.fleet.updates[self.url][-1][1] = version
-        self.fleet.requests[self.url] += 1
+
+    def end_weight_update(self, version=None):
+        self._check("/finish_weight_update")
+        self.fleet.updates[self.url][-1][1] = version
 
     def abandon(self):
         pass
@@ -131,18 +133,6 @@ def test_a_push_pauses_the_requests_in_flight_only_when_asked_and_tags_its_versi
     assert fleet.updates[A] == fleet.updates[B] == [[False, 1], [True, 2]]
 
 
-def test_a_push_is_a_request_per_chunk_and_one_to_finish():
-    """The first chunk's request opens the update: each server gets one weight request per chunk and one that
-    finishes the update (tags the version, resumes what it paused)."""
-    fleet = Fleet(A, B)
-    pool = ServerPool([A, B], fleet.connect)
-    pool.push(iter(BATCHES), version=1)
-    assert fleet.requests == {A: 3, B: 3}
-    pool.push(iter(BATCHES[:1]), version=2, pause=True)
-    assert fleet.requests == {A: 5, B: 5}
-    assert fleet.weights[A] == [["w1", "w2"], ["w1"]] and fleet.updates[A] == [[False, 1], [True, 2]]
-
-
 def test_the_other_processes_pools_follow_the_pushing_one():
     fleet = Fleet(A, B)
     pushing, following = ServerPool([A, B], fleet.connect), ServerPool([A, B], fleet.connect)
@@ -199,7 +189,7 @@ def test_when_no_server_is_left_the_error_says_so_and_one_server_keeps_its_own_e
     alone_push = Fleet(A)
     pool = ServerPool([A], alone_push.connect)
     alone_push.up[A] = False
-    with pytest.raises(VLLMServerDown, match="did not answer POST /trainers/weight_update"):
+    with pytest.raises(VLLMServerDown, match="did not answer POST /start_weight_update"):
         pool.push(iter(BATCHES), version=1)
 
 

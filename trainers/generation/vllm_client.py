@@ -40,6 +40,7 @@ from trainers.generation.weight_wire import in_thread, local_address, wire_tenso
 
 START_HINT = "start it with `trainers vllm-serve --model MODEL --port PORT` (docs/grpo.md, Server mode)"
 WEIGHT_ROUTE = "/trainers/weight_update"  # trainers_vllm_routes.ROUTE, `trainers vllm-serve`'s own
+FAILED_SEND_GRACE_S = 30.0  # how long a failed update waits for its sending thread to leave gloo
 KEY_VARIABLE = "TRAINERS_VLLM_API_KEY"  # the server's key when none is given (vllm_server.KEY_VARIABLE)
 
 
@@ -359,53 +360,43 @@ class VLLMClient:
 
     def begin_weight_update(self, pause: bool = False) -> None:
         """Open the server's weight update (``weight_update()`` in two calls, for several servers updated
-        together): the transfer group if not open, then the update, in one request. One left open by a transfer
-        that failed half-way (this run's, or a trainer that died mid-transfer) is closed first, its partial weights
-        to be overwritten by this update. ``pause``: requests in flight are paused between decode steps first (as
-        vLLM's ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them."""
-        self.update_weights_part([], begin=True, pause=pause)
+        together): the transfer group if not open, then the update, in one request (``/trainers/weight_update``,
+        generation/vllm_worker/trainers_vllm_routes.py). One left open by a transfer that failed half-way (this
+        run's, or a trainer that died mid-transfer) is closed first, its partial weights to be overwritten by this
+        update. ``pause``: requests in flight are paused between decode steps first (as vLLM's
+        ``/pause?mode=keep``) and go on with the new weights once ``end_weight_update`` resumes them. (A request of
+        its own: were it the first chunk's, a server refusing it would leave that chunk's sending blocked in gloo
+        until transfer_timeout.)"""
+        self.init_communicator()
+        self._weight_route({"begin": True, "pause": pause})
+        self._paused, self._in_update = pause, True
 
     def end_weight_update(self, version: int | None = None) -> None:
         """Finish the update ``begin_weight_update`` opened, in one request: the server reloads (tagging the tokens
         it samples from here on with ``version``, when given), drops its prefix cache and resumes the requests it
         paused."""
-        self.update_weights_part([], end=True, version=version)
+        self._in_update = False
+        self._weight_route({"end": True, "weight_version": None if version is None else str(version),
+                            "resume": self._paused})
+        self._paused = False
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
-        model; inside ``weight_update()`` they join its update, else they are an update of their own (one
-        request)."""
-        self.update_weights_part(named_tensors, begin=not self._in_update, end=not self._in_update)
-
-    def update_weights_part(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, begin: bool = False,
-                            end: bool = False, pause: bool = False, version: int | None = None) -> None:
-        """One request to the server's weight route (``/trainers/weight_update``,
-        generation/vllm_worker/trainers_vllm_routes.py), which does in order: with ``begin``, open an update (as
-        ``begin_weight_update(pause)``); load ``named_tensors``, sent meanwhile; with ``end``, finish it (as
-        ``end_weight_update(version)``). A pool's push (generation/vllm_servers.py) begins with its first chunk
-        and ends with one more request; ``update_named_params`` outside an update is all three in one."""
-        if begin:
-            self.init_communicator()
+        model; inside ``weight_update()`` they join its update, else they are an update of their own."""
+        if not self._in_update:
+            with self.weight_update():
+                self.update_named_params(named_tensors)
+            return
         # references, not copies, unless the server holds a narrower dtype: then cast here (on the tensor's device),
         # so half the bytes cross host memory and the wire; the server's loader would round them the same way
         server_dtype = self.server_dtype()
         tensors = [(name, wire_tensor(tensor.detach(), server_dtype)) for name, tensor in named_tensors]
-        body = {"begin": begin, "pause": pause, "update_info": None, "end": end,
-                "weight_version": None if version is None else str(version),
-                "resume": pause if begin else self._paused}  # the requests this update paused
-        if end:
-            self._in_update = False
         if not tensors:
-            self._weight_route(body)
-        else:
-            body["update_info"], send = self._transport.plan(tensors)
-            # the server receives inside this request, so the request and the sending run together
-            self._raise_first_error(in_thread(lambda: self._weight_route(body)), in_thread(send),
-                                    f"sending {len(tensors)} tensors")
-        if end:
-            self._paused = False
-        elif begin:
-            self._paused, self._in_update = pause, True
+            return
+        update_info, send = self._transport.plan(tensors)
+        # the server receives inside this request, so the request and the sending run together
+        request = in_thread(lambda: self._weight_route({"update_info": update_info}))
+        self._raise_first_error(request, in_thread(send), f"sending {len(tensors)} tensors")
 
     def _weight_route(self, body: dict) -> None:
         try:
@@ -445,9 +436,11 @@ class VLLMClient:
         failed = [f for f in (request, transfer) if f in done and f.exception() is not None]
         if not failed:
             return
-        self._drop_group()  # wakes a transfer still waiting in the group; a new update opens a new one
-        # and waits for it: a thread left inside gloo when the process exits aborts the process (std::terminate)
-        wait([request, transfer], timeout=self.transfer_timeout)
+        self._drop_group()  # the other side may still wait in it: a new update opens a new one
+        # a sending thread still inside gloo when the process exits aborts the process (std::terminate): give it
+        # the time a dead server's reset takes to reach it (a server that refused the update and lives on is not
+        # waited for: the send ends at its transfer_timeout; aborting the group does not end it sooner)
+        wait([request, transfer], timeout=min(self.transfer_timeout, FAILED_SEND_GRACE_S))
         error = failed[0].exception()
         if isinstance(error, VLLMServerError):
             raise error

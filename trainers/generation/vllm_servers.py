@@ -186,12 +186,10 @@ class ServerPool:
         taken out; the push fails only when none received it. ``pause``: each server's requests in flight are
         paused for the update and go on with the new weights (their tokens from then on tagged ``version``)."""
         def send(each: Callable[[Callable[[Server], None], str], None]) -> None:
-            first = True  # the first chunk's request opens the update (no request of its own)
+            each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
             for batch in batches:
-                each(lambda s: s.client.update_weights_part(batch, begin=first, pause=pause), "receiving weights")
-                first = False
-            each(lambda s: s.client.update_weights_part([], begin=first, end=True, pause=pause, version=version),
-                 "finishing a weight update")
+                each(lambda s: s.client.update_named_params(batch), "receiving weights")
+            each(lambda s: s.client.end_weight_update(version), "finishing a weight update")
 
         self._to_every_server(send, version)
 

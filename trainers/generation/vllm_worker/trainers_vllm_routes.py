@@ -1,7 +1,6 @@
-"""A route of our own on a ``trainers vllm-serve`` server, so that a weight push is a request per chunk and one
-more, in place of seven of vLLM's: an ASGI middleware that vLLM's API server loads with ``--middleware
-trainers_vllm_routes.WeightRoutes`` (this folder is on the server's PYTHONPATH; the key's middleware, when there is
-one, wraps it).
+"""A route of our own on a ``trainers vllm-serve`` server for the trainer's weight pushes, in place of five of
+vLLM's: an ASGI middleware that vLLM's API server loads with ``--middleware trainers_vllm_routes.WeightRoutes``
+(this folder is on the server's PYTHONPATH; the key's middleware, when there is one, wraps it).
 
 ``POST /trainers/weight_update`` ``{"begin": bool, "pause": bool, "update_info": dict | None, "end": bool,
 "weight_version": str | None, "resume": bool}`` does, in this order, the parts it is given:
@@ -15,10 +14,10 @@ one, wraps it).
 - ``end``: ``finish_weight_update`` (tagging the tokens sampled from here on with ``weight_version``), the prefix
   cache dropped (its KV was computed with the old weights) and, with ``resume``, the paused requests resumed.
 
-The trainer's push opens the update with its first chunk and finishes it with one more request (an update of one
-call, ``VLLMClient.update_named_params``, is all three in one). It answers ``{"ok": true}``, or HTTP 500 with
-``{"error": ...}`` (the parts after the one that failed are not done). Every other request goes to vLLM unchanged.
-Standard library and vLLM only (and the engine the application holds): it runs in vLLM's environment.
+The trainer's client (generation/vllm_client.py) sends a push as a request that begins, one per chunk of tensors
+and one that ends. It answers ``{"ok": true}``, or HTTP 500 with ``{"error": ...}`` (the parts after the one that
+failed are not done). Every other request goes to vLLM unchanged. Standard library and vLLM only (and the engine
+the application holds): it runs in vLLM's environment.
 """
 
 from __future__ import annotations
