@@ -169,7 +169,7 @@ def build_command(args: argparse.Namespace, extra_args: list[str], key: str | No
         command += ["--distributed-executor-backend", args.distributed_executor_backend]
     if args.speculative_config is not None:
         command += ["--speculative-config", args.speculative_config]
-    # a weight push in four requests (trainers_vllm_routes.py); added first, so the key's middleware wraps it
+    # the weight route, /trainers/weight_update (trainers_vllm_routes.py); added first, so the key's middleware wraps it
     command += ["--middleware", ROUTES_MIDDLEWARE]
     if key is not None:  # every route behind the key (the key itself travels in the environment: build_env)
         command += ["--middleware", KEY_MIDDLEWARE]
