@@ -1,6 +1,7 @@
-"""A route of our own on a ``trainers vllm-serve`` server for the trainer's weight pushes, in place of five of
-vLLM's: an ASGI middleware that vLLM's API server loads with ``--middleware trainers_vllm_routes.WeightRoutes``
-(this folder is on the server's PYTHONPATH; the key's middleware, when there is one, wraps it).
+"""A route of our own on a ``trainers vllm-serve`` server for the trainer's weight pushes, in place of vLLM's pause,
+start, update, finish, prefix-cache reset and resume routes: an ASGI middleware that vLLM's API server loads with
+``--middleware trainers_vllm_routes.WeightRoutes`` (this folder is on the server's PYTHONPATH; the key's
+middleware, when there is one, wraps it).
 
 ``POST /trainers/weight_update`` ``{"begin": bool, "pause": bool, "update_info": dict | None, "end": bool,
 "weight_version": str | None, "resume": bool}`` does, in this order, the parts it is given:
