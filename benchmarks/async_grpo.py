@@ -81,8 +81,8 @@ class Record(TrainerCallback):
 
 
 def run(start: str, train_rows, held_out, url: str, steps: int, every: int, bound: int | None,
-        mode: str = "in_flight") -> dict:
-    fields = grpo_settings(tempfile.mkdtemp(prefix="async-grpo-"), steps=steps)
+        mode: str = "in_flight", seed: int = 0) -> dict:
+    fields = grpo_settings(tempfile.mkdtemp(prefix="async-grpo-"), steps=steps, seed=seed)
     fields.update(logging_steps=1, disable_tqdm=True, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
                   vllm_group_port=free_port())
     if bound is None:
@@ -123,6 +123,7 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["in_flight", "between_rounds"],
                         choices=["in_flight", "between_rounds"])
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="the RL runs' seed (the SFT warm start stays seed 0's)")
     cli = parser.parse_args()
     workdir = cli.workdir or tempfile.mkdtemp(prefix="async-grpo-bench-")
     os.sched_setaffinity(0, {TRAINER_CORE})
@@ -138,8 +139,8 @@ def main():
     server = start_local_server(start, os.path.join(workdir, "server.log"), max_model_len=512, cores=[SERVER_CORE])
     print(f"server up in {server.startup_seconds:.0f} s on core {SERVER_CORE}", flush=True)
     try:
-        results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, None)]
-        results += [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound, mode)
+        results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, None, seed=cli.seed)]
+        results += [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound, mode, cli.seed)
                     for bound in cli.bounds for mode in cli.modes]
     finally:
         server.stop()
