@@ -140,7 +140,8 @@ def main():
     print(f"server up in {server.startup_seconds:.0f} s on core {SERVER_CORE}", flush=True)
     try:
         results = [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, None, seed=cli.seed)]
-        results += [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound, mode, cli.seed)
+        results += [run(start, train_rows, held_out, server.url, cli.steps, cli.eval_every, bound, mode,
+                        seed=cli.seed)
                     for bound in cli.bounds for mode in cli.modes]
     finally:
         server.stop()

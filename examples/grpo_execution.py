@@ -29,9 +29,8 @@ from trainers.cli.tiny import save_tiny_model
 from trainers.rewards import code_execution_reward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_arithmetic import greedy_texts  # noqa: E402  (examples/grpo_arithmetic.py)
+from grpo_arithmetic import MODEL_SHAPE, greedy_texts  # noqa: E402  (examples/grpo_arithmetic.py)
 
-MODEL_SHAPE = {"hidden_size": 128, "num_layers": 4}
 TEMPLATE = "print({completion})"
 
 
