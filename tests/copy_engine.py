@@ -6,8 +6,11 @@ steps): one lock keeps a token's forward and a weight load apart, and each token
 sampled with (``Samples.versions``).
 
 ``CopyEngine.fail_at`` / ``stall_at`` (class attributes, for one test at a time): the producer's sampler raises, or
-sleeps for an hour, on its n-th round (counted from 1 per producer). ``CopyEngine.pushes`` records the steps of
-every weight push, and ``CopyEngine.versions`` the (first step, weights step) of every round a producer sampled."""
+sleeps for an hour, on its n-th round (counted from 1 per producer). ``finish_fails_at``: the in-flight push of
+that step fails as it finishes, as a server whose load fails (the push returns, the engine stays paused: no
+producer samples again, ``failed_push`` and ``settle_weights`` give the error). ``CopyEngine.pushes`` records
+the steps of every weight push, and ``CopyEngine.versions`` the (first step, weights step) of every round a
+producer sampled."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import time
 
 import torch
 
+from trainers.errors import VLLMServerError
 from trainers.parallel import distributed as dist
 from trainers.generation.backend import register_backend
 from trainers.generation.sampling import Samples, ended
@@ -25,9 +29,10 @@ from trainers.generation.sampling import Samples, ended
 
 class CopyEngine:
     fail_at: int | None = None
+    finish_fails_at: int | None = None
     stall_at: int | None = None
     pushes: list[int] = []
-    pushed_while_sampling: list[int] = []  # the steps whose push said a producer was sampling (requests_in_flight)
+    pushed_in_flight: list[int] = []  # the steps whose push said producers may be sampling (requests_in_flight)
     versions: list[tuple[int, int]] = []
 
     updates_in_flight = True
@@ -40,6 +45,8 @@ class CopyEngine:
         self.lock = lock or threading.Lock()  # a token's forward, or a weight load: never both
         self.producing, self.rounds = producing, 0
         self._step, self._calls, self._weights = 0, 0, 0
+        self._failed: VLLMServerError | None = None  # a push that failed as it finished, not yet handed out
+        self._paused = False  # holding the lock since such a push (close releases it)
 
     def seed_position(self, step: int) -> None:
         if step != self._step:
@@ -54,13 +61,25 @@ class CopyEngine:
 
     def sync_weights(self, step: int | None = None, requests_in_flight: bool = False) -> None:
         if requests_in_flight:
-            CopyEngine.pushed_while_sampling.append(step)
+            CopyEngine.pushed_in_flight.append(step)
         if step is not None:
             self.seed_position(step)
         with self.lock:
             self.engine.load_state_dict(self.inputs.policy.state_dict())
             CopyEngine._held = step
         CopyEngine.pushes.append(step)
+        if requests_in_flight and step == CopyEngine.finish_fails_at:
+            self.lock.acquire()  # paused for good, as a server whose load failed
+            self._paused = True
+            self._failed = VLLMServerError(f"copy_engine: the push of step {step} failed as it finished, as the "
+                                           f"test asked")
+
+    def failed_push(self) -> VLLMServerError | None:
+        error, self._failed = self._failed, None
+        return error
+
+    def settle_weights(self) -> None:
+        dist.raise_together(self.accelerator, self.failed_push(), shared=(VLLMServerError,))
 
     @torch.no_grad()
     def sample(self, prompts: list, prompt_ids: list[list[int]], params) -> Samples:
@@ -93,7 +112,9 @@ class CopyEngine:
                           lock=self.lock)
 
     def close(self) -> None:
-        pass
+        if self._paused:  # the failed push's pause: the producer may end
+            self._paused = False
+            self.lock.release()
 
 
 CopyEngine._held = None

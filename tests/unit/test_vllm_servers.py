@@ -133,6 +133,26 @@ def test_a_push_pauses_the_requests_in_flight_only_when_asked_and_tags_its_versi
     assert fleet.updates[A] == fleet.updates[B] == [[False, 1], [True, 2]]
 
 
+def test_a_push_sent_now_and_finished_later_holds_its_version_only_once_finished():
+    """send_push returns with the tensors at every server and each update still open (paused, untagged); the pool
+    still serves the old version. finish_push ends it: the servers that finish hold the new version, one that fails
+    finishing is taken out; when none is left finishing, the error is raised there."""
+    fleet = Fleet(A, B)
+    pool = ServerPool([A, B], fleet.connect)
+    pool.push(iter(BATCHES), version=1)
+    push = pool.send_push(iter(BATCHES), version=2, pause=True)
+    assert fleet.weights[A][-1] == fleet.weights[B][-1] == ["w1", "w2"]
+    assert fleet.updates[A][-1] == fleet.updates[B][-1] == [True, None] and pool.version == 1
+    fleet.up[B] = False  # dies while it loads
+    pool.finish_push(push)
+    assert fleet.updates[A][-1] == [True, 2] and pool.version == 2
+    assert [s.url for s in pool.in_service()] == [A] and pool.failovers == 1
+    push = pool.send_push(iter(BATCHES), version=3, pause=True)
+    fleet.up[A] = False
+    with pytest.raises(VLLMServerError, match="No vLLM server left.*did not answer POST /finish_weight_update"):
+        pool.finish_push(push)
+
+
 def test_the_other_processes_pools_follow_the_pushing_one():
     fleet = Fleet(A, B)
     pushing, following = ServerPool([A, B], fleet.connect), ServerPool([A, B], fleet.connect)

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from contextlib import contextmanager
 from datetime import timedelta
 from http.client import HTTPException
@@ -88,6 +88,8 @@ class VLLMClient:
         self._transport = None  # the open weight-transfer group (generation/weight_transport.py), if any
         self._in_update = False  # inside weight_update()
         self._paused = False  # begin_weight_update(pause=True) paused the server's requests; end_weight_update resumes
+        # the update's chunks sent and still loading on the server: (request, transfer, what) each
+        self._loading: list[tuple[Future, Future, str]] = []
         self._server_dtype: torch.dtype | None | bool = None  # server_dtype(): None until read, False if unknown
         # (name, version) of the adapter requests name (vllm_lora_sync: generation/vllm_lora.py); None: the base model
         self.adapter: tuple[str, int | None] | None = None
@@ -368,21 +370,28 @@ class VLLMClient:
         its own: were it the first chunk's, a server refusing it would leave that chunk's sending blocked in gloo
         until transfer_timeout.)"""
         self.init_communicator()
+        self._loading = []  # a failed update's chunks: the server finishes that update first
         self._weight_route({"begin": True, "pause": pause})
         self._paused, self._in_update = pause, True
 
     def end_weight_update(self, version: int | None = None) -> None:
-        """Finish the update ``begin_weight_update`` opened, in one request: the server reloads (tagging the tokens
-        it samples from here on with ``version``, when given), drops its prefix cache and resumes the requests it
-        paused."""
+        """Finish the update ``begin_weight_update`` opened: once the server has loaded every chunk sent, one
+        request: the server reloads (tagging the tokens it samples from here on with ``version``, when given),
+        drops its prefix cache and resumes the requests it paused. A chunk the server failed to load is raised
+        here."""
         self._in_update = False
+        loading, self._loading = self._loading, []
+        for request, transfer, what in loading:
+            self._raise_first_error(request, transfer, what)
         self._weight_route({"end": True, "weight_version": None if version is None else str(version),
                             "resume": self._paused})
         self._paused = False
 
     def update_named_params(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send these tensors (checkpoint names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the server's
-        model; inside ``weight_update()`` they join its update, else they are an update of their own."""
+        model; inside ``weight_update()`` they join its update, else they are an update of their own. Inside an
+        update it returns once the tensors have left (the caller may change them), while the server loads them:
+        ``end_weight_update`` waits for that."""
         if not self._in_update:
             with self.weight_update():
                 self.update_named_params(named_tensors)
@@ -396,7 +405,12 @@ class VLLMClient:
         update_info, send = self._transport.plan(tensors)
         # the server receives inside this request, so the request and the sending run together
         request = in_thread(lambda: self._weight_route({"update_info": update_info}))
-        self._raise_first_error(request, in_thread(send), f"sending {len(tensors)} tensors")
+        transfer, what = in_thread(send), f"sending {len(tensors)} tensors"
+        wait([request, transfer], return_when=FIRST_COMPLETED)
+        if transfer.done() and transfer.exception() is None and not request.done():
+            self._loading.append((request, transfer, what))  # sent; the server loads them (end_weight_update)
+            return
+        self._raise_first_error(request, transfer, what)  # a failure, or the server's answer came first
 
     def _weight_route(self, body: dict) -> None:
         try:

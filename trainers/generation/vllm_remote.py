@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -24,6 +24,8 @@ from trainers.generation.sampling import Samples
 from trainers.generation.vllm_common import WEIGHT_BATCH_BYTES, VLLMBackend
 from trainers.generation.vllm_lora import AdapterFolders, is_peft, lora_sync_choice
 from trainers.generation.vllm_servers import ServerPool
+from trainers.generation.weight_wire import in_thread
+from trainers.logs import logger
 
 
 MAX_CONCURRENT_REQUESTS = 16  # a round's requests in flight at once (vLLM batches them together)
@@ -101,7 +103,10 @@ class VLLMRemote(VLLMBackend):
         self._producer_pools: list[ServerPool] = []  # this process's asynchronous producers' (producer())
         self._version: int | None = None  # the optimizer step whose weights the push under way sends
         self._closed = False  # on every process: close() ran, the next sync connects again
-        self._requests_in_flight = False  # the push under way: asynchronous GRPO's producers are sampling
+        self._requests_in_flight = False  # the push under way: asynchronous GRPO's producers may be sampling
+        # a push whose servers finish in the background (requests_in_flight), until settle_weights: on every
+        # process; the finishing itself on the main process
+        self._unsettled, self._finishing = False, None
         self._view: dict | None = None  # the servers as the last push left them (ServerPool.view), on every process
         self._connect()
         self._choose_lora_sync()
@@ -177,9 +182,12 @@ class VLLMRemote(VLLMBackend):
     updates_in_flight = True  # a push may land while asynchronous GRPO's producers sample (the server pauses them)
 
     def sync_weights(self, step: int | None = None, requests_in_flight: bool = False) -> None:
-        """The servers' weights := the policy's after ``step``; ``requests_in_flight`` (asynchronous GRPO, in
-        flight): some process's producer is sampling, so each server pauses its requests for the update (vLLM's
-        ``/pause?mode=keep``, ~25 ms more a push, so only then) and resumes them with the new weights."""
+        """The servers' weights := the policy's after ``step``. ``requests_in_flight`` (asynchronous GRPO, in
+        flight): the producers may be sampling, so each server pauses its requests for the update (as vLLM's
+        ``/pause?mode=keep``) and resumes them with the new weights; and this returns once the tensors have left,
+        while the servers load them, finish and resume (``settle_weights`` waits for that; the next push, or
+        sampling here, does first). The pause holds every request, any process's, until the new weights are in."""
+        self.settle_weights()
         if self._closed:  # closed at the end of a train() call, used again (evaluate, a rollout function)
             self._connect()
             self._closed, self._synced_step = False, None
@@ -189,18 +197,50 @@ class VLLMRemote(VLLMBackend):
     def _push_weights(self, batches: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         """The main process sends the weights to every server together, in requests of about WEIGHT_BATCH_BYTES;
         the others take part in the gathers. Then every process's asynchronous producers learn which servers hold
-        them."""
-        error = None
+        them: at once, or, in flight, when the push is settled (the servers finish it in a thread meanwhile)."""
+        error, later = None, self._requests_in_flight
         if self.pool is None:
             for _ in batches:
                 pass
         else:
+            pool = self.pool
             try:
-                self.pool.push(chunked(batches), self._version, pause=self._requests_in_flight)
+                push = pool.send_push(chunked(batches), self._version, pause=self._requests_in_flight)
+                if later:  # the trainer goes on while the servers load (the pause holds their requests)
+                    self._finishing = in_thread(lambda: pool.finish_push(push))
+                else:
+                    pool.finish_push(push)
             except Exception as caught:
                 error = caught
                 for _ in batches:  # the other processes are still gathering
                     pass
+        if later:  # on every process: a failed send raised now, the finish's outcome at settle_weights
+            dist.raise_together(self.context.accelerator, error, shared=(VLLMServerError,))
+            self._unsettled = True
+            return
+        self._after_push(error)
+
+    def failed_push(self) -> Exception | None:
+        """The failure of the unsettled push, once its finishing failed (on the main process; None elsewhere and
+        otherwise), handed out once: a server whose load failed stays paused, so a trainer waiting for a round
+        learns why here instead of at its heartbeat."""
+        finishing = self._finishing
+        if finishing is None or not finishing.done() or finishing.exception() is None:
+            return None
+        self._finishing = None
+        return finishing.exception()
+
+    def settle_weights(self) -> None:
+        """The push whose servers finish in the background (``sync_weights(requests_in_flight=True)``), done: its
+        error raised on every process together, every process's asynchronous producers told which servers hold
+        the new weights. Nothing when no push is unsettled. Every process calls it together."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        finishing, self._finishing, error = self._finishing, None, None
+        if finishing is not None:
+            wait([finishing])
+            error = finishing.exception()
         self._after_push(error)
 
     def _push_adapter(self, step: int | None) -> None:
@@ -237,6 +277,7 @@ class VLLMRemote(VLLMBackend):
     def _generate(self, prompt_ids: list[list[int]], kwargs: dict, seeds: list[int]) -> tuple[list, list]:
         """Every process's prompts from the main process (``request_completions``); each process gets its own rows
         back."""
+        self.settle_weights()
         acc = self.context.accelerator
         everyone = dist.gather_objects(acc, [(prompt_ids, seeds)])  # [process] -> (rows, their seeds)
         answer, error = None, None
@@ -254,7 +295,12 @@ class VLLMRemote(VLLMBackend):
         return completions[mine], logprobs[mine]
 
     def close(self) -> None:
-        """Close the clients (the servers keep running); the next weight sync connects again. Idempotent."""
+        """Close the clients (the servers keep running); the next weight sync connects again. Idempotent. A push
+        still finishing is waited for (its requests end within their timeouts); its failure, with nothing left to
+        raise it to, is logged."""
+        finishing, self._finishing, self._unsettled = self._finishing, None, False
+        if finishing is not None and finishing.exception() is not None:
+            logger.error(f"vLLM server: the last weight push failed as it finished: {finishing.exception()}")
         self._closed = True
         if self.pool is not None:
             pool, self.pool = self.pool, None

@@ -185,47 +185,43 @@ class ServerPool:
         of them together; those that answer again first (``take_back``). A server that fails during the push is
         taken out; the push fails only when none received it. ``pause``: each server's requests in flight are
         paused for the update and go on with the new weights (their tokens from then on tagged ``version``)."""
-        def send(each: Callable[[Callable[[Server], None], str], None]) -> None:
-            each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
-            for batch in batches:
-                each(lambda s: s.client.update_named_params(batch), "receiving weights")
-            each(lambda s: s.client.end_weight_update(version), "finishing a weight update")
+        self.finish_push(self.send_push(batches, version, pause))
 
-        self._to_every_server(send, version)
+    def send_push(self, batches: Iterable[list[tuple[str, torch.Tensor]]], version: int | None,
+                  pause: bool = False) -> Push:
+        """``push`` up to the last tensors sent: it returns while the servers still load them, and
+        ``finish_push`` ends the update on each (it may run in another thread; the caller neither samples nor
+        pushes through this pool meanwhile)."""
+        push = Push(self, version)
+        try:
+            push.each(lambda s: s.client.begin_weight_update(pause), "opening a weight update")
+            for batch in batches:
+                push.each(lambda s: s.client.update_named_params(batch), "receiving weights")
+        except BaseException:
+            push.close()
+            raise
+        return push
+
+    def finish_push(self, push: Push) -> None:
+        """The servers of ``push`` load what they were sent, finish the update (their tokens from then on tagged
+        with its version) and resume; then those that took every call hold that version."""
+        try:
+            push.each(lambda s: s.client.end_weight_update(push.version), "finishing a weight update")
+        finally:
+            push.close()
+        push.done()
 
     def push_adapter(self, adapter, keep: int = 2) -> None:
         """Every answering server serves ``adapter`` (generation/vllm_lora.py's ``Adapter``) from now on, with the
         base weights it has; each keeps the newest ``keep`` adapters loaded. As ``push``: those that answer again
         first, one that fails is taken out, an error only when none has it."""
-        self._to_every_server(lambda each: each(lambda s: s.client.load_adapter(adapter, keep), "loading an adapter"),
-                              adapter.version)
+        push = Push(self, adapter.version)
+        try:
+            push.each(lambda s: s.client.load_adapter(adapter, keep), "loading an adapter")
+        finally:
+            push.close()
+        push.done()
         self.adapter = (adapter.name, adapter.version)
-
-    def _to_every_server(self, send: Callable[[Callable], None], version: int | None) -> None:
-        """``send(each)`` once, where ``each(call, doing)`` runs ``call(server)`` on every server in the push at once
-        (those that answer again first); then those that took every call hold ``version``."""
-        from trainers.generation.vllm_client import VLLMServerDown
-
-        self.take_back()
-        targets = [s for s in self.servers if not s.out and s.client is not None]
-        with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
-
-            def each(call: Callable[[Server], None], doing: str) -> None:
-                futures = [(s, pool.submit(call, s)) for s in targets if not s.out]
-                for server, future in futures:
-                    error = future.exception()
-                    if isinstance(error, VLLMServerDown):
-                        self.take_out(server, error, doing)
-                    elif error is not None:
-                        raise error
-
-            send(each)
-        done = [s for s in targets if not s.out]
-        if not done:
-            raise self.none_left()
-        for server in done:
-            server.version = version
-        self.version = version
 
     def lora_configs(self) -> dict[str, dict | None]:
         """Each server's LoRA settings (None: started without --enable-lora), by URL."""
@@ -276,3 +272,40 @@ class ServerPool:
         for server in self.servers:
             if server.client is not None:
                 server.client.close()
+
+
+class Push:
+    """One update of every server of ``pool`` in service (those that answer again first, ``take_back``), made
+    of calls that each run on all of them at once (``each``); then ``done``: those that took every call hold
+    ``version``."""
+
+    def __init__(self, pool: ServerPool, version: int | None):
+        pool.take_back()
+        self.pool, self.version = pool, version
+        self.targets = [s for s in pool.servers if not s.out and s.client is not None]
+        self.threads = ThreadPoolExecutor(max_workers=max(1, len(self.targets)))
+
+    def each(self, call: Callable[[Server], None], doing: str) -> None:
+        """``call(server)`` on every server of the push still in it, at once; one that does not answer
+        (VLLMServerDown) is taken out, any other error is raised."""
+        from trainers.generation.vllm_client import VLLMServerDown
+
+        futures = [(s, self.threads.submit(call, s)) for s in self.targets if not s.out]
+        for server, future in futures:
+            error = future.exception()
+            if isinstance(error, VLLMServerDown):
+                self.pool.take_out(server, error, doing)
+            elif error is not None:
+                raise error
+
+    def done(self) -> None:
+        """The servers that took every call hold the push's version; VLLMServerError when none did."""
+        held = [s for s in self.targets if not s.out]
+        if not held:
+            raise self.pool.none_left()
+        for server in held:
+            server.version = self.version
+        self.pool.version = self.version
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=True)

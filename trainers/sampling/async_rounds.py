@@ -13,9 +13,11 @@
 (N: weight_sync_steps; k: max_staleness; a version is the optimizer step whose weights the engine holds.) With
 in_flight_weight_updates (the backend's ``updates_in_flight``) the trainer pushes while the producers sample: a
 round sampled across a push has tokens of two versions, each tagged by the backend (``Samples.versions``), and it
-counts as its oldest token's; otherwise a push waits for the round in flight. A round is never generated staler
-than the bound: the producer waits instead, so nothing is generated to be thrown away (and later tokens are only
-newer); ``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
+counts as its oldest token's; otherwise a push waits for the round in flight. In flight, the backend may return
+from a push before the engine has loaded it (every request waits, paused, until it has: so no token is sampled
+with half the new weights), and ``step_metrics``, after the optimizer step, settles it (``settle_weights``). A
+round is never generated staler than the bound: the producer waits instead, so nothing is generated to be thrown
+away (and later tokens are only newer); ``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
 the step that trains on it, by the same seeds: the synchronous run, exactly. The lag is corrected by the sampler's
 log-probs (vllm_importance_sampling_correction, off_policy_mask_threshold), as for any sampler apart from the policy.
 
@@ -137,38 +139,39 @@ class AsyncRounds:
 
     def sync_weights(self, step: int) -> None:
         """The engine gets the weights of optimizer step ``step``: with in_flight_weight_updates while the producers
-        sample (the backend pauses their requests for it, ``requests_in_flight``; their tokens from then on are of
-        the new version), else between their rounds (each process's producer finishes the round it is sampling
-        first). A producer between rounds stays there until the push is done. All processes meet, the backend
-        pushes, the producers go on with the new version."""
+        sample (``requests_in_flight``: the backend pauses every request, any process's, from the push's start
+        until the new weights are in, so every token sampled from there on is of the new version; it may return
+        before they are in, and ``step_metrics`` settles the push), else between their rounds (each process's
+        producer finishes the round it is sampling first and stays between rounds until the push is done). All
+        processes meet, the backend pushes, the producers go on with the new version."""
         if self._version == step:
             return
         started = time.monotonic()
-        timeout = self.args.request_timeout + self.args.weight_sync_timeout
-        if self.in_flight:  # hold a producer that is between rounds (no pause needed for it), never wait for one
-            paused = self._generating.acquire(blocking=False)
+        if self.in_flight:
+            self.backend.sync_weights(step, requests_in_flight=True)
         else:
-            paused = self._generating.acquire(timeout=timeout)
+            self._push_between_rounds(step)
+        with self._cond:
+            self._version = step
+            self._cond.notify_all()
+        self._sync_seconds += time.monotonic() - started
+
+    def _push_between_rounds(self, step: int) -> None:
+        """in_flight_weight_updates=False: wait for this process's producer to finish its round, meet, push."""
+        timeout = self.args.request_timeout + self.args.weight_sync_timeout
+        started = time.monotonic()
+        paused = self._generating.acquire(timeout=timeout)
         self._sync_wait += time.monotonic() - started
-        error = None if paused or self.in_flight else GenerationError(
+        error = None if paused else GenerationError(
             f"async_generation: the producer did not finish its round within {timeout} s (request_timeout + "
             f"weight_sync_timeout), so the weights of step {step} could not be pushed.")
         try:
             dist.raise_together(self.accelerator, error, shared=(GenerationError,))
-            if self.in_flight:  # any process's producer sampling: every server pauses its requests for the push
-                acc = self.accelerator
-                sampling = dist.all_reduce_max(acc, torch.tensor([0.0 if paused else 1.0], device=acc.device))
-                self.backend.sync_weights(step, requests_in_flight=bool(sampling.item()))
-            else:
-                self.accelerator.wait_for_everyone()  # no process's producer is sampling now
-                self.backend.sync_weights(step)
-            with self._cond:
-                self._version = step
-                self._cond.notify_all()
+            self.accelerator.wait_for_everyone()  # no process's producer is sampling now
+            self.backend.sync_weights(step)
         finally:
             if paused:
                 self._generating.release()
-        self._sync_seconds += time.monotonic() - started
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` pushes the policy's weights (every weight_sync_steps, and a run's first)."""
@@ -207,14 +210,19 @@ class AsyncRounds:
 
     def take(self, round_index: int, first_step: int) -> tuple[Sampled, dict[str, float]]:
         """Round ``round_index``'s rows on this process, once the producer has them, and its staleness metrics
-        (over every process). Raises the producer's error (on every process together), or GenerationError when
-        it shows no progress for heartbeat_stale_after_s."""
+        (over every process). Raises the producer's error (on every process together), a push's that failed as
+        it finished in the background (the backend's ``failed_push``: the round may never come, as the engine
+        stays paused), or GenerationError when the producer shows no progress for heartbeat_stale_after_s."""
         started, error, sampled = time.monotonic(), None, None
         stale_after = self.args.heartbeat_stale_after_s
+        failed_push = getattr(self.backend, "failed_push", None)  # a push finishing in the background that failed
         with self._cond:
             if round_index not in self._done and round_index not in self._fed:
                 raise RuntimeError(f"AsyncRounds.take({round_index}): that round was never fed to the producer.")
             while round_index not in self._done and self._error is None:
+                if failed_push is not None and (failure := failed_push()) is not None:
+                    self._error = failure  # the engine stays paused: the round will not come
+                    break
                 quiet = time.monotonic() - self._progress
                 if quiet > stale_after:
                     self._error = GenerationError(
@@ -252,7 +260,13 @@ class AsyncRounds:
         """Since the last call, the most over processes: the trainer's wait for rounds (perf/rollout_wait_s), the
         producer's idle time (rollout/backpressure_s: waiting for weights, room or work), the weight syncs' time
         (perf/weight_sync_s) and the part of it spent waiting for a producer to finish its round
-        (perf/weight_sync_wait_s)."""
+        (perf/weight_sync_wait_s). First the last push is settled (in flight, the servers finish it while the
+        trainer goes on): its failure is raised here, on every process together."""
+        settle = getattr(self.backend, "settle_weights", None)
+        if settle is not None:
+            started = time.monotonic()
+            settle()
+            self._sync_seconds += time.monotonic() - started
         with self._cond:
             values = [self._trainer_wait, self._producer_idle, self._sync_seconds, self._sync_wait]
             self._trainer_wait = self._producer_idle = self._sync_seconds = self._sync_wait = 0.0

@@ -172,7 +172,8 @@ class SamplingConfig(TrainingConfig):
     in_flight_weight_updates: bool = opt(
         True, "async_generation: push the weights while the producer's requests are in flight: the server pauses "
         "them between decode steps, loads the new weights and resumes them, so the trainer never waits for a round "
-        "to finish; each completion token records the weights that sampled it (version_spans in completions.jsonl). "
+        "to finish (nor for the load: it goes on once its tensors have left); each completion token records the "
+        "weights that sampled it (version_spans in completions.jsonl). "
         "False: every round is sampled with one version (the push waits for the round in flight).")
     weight_sync_timeout: int = opt(
         1800, "Server mode: seconds a weight transfer to the vLLM server may wait before it is an error (the run "
