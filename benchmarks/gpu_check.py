@@ -15,8 +15,9 @@ Parts, each in its own process with its own time limit, so a failure or a hang i
                forward and backward as chosen
     templates  accelerate_configs/fsdp2.yaml and single_gpu.yaml, one process, a few SFT steps each
     profile    where a GRPO step's time goes: sampling, the weight sync, the rest (scoring, backward, optimizer)
-    sync       seconds per weight sync into a vLLM server on the second GPU, NCCL against gloo (0.5B shape, bf16);
-               skipped without vLLM or a second GPU, saying which
+    sync       seconds per weight sync into a vLLM server on the second GPU, NCCL against gloo (0.5B shape, bf16),
+               and the part an in-flight push keeps the trainer (until the tensors have left); skipped without
+               vLLM or a second GPU, saying which
 
 Writes OUT/gpu_check.json, OUT/gpu_check.md (a table naming the card, for docs/benchmarks.md's "GPU") and
 OUT/parts.log (each part's output), nothing else: the device tool brings back 8 files of 16 MiB at most, two folders
@@ -263,7 +264,9 @@ def part_profile(device: str, work: str) -> dict:
 def part_sync(device: str, work: str) -> dict:
     """Seconds per weight sync into a `trainers vllm-serve` server on the second GPU, by transport: vLLM's NCCL
     engine (GPU to GPU) and ours over gloo (through host memory), the same Qwen2.5-0.5B-shaped bf16 weights from
-    the first GPU, median of 3 pushes each. Needs vLLM here and two GPUs (NCCL will not put two ranks on one)."""
+    the first GPU, median of 3 pushes each, and of each the seconds until its tensors had left (``*_sent_s``: where
+    asynchronous GRPO's in-flight push returns to the trainer, the server loading meanwhile). Needs vLLM here and
+    two GPUs (NCCL will not put two ranks on one)."""
     import importlib.util
 
     import torch
@@ -300,16 +303,19 @@ def part_sync(device: str, work: str) -> dict:
             os.environ.pop("CUDA_VISIBLE_DEVICES") if visible is None else os.environ.update(
                 CUDA_VISIBLE_DEVICES=visible)
         try:
-            client, seconds = VLLMClient(server.url, group_port=free_port(), connection_timeout=60), []
+            client, seconds, sent = VLLMClient(server.url, group_port=free_port(), connection_timeout=60), [], []
             for _ in range(4):  # the first opens the group
                 torch.cuda.synchronize()
                 started = time.perf_counter()
                 with client.weight_update():
                     for batch in policy_weights(accelerator, policy):
                         client.update_named_params(batch)
+                    # the tensors have left: an in-flight push (asynchronous GRPO) returns to the trainer here
+                    sent.append(time.perf_counter() - started)
                 seconds.append(time.perf_counter() - started)
             client.close()
             details[f"{transport}_s"] = statistics.median(seconds[1:])
+            details[f"{transport}_sent_s"] = statistics.median(sent[1:])
         finally:
             server.stop(grace=10)
     details["bytes"] = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
