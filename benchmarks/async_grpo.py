@@ -9,7 +9,9 @@ Reported per run: seconds per optimizer step (median, and the whole run), the tr
 time it waits for the server's completions, measured around the backend's sample; asynchronous: the time it
 waits for a round, perf/rollout_wait_s, and for a producer to finish its round before a weight push), the
 server's idle time (synchronous: the step minus its sampling; asynchronous: the producer's wait for weights or
-room, rollout/backpressure_s), and held-out greedy accuracy every --eval_every steps (evaluation is not timed).
+room, rollout/backpressure_s), and held-out greedy accuracy every --eval_every steps (evaluation is not timed);
+then each run's median step by window of --eval_every steps (the host's speed drifts: a ratio is worth as much as
+the windows agree).
 Each bound runs with the weights pushed in flight (in_flight_weight_updates=True, the default) and between rounds
 (False), unless --modes says otherwise; "tokens across a push" is the share of completions sampled across one.
 Nothing else may run on the machine meanwhile (two jobs on two cores stall each other: ../shared/NOTES.md).
@@ -112,7 +114,8 @@ def run(start: str, train_rows, held_out, url: str, steps: int, every: int, boun
             "wall": wall, "mixed": statistics.mean(r.get("sample/updated_in_flight", 0.0) for r in rows),
             "trainer_idle": trainer_idle, "server_idle": server_idle, "push": push, "accuracy": record.accuracy,
             "staleness": statistics.mean(r.get("sample/staleness_mean", 0.0) for r in rows),
-            "reward": statistics.mean(r["reward"] for r in record.steps[-50:])}
+            "reward": statistics.mean(r["reward"] for r in record.steps[-50:]),
+            "windows": [statistics.median(r["step_time"] for r in rows[i:i + every]) for i in range(0, len(rows), every)]}
 
 
 def main():
@@ -155,6 +158,9 @@ def main():
         print(f"| {r['name']} | {r['step']:.3f} | {sync / r['step']:.2f}x | {r['wall']:.0f} s | "
               f"{r['trainer_idle']:.3f} s | {r['server_idle']:.3f} s | {r['push']:.3f} s | {r['staleness']:.2f} | "
               f"{100 * r['mixed']:.0f}% | {curve} | {r['reward']:.3f} |")
+    print(f"\ns/step (median) by {cli.eval_every}-step window:")
+    for r in results:
+        print(f"  {r['name']}: {' '.join(f'{w:.3f}' for w in r['windows'])}")
 
 
 if __name__ == "__main__":
