@@ -205,22 +205,13 @@ class ServerPool:
     def finish_push(self, push: Push) -> None:
         """The servers of ``push`` load what they were sent, finish the update (their tokens from then on tagged
         with its version) and resume; then those that took every call hold that version."""
-        try:
-            push.each(lambda s: s.client.end_weight_update(push.version), "finishing a weight update")
-        finally:
-            push.close()
-        push.done()
+        push.finish(lambda s: s.client.end_weight_update(push.version), "finishing a weight update")
 
     def push_adapter(self, adapter, keep: int = 2) -> None:
         """Every answering server serves ``adapter`` (generation/vllm_lora.py's ``Adapter``) from now on, with the
         base weights it has; each keeps the newest ``keep`` adapters loaded. As ``push``: those that answer again
         first, one that fails is taken out, an error only when none has it."""
-        push = Push(self, adapter.version)
-        try:
-            push.each(lambda s: s.client.load_adapter(adapter, keep), "loading an adapter")
-        finally:
-            push.close()
-        push.done()
+        Push(self, adapter.version).finish(lambda s: s.client.load_adapter(adapter, keep), "loading an adapter")
         self.adapter = (adapter.name, adapter.version)
 
     def lora_configs(self) -> dict[str, dict | None]:
@@ -276,8 +267,8 @@ class ServerPool:
 
 class Push:
     """One update of every server of ``pool`` in service (those that answer again first, ``take_back``), made
-    of calls that each run on all of them at once (``each``); then ``done``: those that took every call hold
-    ``version``."""
+    of calls that each run on all of them at once (``each``), the last one by ``finish``: then those that took
+    every call hold ``version``."""
 
     def __init__(self, pool: ServerPool, version: int | None):
         pool.take_back()
@@ -298,8 +289,13 @@ class Push:
             elif error is not None:
                 raise error
 
-    def done(self) -> None:
-        """The servers that took every call hold the push's version; VLLMServerError when none did."""
+    def finish(self, call: Callable[[Server], None], doing: str) -> None:
+        """The push's last call (as ``each``); then the servers that took every call hold its version
+        (VLLMServerError when none did)."""
+        try:
+            self.each(call, doing)
+        finally:
+            self.close()
         held = [s for s in self.targets if not s.out]
         if not held:
             raise self.pool.none_left()

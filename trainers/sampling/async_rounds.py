@@ -15,7 +15,7 @@ in_flight_weight_updates (the backend's ``updates_in_flight``) the trainer pushe
 round sampled across a push has tokens of two versions, each tagged by the backend (``Samples.versions``), and it
 counts as its oldest token's; otherwise a push waits for the round in flight. In flight, the backend may return
 from a push before the engine has loaded it (every request waits, paused, until it has: so no token is sampled
-with half the new weights), and ``step_metrics``, after the optimizer step, settles it (``settle_weights``). A
+with half the new weights), and ``settle_weights``, after the optimizer step, waits for that. A
 round is never generated staler than the bound: the producer waits instead, so nothing is generated to be thrown
 away (and later tokens are only newer); ``take`` checks the bound again and refuses a round beyond it. With k = 0 every round is sampled with the weights of
 the step that trains on it, by the same seeds: the synchronous run, exactly. The lag is corrected by the sampler's
@@ -96,7 +96,7 @@ class AsyncRounds:
     """The generation backend of an asynchronous run: the trainer's ``backend`` (weight pushes, evaluation's
     sampling) and a producer thread on this process over ``backend.producer()`` (module docstring). Built once the
     backend is; ``start`` begins a run's producer, ``close`` ends it (and the backend's lifetime). Every process
-    calls ``sync_weights``, ``take`` and ``step_metrics`` together, in the same order."""
+    calls ``sync_weights``, ``take``, ``settle_weights`` and ``step_metrics`` together, in the same order."""
 
     def __init__(self, backend, tool_loop_factory, tokenizer, eos_ids: set[int], sampling, accelerator, args):
         if not callable(getattr(backend, "producer", None)):
@@ -141,7 +141,7 @@ class AsyncRounds:
         """The engine gets the weights of optimizer step ``step``: with in_flight_weight_updates while the producers
         sample (``requests_in_flight``: the backend pauses every request, any process's, from the push's start
         until the new weights are in, so every token sampled from there on is of the new version; it may return
-        before they are in, and ``step_metrics`` settles the push), else between their rounds (each process's
+        before they are in, and ``settle_weights`` waits for them), else between their rounds (each process's
         producer finishes the round it is sampling first and stays between rounds until the push is done). All
         processes meet, the backend pushes, the producers go on with the new version."""
         if self._version == step:
@@ -172,6 +172,16 @@ class AsyncRounds:
         finally:
             if paused:
                 self._generating.release()
+
+    def settle_weights(self) -> None:
+        """After each optimizer step, every process together: the last push done (in flight, the servers finish it
+        while the trainer goes on: the backend's ``settle_weights``), its failure raised here on every process
+        together; the wait counts in perf/weight_sync_s."""
+        settle = getattr(self.backend, "settle_weights", None)
+        if settle is not None:
+            started = time.monotonic()
+            settle()
+            self._sync_seconds += time.monotonic() - started
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` pushes the policy's weights (every weight_sync_steps, and a run's first)."""
@@ -260,13 +270,7 @@ class AsyncRounds:
         """Since the last call, the most over processes: the trainer's wait for rounds (perf/rollout_wait_s), the
         producer's idle time (rollout/backpressure_s: waiting for weights, room or work), the weight syncs' time
         (perf/weight_sync_s) and the part of it spent waiting for a producer to finish its round
-        (perf/weight_sync_wait_s). First the last push is settled (in flight, the servers finish it while the
-        trainer goes on): its failure is raised here, on every process together."""
-        settle = getattr(self.backend, "settle_weights", None)
-        if settle is not None:
-            started = time.monotonic()
-            settle()
-            self._sync_seconds += time.monotonic() - started
+        (perf/weight_sync_wait_s)."""
         with self._cond:
             values = [self._trainer_wait, self._producer_idle, self._sync_seconds, self._sync_wait]
             self._trainer_wait = self._producer_idle = self._sync_seconds = self._sync_wait = 0.0

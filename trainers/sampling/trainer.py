@@ -338,6 +338,7 @@ class SamplingTrainer(SamplingPrompts, GenerationLifetime, TRLAttributes, BaseTr
         for name in dict.fromkeys(name for m in rounds for name in m):
             metrics[name] = sum(m[name] for m in rounds if name in m) / sum(name in m for m in rounds)
         if self.async_rounds is not None:
+            self.async_rounds.settle_weights()  # in flight, the step's push finished while it trained
             metrics.update(self.async_rounds.step_metrics())
         if hasattr(self._vllm, "step_metrics"):  # several vLLM servers: those in service, failovers, shares
             metrics.update(self._vllm.step_metrics())
