@@ -73,8 +73,19 @@ async def begin(engine, pause: bool) -> None:
     except Exception as error:
         if "already active" not in str(error):
             raise
-        await engine.finish_weight_update(None)  # a push that failed half-way: its partial weights are overwritten
+        await finish_abandoned(engine)
         await engine.start_weight_update()
+
+
+async def finish_abandoned(engine) -> None:
+    """Close the update a push that failed or died half-way left open; its partial weights are overwritten by the
+    update that follows. Its finish may refuse a layer the push sent in part (trainers_vllm_worker.LeanReload), which
+    leaves vLLM's update open: that is not this trainer's error, and a second finish, with nothing left to load,
+    closes it."""
+    try:
+        await engine.finish_weight_update(None)
+    except Exception:
+        await engine.finish_weight_update(None)
 
 
 async def update(engine, update_info: dict) -> None:
