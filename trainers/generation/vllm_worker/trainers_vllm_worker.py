@@ -219,6 +219,8 @@ class LeanReload:
             if info is None:
                 return None
             if isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                if any(module._parameters.get(name) is None for name in info.restore_metadata[0]):
+                    return None  # a weight its processing removed: nothing to put back after a reload
                 layers.append(module)
             elif method is not None or any(_repacked(module, name, meta)
                                            for name, meta in info.restore_metadata[0].items()):
