@@ -255,10 +255,12 @@ class LeanReload:
                 setattr(layer, name, fresh)
 
     def finish(self) -> None:
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel  # without declared padding
+
         kernels, loaded, self.kernels, self.loaded = self.kernels, self.loaded, {}, {}
-        short = {f"{type(layer).__name__}.{name}": (count, _load_numel(getattr(layer, name)))
+        short = {f"{type(layer).__name__}.{name}": (count, get_tensor_load_numel(getattr(layer, name)))
                  for layer, counts in loaded.items() if any(counts.values())
-                 for name, count in counts.items() if count < _load_numel(getattr(layer, name))}
+                 for name, count in counts.items() if count < get_tensor_load_numel(getattr(layer, name))}
         if short:
             for layer, set_aside in kernels.items():
                 _put_back(layer, set_aside)
@@ -300,10 +302,6 @@ def _original_loader(loader: Callable) -> Callable:
     while getattr(loader, "__name__", "") == "online_process_loader":
         loader = loader.__wrapped__
     return loader
-
-
-def _load_numel(tensor: torch.Tensor) -> int:
-    return getattr(tensor, "weight_loader_numel", tensor.numel())  # padding a weight's creator declared excluded
 
 
 def _put_back(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
